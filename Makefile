@@ -1,0 +1,30 @@
+# Two commands on a fresh machine (see README):
+#   make demo   run the main job: a real elastic launch with the embedded c10d store
+#   make test   install everything into .venv and run the whole suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rallypoint-installed
+
+.PHONY: install demo test lint bench
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: this version's CPU build is on local disk; a bare
+	# "torch" requirement would download a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rallypoint run --standalone --nproc-per-node 2 examples/train.py
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check core
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) bench/core_throughput.py

@@ -1,0 +1,1 @@
+"""rallypoint.adapters.c10d."""

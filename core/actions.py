@@ -1,0 +1,340 @@
+"""Actions and their effects: every change to the shared state happens here.
+
+``apply(state, action, ctx)`` is the only function that produces a new
+:class:`RendezvousState` from a decision; ``observe`` and ``sanitize`` are the only
+ones that use time. All three are pure: they return new values and never modify
+their inputs.
+
+The effect of each action (torch's ``_DistributedRendezvousOpExecutor`` methods,
+minus the wall-clock deadline and heartbeat times):
+
+======================== ==================================================================
+action                   effect on the shared state
+======================== ==================================================================
+KEEP_ALIVE               bump this node's heartbeat counter
+ADD_TO_PARTICIPANTS      leave the wait list, join the participants, heartbeat; arm the last
+                         call when min_nodes is reached; complete at once at max_nodes
+ADD_TO_WAIT_LIST         leave the redundancy list, join the wait list, heartbeat
+ADD_TO_REDUNDANCY_LIST   join the redundancy list, heartbeat
+REMOVE_FROM_PARTICIPANTS leave the participants, drop the heartbeat, then the epilogue
+REMOVE_FROM_WAIT_LIST    leave the wait list, drop the heartbeat
+REMOVE_FROM_REDUNDANCY   leave the redundancy list, drop the heartbeat
+MARK_RENDEZVOUS_COMPLETE complete the round, disarm the last call, assign ranks
+MARK_RENDEZVOUS_CLOSED   close the rendezvous
+======================== ==================================================================
+
+The epilogue after a participant leaves (by itself or declared dead): a complete
+round with no participant left advances to the next, incomplete round; an incomplete
+round that drops below min_nodes disarms its last call.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from .errors import InvalidTransitionError
+from .state import (
+    HeartbeatSighting,
+    LastCallSighting,
+    NodeDesc,
+    Observations,
+    RendezvousState,
+    Settings,
+)
+
+if TYPE_CHECKING:
+    from .operators import Context
+
+__all__ = ["Action", "apply", "assign_ranks", "observe", "sanitize"]
+
+
+class Action(enum.Enum):
+    """What an operator decided a node should do next."""
+
+    KEEP_ALIVE = "keep_alive"
+    ADD_TO_PARTICIPANTS = "add_to_participants"
+    ADD_TO_WAIT_LIST = "add_to_wait_list"
+    ADD_TO_REDUNDANCY_LIST = "add_to_redundancy_list"
+    REMOVE_FROM_PARTICIPANTS = "remove_from_participants"
+    REMOVE_FROM_WAIT_LIST = "remove_from_wait_list"
+    REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
+    MARK_RENDEZVOUS_COMPLETE = "mark_rendezvous_complete"
+    MARK_RENDEZVOUS_CLOSED = "mark_rendezvous_closed"
+    #: Nothing to write: wait for the shared state to change (or for a local timer).
+    SYNC = "sync"
+    #: The operator is done.
+    FINISH = "finish"
+    #: The rendezvous is closed: raise RendezvousClosedError.
+    ERROR_CLOSED = "error_closed"
+    #: The rendezvous closed while this node was redundant: exit without error.
+    ERROR_GRACEFUL_EXIT = "error_graceful_exit"
+    #: The operation's deadline passed: raise RendezvousTimeoutError.
+    ERROR_TIMEOUT = "error_timeout"
+
+    @property
+    def changes_state(self) -> bool:
+        """True for the actions that :func:`apply` turns into a new shared state."""
+        return self in _EFFECTS
+
+    @property
+    def is_terminal(self) -> bool:
+        """True when the operator loop stops (successfully or with an error)."""
+        return self in (
+            Action.FINISH,
+            Action.ERROR_CLOSED,
+            Action.ERROR_GRACEFUL_EXIT,
+            Action.ERROR_TIMEOUT,
+        )
+
+    @property
+    def resets_deadline(self) -> bool:
+        """True when the caller must restart its join deadline after applying it.
+
+        A redundant node waits without a deadline; once it leaves the redundancy
+        list it starts a fresh join timeout, as torch does.
+        """
+        return self is Action.REMOVE_FROM_REDUNDANCY_LIST
+
+
+def _keep_alive(state: RendezvousState, node: NodeDesc) -> RendezvousState:
+    return state.evolve(heartbeats=state.heartbeats.set(node, state.heartbeats.get(node, 0) + 1))
+
+
+def _remove_participant_epilogue(state: RendezvousState, settings: Settings) -> RendezvousState:
+    if state.complete:
+        if not state.participants:
+            return state.evolve(complete=False, world_size=0, round=state.round + 1)
+        return state
+    if len(state.participants) < settings.min_nodes and state.last_call is not None:
+        return state.evolve(last_call=None)
+    return state
+
+
+def assign_ranks(
+    participants: Iterable[NodeDesc], previous: dict[NodeDesc, int] | None = None
+) -> dict[NodeDesc, int]:
+    """Ranks 0..n-1 for the participants.
+
+    Without ``previous`` (torch's rule), ranks follow the node order. With it
+    (the stable-ranks option), a node keeps its previous rank when that rank is
+    still below n; the other nodes fill the free ranks in node order.
+    """
+    ordered = sorted(participants)
+    size = len(ordered)
+    kept = {n: r for n, r in (previous or {}).items() if n in set(ordered) and 0 <= r < size}
+    free = iter(r for r in range(size) if r not in set(kept.values()))
+    return {node: kept[node] if node in kept else next(free) for node in ordered}
+
+
+def _mark_complete(state: RendezvousState, settings: Settings) -> RendezvousState:
+    previous = dict(state.last_ranks.items()) if settings.stable_ranks else None
+    ranks = assign_ranks(state.participants, previous)
+    return state.evolve(
+        complete=True,
+        last_call=None,
+        world_size=len(ranks),
+        participants=ranks,
+        last_ranks=ranks if settings.stable_ranks else {},
+    )
+
+
+def _require(condition: bool, action: Action, node: NodeDesc, why: str) -> None:
+    if not condition:
+        raise InvalidTransitionError(f"{action.name} by {node} is not allowed: {why}")
+
+
+def _add_to_participants(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    _require(not state.closed, Action.ADD_TO_PARTICIPANTS, node, "the rendezvous is closed")
+    _require(not state.complete, Action.ADD_TO_PARTICIPANTS, node, "the round is complete")
+    _require(node not in state.participants, Action.ADD_TO_PARTICIPANTS, node, "already joined")
+    _require(
+        len(state.participants) < s.max_nodes, Action.ADD_TO_PARTICIPANTS, node, "round is full"
+    )
+    state = state.evolve(
+        wait_list=state.wait_list - {node},
+        redundancy_list=state.redundancy_list - {node},
+        participants=state.participants.set(node, 0),
+    )
+    state = _keep_alive(state, node)
+    if len(state.participants) == s.min_nodes:
+        arming = state.last_call_seq + 1
+        state = state.evolve(last_call=arming, last_call_seq=arming)
+    if len(state.participants) == s.max_nodes:
+        state = _mark_complete(state, s)
+    return state
+
+
+def _add_to_wait_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    _require(node not in state.participants, Action.ADD_TO_WAIT_LIST, node, "is a participant")
+    state = state.evolve(
+        redundancy_list=state.redundancy_list - {node}, wait_list=state.wait_list | {node}
+    )
+    return _keep_alive(state, node)
+
+
+def _add_to_redundancy_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    _require(
+        node not in state.participants and node not in state.wait_list,
+        Action.ADD_TO_REDUNDANCY_LIST,
+        node,
+        "is a participant or waiting",
+    )
+    return _keep_alive(state.evolve(redundancy_list=state.redundancy_list | {node}), node)
+
+
+def _remove_from_participants(
+    state: RendezvousState, node: NodeDesc, s: Settings
+) -> RendezvousState:
+    _require(node in state.participants, Action.REMOVE_FROM_PARTICIPANTS, node, "not a participant")
+    state = state.evolve(
+        participants=state.participants.delete(node), heartbeats=_without(state, node)
+    )
+    return _remove_participant_epilogue(state, s)
+
+
+def _remove_from_wait_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    _require(node in state.wait_list, Action.REMOVE_FROM_WAIT_LIST, node, "not waiting")
+    return state.evolve(wait_list=state.wait_list - {node}, heartbeats=_without(state, node))
+
+
+def _remove_from_redundancy_list(
+    state: RendezvousState, node: NodeDesc, s: Settings
+) -> RendezvousState:
+    _require(
+        node in state.redundancy_list, Action.REMOVE_FROM_REDUNDANCY_LIST, node, "not redundant"
+    )
+    return state.evolve(
+        redundancy_list=state.redundancy_list - {node}, heartbeats=_without(state, node)
+    )
+
+
+def _mark_rendezvous_complete(
+    state: RendezvousState, node: NodeDesc, s: Settings
+) -> RendezvousState:
+    _require(not state.complete, Action.MARK_RENDEZVOUS_COMPLETE, node, "already complete")
+    _require(
+        s.min_nodes <= len(state.participants) <= s.max_nodes,
+        Action.MARK_RENDEZVOUS_COMPLETE,
+        node,
+        f"{len(state.participants)} participants is outside [{s.min_nodes}, {s.max_nodes}]",
+    )
+    return _mark_complete(state, s)
+
+
+def _mark_rendezvous_closed(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    return state.evolve(closed=True)
+
+
+def _heartbeat(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    _require(node in state.heartbeats, Action.KEEP_ALIVE, node, "has no heartbeat entry")
+    return _keep_alive(state, node)
+
+
+def _without(state: RendezvousState, node: NodeDesc) -> object:
+    return state.heartbeats.delete(node) if node in state.heartbeats else state.heartbeats
+
+
+_Effect = Callable[[RendezvousState, NodeDesc, Settings], RendezvousState]
+
+#: The action -> effect table. An action not in it changes nothing and may not be
+#: applied (h2's rule: a pair outside the map is a protocol error, not a no-op).
+_EFFECTS: dict[Action, _Effect] = {
+    Action.KEEP_ALIVE: _heartbeat,
+    Action.ADD_TO_PARTICIPANTS: _add_to_participants,
+    Action.ADD_TO_WAIT_LIST: _add_to_wait_list,
+    Action.ADD_TO_REDUNDANCY_LIST: _add_to_redundancy_list,
+    Action.REMOVE_FROM_PARTICIPANTS: _remove_from_participants,
+    Action.REMOVE_FROM_WAIT_LIST: _remove_from_wait_list,
+    Action.REMOVE_FROM_REDUNDANCY_LIST: _remove_from_redundancy_list,
+    Action.MARK_RENDEZVOUS_COMPLETE: _mark_rendezvous_complete,
+    Action.MARK_RENDEZVOUS_CLOSED: _mark_rendezvous_closed,
+}
+
+
+def apply(state: RendezvousState, action: Action, ctx: Context) -> RendezvousState:
+    """The shared state after ``ctx.node`` performs ``action`` on ``state``.
+
+    Raises:
+        InvalidTransitionError: ``action`` changes nothing (SYNC, FINISH, errors) or
+            does not fit ``state`` (e.g. removing a node that is not there).
+    """
+    effect = _EFFECTS.get(action)
+    if effect is None:
+        raise InvalidTransitionError(f"{action.name} does not change the rendezvous state")
+    return effect(state, ctx.node, ctx.settings)
+
+
+def observe(observations: Observations, state: RendezvousState, now: float) -> Observations:
+    """Record what a freshly read (or written) ``state`` shows, at local time ``now``.
+
+    A heartbeat counter that differs from the last value seen (or is new) restarts
+    its node's liveness timer; nodes no longer in the state are forgotten. A newly
+    armed last call starts this node's last-call timer.
+    """
+    seen = observations.heartbeats
+    updated = seen
+    for node, counter in state.heartbeats.items():
+        sighting = seen.get(node)
+        if sighting is None or sighting.counter != counter:
+            updated = updated.set(node, HeartbeatSighting(counter, now))
+    for node in seen:
+        if node not in state.heartbeats:
+            updated = updated.delete(node)
+
+    last_call = observations.last_call
+    if state.last_call is None:
+        last_call = None
+    elif last_call is None or (last_call.round, last_call.arming) != (
+        state.round,
+        state.last_call,
+    ):
+        last_call = LastCallSighting(state.round, state.last_call, now)
+
+    if updated is seen and last_call is observations.last_call:
+        return observations
+    return Observations(heartbeats=updated, last_call=last_call)
+
+
+def dead_nodes(
+    state: RendezvousState, observations: Observations, settings: Settings, now: float
+) -> frozenset[NodeDesc]:
+    """Nodes whose heartbeat counter this observer has not seen move for the
+    liveness window (``keep_alive_interval * keep_alive_max_attempt``)."""
+    window = settings.liveness_window
+    return frozenset(
+        node
+        for node in state.heartbeats
+        if (sighting := observations.heartbeats.get(node)) is not None
+        and now - sighting.since > window
+    )
+
+
+def sanitize(
+    state: RendezvousState, observations: Observations, settings: Settings, now: float
+) -> tuple[RendezvousState, frozenset[NodeDesc]]:
+    """Remove the nodes this observer considers dead; return the new state and them.
+
+    Call :func:`observe` first, so that every node has a sighting: a node never seen
+    is never declared dead.
+    """
+    dead = dead_nodes(state, observations, settings, now)
+    if not dead:
+        return state, dead
+    participant_removed = any(node in state.participants for node in dead)
+    participants = state.participants
+    heartbeats = state.heartbeats
+    for node in dead:
+        heartbeats = heartbeats.delete(node)
+        if node in participants:
+            participants = participants.delete(node)
+    state = state.evolve(
+        participants=participants,
+        heartbeats=heartbeats,
+        wait_list=state.wait_list - dead,
+        redundancy_list=state.redundancy_list - dead,
+    )
+    if participant_removed:
+        state = _remove_participant_epilogue(state, settings)
+    return state, dead

@@ -1,0 +1,185 @@
+"""The wire form of :class:`RendezvousState`: versioned JSON, validated on decode.
+
+No pickle (DESIGN.md decision 3): the backend is shared by every node and anyone who
+can write to it; decoding it must never execute code, and anything malformed must
+raise :class:`RendezvousStateError` with a message that says what is wrong.
+
+Format, version 1 (keys are short because the state is rewritten often)::
+
+    {"v": 1, "round": 0, "complete": false, "closed": false, "world": 0,
+     "p": [[addr, pid, local_id, rank], ...],     # participants
+     "w": [[addr, pid, local_id], ...],           # wait list
+     "r": [[addr, pid, local_id], ...],           # redundancy list
+     "hb": [[addr, pid, local_id, counter], ...], # heartbeat counters
+     "lc": null | arming, "lcs": arming_seq,
+     "lr": [[addr, pid, local_id, rank], ...]}    # last ranks (stable-ranks option)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from immutables import Map
+
+from .errors import RendezvousStateError
+from .state import NodeDesc, RendezvousState
+
+__all__ = ["FORMAT_VERSION", "MAX_STATE_BYTES", "decode_state", "encode_state"]
+
+FORMAT_VERSION = 1
+#: Larger input is rejected before parsing (about 100k nodes' worth of state).
+MAX_STATE_BYTES = 16 * 1024 * 1024
+_MAX_ADDR_LEN = 1024
+_KEYS = frozenset(
+    {"v", "round", "complete", "closed", "world", "p", "w", "r", "hb", "lc", "lcs", "lr"}
+)
+
+
+def _node_fields(node: NodeDesc) -> list[Any]:
+    return [node.addr, node.pid, node.local_id]
+
+
+def encode_state(state: RendezvousState) -> bytes:
+    """The canonical bytes of ``state`` (equal states give equal bytes)."""
+    doc = {
+        "v": FORMAT_VERSION,
+        "round": state.round,
+        "complete": state.complete,
+        "closed": state.closed,
+        "world": state.world_size,
+        "p": [[*_node_fields(n), r] for n, r in sorted(state.participants.items())],
+        "w": [_node_fields(n) for n in sorted(state.wait_list)],
+        "r": [_node_fields(n) for n in sorted(state.redundancy_list)],
+        "hb": [[*_node_fields(n), c] for n, c in sorted(state.heartbeats.items())],
+        "lc": state.last_call,
+        "lcs": state.last_call_seq,
+        "lr": [[*_node_fields(n), r] for n, r in sorted(state.last_ranks.items())],
+    }
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _fail(what: str) -> RendezvousStateError:
+    return RendezvousStateError(f"corrupt rendezvous state: {what}")
+
+
+def _int(value: Any, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(f"{what} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise _fail(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(f"{what} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _node(entry: Any, what: str, extra: int) -> tuple[NodeDesc, list[Any]]:
+    if not isinstance(entry, list) or len(entry) != 3 + extra:
+        raise _fail(f"each entry of {what} must be a list of {3 + extra} values")
+    addr, pid, local_id = entry[:3]
+    if not isinstance(addr, str) or not addr or len(addr) > _MAX_ADDR_LEN:
+        raise _fail(f"a node address in {what} must be a non-empty string of <= {_MAX_ADDR_LEN}")
+    node = NodeDesc(addr, _int(pid, f"a pid in {what}"), _int(local_id, f"a local id in {what}"))
+    return node, entry[3:]
+
+
+def _node_map(doc: dict[str, Any], key: str, what: str) -> dict[NodeDesc, int]:
+    entries = doc[key]
+    if not isinstance(entries, list):
+        raise _fail(f"{what} must be a list")
+    result: dict[NodeDesc, int] = {}
+    for entry in entries:
+        node, (value,) = _node(entry, what, 1)
+        if node in result:
+            raise _fail(f"node {node} appears twice in {what}")
+        result[node] = _int(value, f"the value of {node} in {what}")
+    return result
+
+
+def _node_set(doc: dict[str, Any], key: str, what: str) -> frozenset[NodeDesc]:
+    entries = doc[key]
+    if not isinstance(entries, list):
+        raise _fail(f"{what} must be a list")
+    nodes = [_node(entry, what, 0)[0] for entry in entries]
+    if len(set(nodes)) != len(nodes):
+        raise _fail(f"a node appears twice in {what}")
+    return frozenset(nodes)
+
+
+def decode_state(data: bytes) -> RendezvousState:
+    """Parse and validate bytes written by :func:`encode_state`.
+
+    Raises:
+        RendezvousStateError: the input is oversize, not JSON, of another format
+            version, has missing/unknown/ill-typed fields, negative or duplicate
+            ranks, or violates a structural invariant of the state.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise _fail(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_STATE_BYTES:
+        raise _fail(f"{len(data)} bytes exceeds the limit of {MAX_STATE_BYTES}")
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _fail(f"not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(doc, dict):
+        raise _fail("the top level must be an object")
+    version = doc.get("v")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise _fail(f"format version {version!r} is not supported (expected {FORMAT_VERSION})")
+    missing = _KEYS - doc.keys()
+    unknown = doc.keys() - _KEYS
+    if missing or unknown:
+        raise _fail(f"missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+
+    round_ = _int(doc["round"], "round")
+    complete = _bool(doc["complete"], "complete")
+    closed = _bool(doc["closed"], "closed")
+    world = _int(doc["world"], "world size")
+    participants = _node_map(doc, "p", "participants")
+    wait_list = _node_set(doc, "w", "wait list")
+    redundancy_list = _node_set(doc, "r", "redundancy list")
+    heartbeats = _node_map(doc, "hb", "heartbeats")
+    last_call = None if doc["lc"] is None else _int(doc["lc"], "last call", 1)
+    last_call_seq = _int(doc["lcs"], "last call sequence")
+    last_ranks = _node_map(doc, "lr", "last ranks")
+
+    if complete:
+        ranks = list(participants.values())
+        if len(set(ranks)) != len(ranks):
+            raise _fail("two participants share a rank")
+        if len(participants) > world or any(r >= world for r in ranks):
+            raise _fail(f"a rank or the participant count exceeds the world size {world}")
+        if last_call is not None:
+            raise _fail("a complete round has an armed last call")
+    else:
+        if world != 0:
+            raise _fail("an incomplete round has a world size")
+        if any(ranks := [r for r in participants.values() if r != 0]):
+            raise _fail(f"an incomplete round has assigned ranks {ranks}")
+    if len(set(last_ranks.values())) != len(last_ranks):
+        raise _fail("two nodes share a rank in the last ranks")
+    if last_call is not None and last_call > last_call_seq:
+        raise _fail("the last call is newer than its sequence")
+    if set(participants) & wait_list or set(participants) & redundancy_list:
+        raise _fail("a node is both a participant and waiting or redundant")
+    if wait_list & redundancy_list:
+        raise _fail("a node is both waiting and redundant")
+
+    return RendezvousState(
+        round=round_,
+        complete=complete,
+        closed=closed,
+        world_size=world,
+        participants=Map(participants),
+        wait_list=wait_list,
+        redundancy_list=redundancy_list,
+        heartbeats=Map(heartbeats),
+        last_call=last_call,
+        last_call_seq=last_call_seq,
+        last_ranks=Map(last_ranks),
+    )

@@ -1,0 +1,46 @@
+"""Typed errors of the rendezvous. Every error carries a message a user can act on.
+
+The adapters raise the connection/timeout/closed errors; the core raises only
+:class:`RendezvousStateError` (bad shared state) and :class:`InvalidTransitionError`
+(an action applied to a state it does not fit: a programming error in a caller).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "InvalidTransitionError",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousStateError",
+    "RendezvousTimeoutError",
+]
+
+
+class RendezvousError(Exception):
+    """Base class of every rendezvous error."""
+
+
+class RendezvousStateError(RendezvousError):
+    """The shared state is malformed, of an unknown version, or violates an invariant."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """An operation did not finish before its deadline."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The rendezvous is closed: the job is over and no node may join."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """The rendezvous closed while this node was redundant: exit without error."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The backend could not be reached."""
+
+
+class InvalidTransitionError(RendezvousError, ValueError):
+    """An action was applied to a state in which it is not allowed."""

@@ -1,0 +1,255 @@
+"""Operators: (context, deadline) -> Action. The decisions of the rendezvous.
+
+An operator looks at one node's view (the shared state it last read, its settings,
+its local observations, and the local time ``now``) and names the next action. The
+caller (an adapter, the simulator, the model checker) applies the action, writes the
+state with compare-and-set, re-reads on conflict and asks again, until the operator
+answers a terminal action.
+
+The join operator is a decision table (:data:`JOIN_TABLE`): ordered rows, the first
+row whose guard holds gives the action. It is torch's ``_RendezvousJoinOp`` with the
+wall-clock comparisons replaced by local observations (DESIGN.md decision 2).
+
+``deadline`` and ``now`` are on the node's own monotonic clock; nothing here reads
+a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .actions import Action
+from .state import NodeDesc, Observations, RendezvousState, Settings
+
+__all__ = [
+    "JOIN_TABLE",
+    "CloseOp",
+    "Context",
+    "ExitOp",
+    "JoinOp",
+    "JoinRow",
+    "KeepAliveOp",
+    "Operator",
+    "join_row",
+    "keep_alive_due",
+    "last_call_passed",
+    "wake_at",
+]
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything one decision may depend on.
+
+    Attributes:
+        node: the deciding node.
+        state: the shared state as this node last read it (after :func:`sanitize`).
+        settings: the rendezvous settings.
+        now: the node's local monotonic time, in seconds.
+        observations: the node's local sightings (see :func:`observe`).
+    """
+
+    node: NodeDesc
+    state: RendezvousState
+    settings: Settings
+    now: float
+    observations: Observations = field(default_factory=Observations)
+
+    @property
+    def is_participant(self) -> bool:
+        return self.node in self.state.participants
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.node in self.state.wait_list
+
+    @property
+    def is_redundant(self) -> bool:
+        return self.node in self.state.redundancy_list
+
+
+Operator = Callable[[Context, float], Action]
+
+
+def keep_alive_due(ctx: Context) -> bool:
+    """The node has a heartbeat entry whose counter it last saw move at least
+    ``keep_alive_interval`` ago (its own beat included)."""
+    if ctx.node not in ctx.state.heartbeats:
+        return False
+    sighting = ctx.observations.heartbeats.get(ctx.node)
+    if sighting is None:
+        return False
+    return ctx.now - sighting.since >= ctx.settings.keep_alive_interval
+
+
+def last_call_passed(ctx: Context) -> bool:
+    """The last call is armed and this node saw it armed over ``last_call_timeout`` ago."""
+    state = ctx.state
+    sighting = ctx.observations.last_call
+    if state.last_call is None or sighting is None:
+        return False
+    if (sighting.round, sighting.arming) != (state.round, state.last_call):
+        return False
+    return ctx.now - sighting.since > ctx.settings.last_call_timeout
+
+
+def _timed_out(ctx: Context, deadline: float) -> bool:
+    return ctx.now > deadline
+
+
+def _within_rollback(ctx: Context, deadline: float) -> bool:
+    return ctx.now <= deadline + ctx.settings.rollback_period
+
+
+def _full(ctx: Context) -> bool:
+    return len(ctx.state.participants) >= ctx.settings.max_nodes
+
+
+def _quorum(ctx: Context) -> bool:
+    return ctx.settings.min_nodes <= len(ctx.state.participants) <= ctx.settings.max_nodes
+
+
+@dataclass(frozen=True)
+class JoinRow:
+    """One row of the join decision table: if ``guard(ctx, deadline)`` then ``action``."""
+
+    name: str
+    guard: Callable[[Context, float], bool]
+    action: Action
+
+
+#: torch's join decision, top to bottom; the first row whose guard holds decides.
+JOIN_TABLE: tuple[JoinRow, ...] = (
+    JoinRow(
+        "closed while redundant: leave quietly",
+        lambda c, d: c.state.closed and c.is_redundant,
+        Action.ERROR_GRACEFUL_EXIT,
+    ),
+    JoinRow("closed", lambda c, d: c.state.closed, Action.ERROR_CLOSED),
+    JoinRow(
+        "redundant, round full, keep-alive due",
+        lambda c, d: c.is_redundant and _full(c) and keep_alive_due(c),
+        Action.KEEP_ALIVE,
+    ),
+    JoinRow("redundant, round full", lambda c, d: c.is_redundant and _full(c), Action.SYNC),
+    JoinRow(
+        "redundant, round has room: become a regular joiner",
+        lambda c, d: c.is_redundant,
+        Action.REMOVE_FROM_REDUNDANCY_LIST,
+    ),
+    JoinRow(
+        "complete and a participant: done",
+        lambda c, d: c.state.complete and c.is_participant,
+        Action.FINISH,
+    ),
+    JoinRow(
+        "timed out, within rollback, participant: withdraw",
+        lambda c, d: _timed_out(c, d) and _within_rollback(c, d) and c.is_participant,
+        Action.REMOVE_FROM_PARTICIPANTS,
+    ),
+    JoinRow(
+        "timed out, within rollback, waiting: withdraw",
+        lambda c, d: _timed_out(c, d) and _within_rollback(c, d) and c.is_waiting,
+        Action.REMOVE_FROM_WAIT_LIST,
+    ),
+    JoinRow("timed out", _timed_out, Action.ERROR_TIMEOUT),
+    JoinRow(
+        "complete with capacity: wait for the next round",
+        lambda c, d: c.state.complete and not _full(c) and not c.is_waiting,
+        Action.ADD_TO_WAIT_LIST,
+    ),
+    JoinRow(
+        "complete and full: stand by as redundant",
+        lambda c, d: c.state.complete and _full(c) and not c.is_waiting,
+        Action.ADD_TO_REDUNDANCY_LIST,
+    ),
+    JoinRow(
+        "participant, quorum, last call passed: complete the round",
+        lambda c, d: (
+            not c.state.complete and c.is_participant and _quorum(c) and last_call_passed(c)
+        ),
+        Action.MARK_RENDEZVOUS_COMPLETE,
+    ),
+    JoinRow(
+        "round open, not a participant: join",
+        lambda c, d: not c.state.complete and not c.is_participant,
+        Action.ADD_TO_PARTICIPANTS,
+    ),
+    JoinRow("keep-alive due", lambda c, d: keep_alive_due(c), Action.KEEP_ALIVE),
+    JoinRow("otherwise: wait for a change", lambda c, d: True, Action.SYNC),
+)
+
+
+def join_row(ctx: Context, deadline: float) -> JoinRow:
+    """The row of :data:`JOIN_TABLE` that decides for ``ctx`` (for tests and tracing)."""
+    for row in JOIN_TABLE:
+        if row.guard(ctx, deadline):
+            return row
+    raise AssertionError("the last row of JOIN_TABLE always matches")  # pragma: no cover
+
+
+class JoinOp:
+    """Join the next round: become a participant and wait until the round completes."""
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        return join_row(ctx, deadline).action
+
+
+class ExitOp:
+    """Leave the current round (called before joining the next one)."""
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        if ctx.is_participant:
+            if _timed_out(ctx, deadline):
+                return Action.ERROR_TIMEOUT
+            return Action.REMOVE_FROM_PARTICIPANTS
+        return Action.FINISH
+
+
+class CloseOp:
+    """Close the rendezvous: the job is over."""
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        if ctx.state.closed:
+            return Action.FINISH
+        if _timed_out(ctx, deadline):
+            return Action.ERROR_TIMEOUT
+        return Action.MARK_RENDEZVOUS_CLOSED
+
+
+class KeepAliveOp:
+    """Bump this node's heartbeat if it is due."""
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        if keep_alive_due(ctx):
+            if _timed_out(ctx, deadline):
+                return Action.ERROR_TIMEOUT
+            return Action.KEEP_ALIVE
+        return Action.FINISH
+
+
+def wake_at(ctx: Context, deadline: float | None = None) -> float | None:
+    """The earliest local time at which a decision may change with no state change.
+
+    After a SYNC the caller waits for the shared state to change *or* until this
+    time, whichever comes first: the operation deadline (and the end of its
+    rollback window), this node's next heartbeat, the end of the last call, and the
+    moment a silent peer would be declared dead. None: only a state change matters.
+    """
+    s = ctx.settings
+    times: list[float] = []
+    if deadline is not None:
+        times.append(deadline)
+        times.append(deadline + s.rollback_period)
+    own = ctx.observations.heartbeats.get(ctx.node)
+    if own is not None and ctx.node in ctx.state.heartbeats:
+        times.append(own.since + s.keep_alive_interval)
+    sighting = ctx.observations.last_call
+    if sighting is not None and ctx.state.last_call is not None:
+        times.append(sighting.since + s.last_call_timeout)
+    for node, seen in ctx.observations.heartbeats.items():
+        if node != ctx.node and node in ctx.state.heartbeats:
+            times.append(seen.since + s.liveness_window)
+    future = [t for t in times if t > ctx.now]
+    return min(future) if future else None

@@ -1,0 +1,226 @@
+"""The data of the rendezvous: who is in it, and what each node has seen.
+
+Two kinds of data live here:
+
+* :class:`RendezvousState` is *shared*: every node reads and writes it through a
+  compare-and-set backend. It holds no clock values at all (DESIGN.md decision 2):
+  heartbeats are counters, and the last call is an arming sequence number.
+* :class:`Observations` is *local* to one node: when, on that node's own monotonic
+  clock, it saw each heartbeat counter move and the last call armed. Only durations
+  measured on one clock are ever compared, so clock skew between hosts is harmless.
+
+Everything is immutable and hashable, so the model checker can keep visited sets
+and a transition can never mutate its input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from immutables import Map
+
+__all__ = [
+    "HeartbeatSighting",
+    "LastCallSighting",
+    "NodeDesc",
+    "Observations",
+    "RendezvousState",
+    "Settings",
+]
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _frozen_map(items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()) -> Map[_K, _V]:
+    if isinstance(items, Map):
+        return items
+    return Map(items)
+
+
+@dataclass(frozen=True, order=True)
+class NodeDesc:
+    """One rendezvous participant: a handler instance in one process on one host.
+
+    Nodes are totally ordered by (addr, pid, local_id); without the stable-ranks
+    option, ranks are assigned in that order, as torch does.
+    """
+
+    addr: str
+    pid: int
+    local_id: int
+
+    def __str__(self) -> str:
+        return f"{self.addr}_{self.pid}_{self.local_id}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every node of one rendezvous must agree on.
+
+    Durations are float seconds on each node's own monotonic clock; they are never
+    compared across hosts. Defaults follow torch's dynamic rendezvous.
+
+    Raises:
+        ValueError: on construction, when a value is out of range, with a message
+            naming the field and the accepted range.
+    """
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    heartbeat_timeout: float = 5.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+    #: Grace period after the join deadline during which a timed-out node still
+    #: removes itself from the shared state (torch hard-codes 5 s).
+    rollback_period: float = 5.0
+    #: Keep a surviving node's rank across rounds where possible, instead of
+    #: re-ranking all participants by node order (torch's behaviour).
+    stable_ranks: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ValueError("run_id must be a non-empty string")
+        for name in ("min_nodes", "max_nodes", "keep_alive_max_attempt"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.min_nodes < 1:
+            raise ValueError(f"min_nodes must be at least 1, got {self.min_nodes}")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"max_nodes ({self.max_nodes}) must be at least min_nodes ({self.min_nodes})"
+            )
+        if self.keep_alive_max_attempt < 1:
+            raise ValueError(
+                f"keep_alive_max_attempt must be at least 1, got {self.keep_alive_max_attempt}"
+            )
+        for name in (
+            "join_timeout",
+            "last_call_timeout",
+            "close_timeout",
+            "heartbeat_timeout",
+            "keep_alive_interval",
+        ):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        rollback = self.rollback_period
+        if (
+            isinstance(rollback, bool)
+            or not isinstance(rollback, (int, float))
+            or not math.isfinite(rollback)
+            or rollback < 0
+        ):
+            raise ValueError(f"rollback_period must be >= 0 seconds, got {rollback!r}")
+        if not isinstance(self.stable_ranks, bool):
+            raise ValueError(f"stable_ranks must be a bool, got {self.stable_ranks!r}")
+
+    @property
+    def liveness_window(self) -> float:
+        """Seconds without a heartbeat counter moving after which a node is dead."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+@dataclass(frozen=True)
+class RendezvousState:
+    """The shared state of one rendezvous, as stored on the backend.
+
+    Attributes:
+        round: the current round; advances when the last participant of a complete
+            round leaves. Never decreases.
+        complete: the round's membership is final and ranks are assigned.
+        closed: the job is over; no node may join again. Never reverts.
+        world_size: the number of participants when the round completed (0 while
+            incomplete). Participants may leave a complete round one by one; the
+            world size their peers were told stays fixed.
+        participants: node -> rank. Ranks are meaningful only once complete; while
+            incomplete every rank is 0, as in torch.
+        wait_list: nodes waiting for the next round (a complete round had capacity).
+        redundancy_list: nodes beyond max_nodes of a complete round; they join the
+            next round without forcing a re-rendezvous.
+        heartbeats: node -> a counter the node bumps to prove it is alive. Every node
+            in one of the three sets above has one.
+        last_call: the arming sequence number of the current last call (set when
+            the participants reach min_nodes), or None when not armed. Each node
+            times the last call from when it first observed this number.
+        last_call_seq: the last arming sequence number handed out; makes every
+            arming distinguishable from the previous one.
+        last_ranks: ranks of the last completed round, kept only with the
+            stable-ranks option.
+    """
+
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    world_size: int = 0
+    participants: Map[NodeDesc, int] = field(default_factory=Map)
+    wait_list: frozenset[NodeDesc] = frozenset()
+    redundancy_list: frozenset[NodeDesc] = frozenset()
+    heartbeats: Map[NodeDesc, int] = field(default_factory=Map)
+    last_call: int | None = None
+    last_call_seq: int = 0
+    last_ranks: Map[NodeDesc, int] = field(default_factory=Map)
+
+    def __post_init__(self) -> None:
+        # Accept plain dicts/sets from callers; store immutable, hashable forms.
+        object.__setattr__(self, "participants", _frozen_map(self.participants))
+        object.__setattr__(self, "heartbeats", _frozen_map(self.heartbeats))
+        object.__setattr__(self, "last_ranks", _frozen_map(self.last_ranks))
+        object.__setattr__(self, "wait_list", frozenset(self.wait_list))
+        object.__setattr__(self, "redundancy_list", frozenset(self.redundancy_list))
+
+    def members(self) -> frozenset[NodeDesc]:
+        """Every node the state knows: participants, waiting and redundant nodes."""
+        return frozenset(self.participants) | self.wait_list | self.redundancy_list
+
+    def ranks(self) -> dict[NodeDesc, int]:
+        """node -> rank of a complete round (empty while incomplete)."""
+        return dict(self.participants.items()) if self.complete else {}
+
+    def evolve(self, **changes: object) -> RendezvousState:
+        """A copy with the given fields replaced (the input is never modified)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class HeartbeatSighting:
+    """A heartbeat counter value and when (observer's clock) it was first seen."""
+
+    counter: int
+    since: float
+
+
+@dataclass(frozen=True)
+class LastCallSighting:
+    """Which last call (round, arming number) was seen, and when it was first seen."""
+
+    round: int
+    arming: int
+    since: float
+
+
+@dataclass(frozen=True)
+class Observations:
+    """One node's private record of what it saw, timed on its own monotonic clock.
+
+    Built and updated only by :func:`rallypoint.core.observe`; never shared.
+    """
+
+    heartbeats: Map[NodeDesc, HeartbeatSighting] = field(default_factory=Map)
+    last_call: LastCallSighting | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "heartbeats", _frozen_map(self.heartbeats))

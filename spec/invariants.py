@@ -1,0 +1,113 @@
+"""The safety properties of DESIGN.md, as plain functions over states.
+
+One module, used by the model checker, the simulator, the hypothesis machines and
+the tests. Each check returns a list of human-readable violations (empty: the
+property holds), so a checker can print every broken property of a state at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rallypoint.core import NodeDesc, RendezvousState, Settings
+
+__all__ = [
+    "RoundResult",
+    "check_agreement",
+    "check_state",
+    "check_transition",
+]
+
+
+def check_state(state: RendezvousState, settings: Settings) -> list[str]:
+    """Properties of a single shared state.
+
+    * complete => min_nodes <= world size <= max_nodes, every remaining participant
+      has a distinct rank in 0..world-1, and if none has left yet the ranks are
+      exactly 0..n-1;
+    * a node is never both participant and waiting (or redundant);
+    * every participant is within max_nodes.
+    """
+    problems: list[str] = []
+    participants = state.participants
+    if state.complete:
+        world = state.world_size
+        if not settings.min_nodes <= world <= settings.max_nodes:
+            problems.append(
+                f"complete round {state.round} has world size {world}, "
+                f"outside [{settings.min_nodes}, {settings.max_nodes}]"
+            )
+        ranks = sorted(participants.values())
+        if len(set(ranks)) != len(ranks):
+            problems.append(f"complete round {state.round} has duplicate ranks {ranks}")
+        if any(not 0 <= r < world for r in ranks):
+            problems.append(
+                f"complete round {state.round} has ranks {ranks} outside 0..{world - 1}"
+            )
+        if len(participants) == world and ranks != list(range(world)):
+            problems.append(f"complete round {state.round} has ranks {ranks}, not 0..{world - 1}")
+        if len(participants) > world:
+            problems.append(f"complete round {state.round} has more participants than world size")
+    elif state.world_size != 0:
+        problems.append(f"incomplete round {state.round} has world size {state.world_size}")
+    if len(participants) > settings.max_nodes:
+        problems.append(f"{len(participants)} participants exceed max_nodes {settings.max_nodes}")
+    both = set(participants) & (state.wait_list | state.redundancy_list)
+    if both:
+        problems.append(f"nodes {sorted(map(str, both))} are participants and waiting/redundant")
+    if state.wait_list & state.redundancy_list:
+        problems.append("a node is both waiting and redundant")
+    return problems
+
+
+def check_transition(before: RendezvousState, after: RendezvousState) -> list[str]:
+    """Properties of one step: closed never reverts, round never decreases, and the
+    ranks of a complete round never change while it stays complete."""
+    problems: list[str] = []
+    if before.closed and not after.closed:
+        problems.append("a closed rendezvous was reopened")
+    if after.round < before.round:
+        problems.append(f"round went back from {before.round} to {after.round}")
+    if before.complete and after.complete and before.round == after.round:
+        if before.world_size != after.world_size:
+            problems.append(f"world size of complete round {after.round} changed")
+        for node, rank in after.participants.items():
+            if before.participants.get(node, rank) != rank:
+                problems.append(f"rank of {node} changed within complete round {after.round}")
+            if node not in before.participants:
+                problems.append(f"{node} joined complete round {after.round}")
+    return problems
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one node was told when its join returned."""
+
+    round: int
+    rank: int
+    world_size: int
+    membership: frozenset[NodeDesc]
+
+
+def check_agreement(results: Mapping[NodeDesc, RoundResult]) -> list[str]:
+    """No split brain: nodes returning from the same round agree on the world size
+    and on membership, and no two of them hold the same rank."""
+    problems: list[str] = []
+    by_round: dict[int, dict[NodeDesc, RoundResult]] = {}
+    for node, result in results.items():
+        by_round.setdefault(result.round, {})[node] = result
+    for round_, members in sorted(by_round.items()):
+        sizes = {r.world_size for r in members.values()}
+        if len(sizes) > 1:
+            problems.append(f"round {round_}: nodes disagree on the world size: {sorted(sizes)}")
+        views = {r.membership for r in members.values()}
+        if len(views) > 1:
+            problems.append(f"round {round_}: nodes disagree on membership")
+        ranks = [r.rank for r in members.values()]
+        if len(set(ranks)) != len(ranks):
+            problems.append(f"round {round_}: two nodes returned with the same rank")
+        for node, r in members.items():
+            if node not in r.membership:
+                problems.append(f"round {round_}: {node} returned but is not a member")
+    return problems
