@@ -1,0 +1,417 @@
+"""The rendezvous protocol as a formal model: the lifecycle of one node.
+
+This is the specification the model checker holds the core to. It is written from
+the protocol (DESIGN.md, torch's dynamic rendezvous), not from ``rallypoint.core``:
+the guards below restate the protocol's conditions over the fields of the shared
+state and the node's own sightings, so a bug in the core's decision table shows up
+as a step that no edge of this model allows.
+
+A node is in exactly one lifecycle state, derived from what it is doing locally and
+from its membership in the shared state (:func:`lifecycle_state`)::
+
+    idle/exited --join--> joining --add_to_participants--> participant --complete--> complete
+                               \\--add_to_wait_list--> waiting      (round complete, room)
+                               \\--add_to_redundancy_list--> redundant (round complete, full)
+    complete --finish--> training --remove_from_participants (exit)--> exited
+    any live state --crash--> crashed; --timeout--> failed; --closed--> closed
+
+Two kinds of triggers exist. *Own* triggers are named after the core's actions (an
+action the stepping node performed, e.g. ``add_to_participants``, ``finish``) or the
+node's own lifecycle events (``join``, ``crash``). *Peer* triggers change a node's
+lifecycle state through another node's step: ``round_completed`` (a peer marked the
+round complete or filled it) and ``declared_dead`` (a sanitize, a peer's or the
+node's own, removed it from the shared state).
+
+Every edge has guards; the guards of one step are evaluated once into a
+:class:`Guards` tuple from a :class:`View` of the node before the step, so the
+checker can memoize conformance checks (:meth:`LifecycleModel.allows`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rallypoint.core import NodeDesc, Observations, RendezvousState, Settings
+from transitions import Machine, MachineError
+
+__all__ = [
+    "LIVE_STATES",
+    "MODEL_STATES",
+    "MODEL_TRANSITIONS",
+    "PEER_TRIGGERS",
+    "Guards",
+    "LifecycleModel",
+    "ModelUnavailableError",
+    "View",
+    "diagram_source",
+    "lifecycle_state",
+    "write_diagram",
+]
+
+#: Lifecycle states of one node, in diagram order.
+MODEL_STATES: tuple[str, ...] = (
+    "idle",
+    "joining",
+    "waiting",
+    "redundant",
+    "participant",
+    "complete",
+    "training",
+    "evicted",
+    "exited",
+    "closed",
+    "failed",
+    "crashed",
+)
+TERMINAL_STATES: frozenset[str] = frozenset({"closed", "failed", "crashed"})
+LIVE_STATES: tuple[str, ...] = tuple(s for s in MODEL_STATES if s not in TERMINAL_STATES)
+#: States whose node holds a heartbeat entry in the shared state.
+_MEMBER_STATES = ("waiting", "redundant", "participant", "complete", "training")
+#: Triggers caused by another node's step (or by a sanitize).
+PEER_TRIGGERS: frozenset[str] = frozenset({"round_completed", "declared_dead"})
+
+
+def _edge(
+    trigger: str,
+    source: str | Iterable[str],
+    dest: str | None,
+    conditions: Iterable[str] = (),
+    unless: Iterable[str] = (),
+) -> dict[str, Any]:
+    return {
+        "trigger": trigger,
+        "source": source if isinstance(source, str) else list(source),
+        "dest": dest,
+        "conditions": list(conditions),
+        "unless": list(unless),
+    }
+
+
+#: The edges of the model. ``dest=None`` is an internal edge (the state stays).
+MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
+    # Lifecycle events the node's agent starts.
+    _edge("join", ["idle", "exited", "evicted"], "joining"),
+    _edge("crash", LIVE_STATES, "crashed"),
+    # Joining a round that is still open; the arrival that fills it completes it.
+    _edge(
+        "add_to_participants",
+        ["joining", "waiting"],
+        "complete",
+        conditions=["round_open", "fills_round"],
+    ),
+    _edge(
+        "add_to_participants",
+        ["joining", "waiting"],
+        "participant",
+        conditions=["round_open"],
+        unless=["fills_round"],
+    ),
+    # A complete round with room: wait for the next one; without room: stand by.
+    _edge(
+        "add_to_wait_list",
+        ["joining", "redundant"],
+        "waiting",
+        conditions=["round_complete", "not_closed"],
+        unless=["round_full"],
+    ),
+    _edge(
+        "add_to_redundancy_list",
+        "joining",
+        "redundant",
+        conditions=["round_complete", "round_full", "not_closed"],
+    ),
+    _edge(
+        "remove_from_redundancy_list",
+        "redundant",
+        "joining",
+        conditions=["not_closed"],
+        unless=["round_full"],
+    ),
+    # The last call: min_nodes reached and this node saw the last call run out.
+    _edge(
+        "mark_rendezvous_complete",
+        "participant",
+        "complete",
+        conditions=["quorum", "last_call_over", "not_closed"],
+    ),
+    _edge("round_completed", "participant", "complete"),
+    _edge("finish", "complete", "training"),
+    _edge("finish", "evicted", "exited"),
+    # Heartbeats: only a member beats, and only when its interval has passed.
+    _edge(
+        "keep_alive",
+        ["waiting", "redundant", "participant", "training"],
+        None,
+        conditions=["keep_alive_due"],
+    ),
+    # Leaving: a join that timed out rolls back within the rollback period; a
+    # trained node exits its round before the next join.
+    _edge(
+        "remove_from_participants",
+        "participant",
+        "joining",
+        conditions=["timed_out", "within_rollback"],
+    ),
+    _edge(
+        "remove_from_wait_list",
+        "waiting",
+        "joining",
+        conditions=["timed_out", "within_rollback"],
+    ),
+    _edge("remove_from_participants", "training", "exited", unless=["timed_out"]),
+    _edge("timeout", ["joining", "waiting", "participant", "training"], "failed", ["timed_out"]),
+    # Failure detection: a member whose heartbeat did not move is removed.
+    _edge("declared_dead", ["waiting", "redundant", "participant", "complete"], "joining"),
+    _edge("declared_dead", "training", "evicted"),
+    # Closing: any live node may close; every live node then stops.
+    _edge("mark_rendezvous_closed", LIVE_STATES, None, unless=["closed"]),
+    _edge("closed", LIVE_STATES, "closed", conditions=["closed"]),
+)
+
+
+@dataclass(frozen=True)
+class View:
+    """One node's view before a step: what the model's guards may look at.
+
+    ``now`` and ``deadline`` are on the node's own clock; ``deadline`` is None when
+    the node runs no operation with a deadline.
+    """
+
+    node: NodeDesc
+    state: RendezvousState
+    settings: Settings
+    now: float
+    observations: Observations
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class Guards:
+    """The protocol's conditions, evaluated on one :class:`View` (hashable)."""
+
+    closed: bool
+    round_complete: bool
+    round_full: bool
+    round_open: bool
+    fills_round: bool
+    quorum: bool
+    last_call_over: bool
+    keep_alive_due: bool
+    timed_out: bool
+    within_rollback: bool
+
+    @classmethod
+    def of(cls, view: View) -> Guards:
+        """Evaluate every guard from the protocol's definitions."""
+        state, s, node, now = view.state, view.settings, view.node, view.now
+        count = len(state.participants)
+        # A heartbeat is due once the node's own counter has not moved for an interval.
+        own = view.observations.heartbeats.get(node)
+        beat_due = (
+            node in state.heartbeats
+            and own is not None
+            and now - own.since >= s.keep_alive_interval
+        )
+        # The last call ends last_call_timeout after this node first saw it armed.
+        sighting = view.observations.last_call
+        lc_over = (
+            state.last_call is not None
+            and sighting is not None
+            and sighting.round == state.round
+            and sighting.arming == state.last_call
+            and now - sighting.since > s.last_call_timeout
+        )
+        timed_out = view.deadline is not None and now > view.deadline
+        return cls(
+            closed=state.closed,
+            round_complete=state.complete,
+            round_full=count >= s.max_nodes,
+            round_open=not state.closed and not state.complete and count < s.max_nodes,
+            fills_round=node not in state.participants and count + 1 == s.max_nodes,
+            quorum=s.min_nodes <= count <= s.max_nodes,
+            last_call_over=lc_over,
+            keep_alive_due=beat_due,
+            timed_out=timed_out,
+            within_rollback=(
+                view.deadline is not None and now <= view.deadline + s.rollback_period
+            ),
+        )
+
+
+class ModelUnavailableError(RuntimeError):
+    """Rendering the diagram needs graphviz's ``dot`` program, which is not installed."""
+
+
+class _Node:
+    """The model object the machine drives: its conditions read the current guards."""
+
+    state: str
+
+    def __init__(self) -> None:
+        self.guards: Guards | None = None
+
+    def _g(self, name: str) -> bool:
+        if self.guards is None:
+            raise RuntimeError("guards must be set before firing a trigger")
+        return bool(getattr(self.guards, name))
+
+    def closed(self) -> bool:
+        return self._g("closed")
+
+    def not_closed(self) -> bool:
+        return not self._g("closed")
+
+    def round_complete(self) -> bool:
+        return self._g("round_complete")
+
+    def round_full(self) -> bool:
+        return self._g("round_full")
+
+    def round_open(self) -> bool:
+        return self._g("round_open")
+
+    def fills_round(self) -> bool:
+        return self._g("fills_round")
+
+    def quorum(self) -> bool:
+        return self._g("quorum")
+
+    def last_call_over(self) -> bool:
+        return self._g("last_call_over")
+
+    def keep_alive_due(self) -> bool:
+        return self._g("keep_alive_due")
+
+    def timed_out(self) -> bool:
+        return self._g("timed_out")
+
+    def within_rollback(self) -> bool:
+        return self._g("within_rollback")
+
+
+def _machine_kwargs() -> dict[str, Any]:
+    return {
+        "states": list(MODEL_STATES),
+        "transitions": [dict(t) for t in MODEL_TRANSITIONS],
+        "initial": "idle",
+        "auto_transitions": False,
+        "ignore_invalid_triggers": False,
+        "send_event": False,
+    }
+
+
+class LifecycleModel:
+    """The executable model: does an edge allow ``source --trigger--> dest``?
+
+    Answers are memoized on (source, trigger, dest, guards): the model is a pure
+    function of them, and the checker asks the same question many times.
+    """
+
+    def __init__(self) -> None:
+        self._node = _Node()
+        self._machine = Machine(model=self._node, **_machine_kwargs())
+        self._memo: dict[tuple[str, str, str, Guards], bool] = {}
+
+    @property
+    def triggers(self) -> list[str]:
+        return list(self._machine.get_triggers(*MODEL_STATES))
+
+    def allows(self, source: str, trigger: str, dest: str, guards: Guards) -> bool:
+        """True when the model has an edge from ``source`` on ``trigger`` whose guards
+        hold and which lands in ``dest``."""
+        key = (source, trigger, dest, guards)
+        known = self._memo.get(key)
+        if known is not None:
+            return known
+        self._machine.set_state(source, model=self._node)
+        self._node.guards = guards
+        try:
+            fired = bool(getattr(self._node, trigger)())
+        except (MachineError, AttributeError):
+            fired = False
+        allowed = fired and self._node.state == dest
+        self._memo[key] = allowed
+        return allowed
+
+
+def lifecycle_state(phase: str, node: NodeDesc | None, state: RendezvousState) -> str:
+    """The model state of a node from its local phase and the shared state.
+
+    ``phase`` is what the node is doing locally: one of ``idle``, ``joining`` (runs
+    the join operation), ``training`` (its join returned), ``exited``, ``closed``,
+    ``failed``, ``crashed``. Membership in the shared state refines it.
+    """
+    if phase in TERMINAL_STATES:
+        return phase
+    if node is not None:
+        if node in state.wait_list:
+            return "waiting"
+        if node in state.redundancy_list:
+            return "redundant"
+        if node in state.participants:
+            if not state.complete:
+                return "participant"
+            return "complete" if phase == "joining" else "training"
+    if phase == "training":
+        return "evicted"
+    if phase not in ("idle", "joining", "exited"):
+        raise ValueError(f"unknown local phase {phase!r}")
+    return phase
+
+
+#: Edges from every live state, left out of the drawing (they would cross it all)
+#: and named in its title instead.
+_UNIVERSAL_TRIGGERS = ("crash", "closed", "mark_rendezvous_closed")
+_DIAGRAM_TITLE = (
+    "rallypoint: lifecycle of one rendezvous node\n"
+    "(from every live state: crash -> crashed; closed [closed] -> closed; "
+    "mark_rendezvous_closed [!closed] internal)"
+)
+
+
+def _graph_machine(engine: str) -> Any:
+    from transitions.extensions import GraphMachine
+
+    kwargs = _machine_kwargs()
+    kwargs["transitions"] = [
+        t for t in kwargs["transitions"] if t["trigger"] not in _UNIVERSAL_TRIGGERS
+    ]
+    kwargs["initial"] = "idle"
+    return GraphMachine(
+        model=_Node(),
+        title=_DIAGRAM_TITLE,
+        graph_engine=engine,
+        show_conditions=True,
+        **kwargs,
+    )
+
+
+def diagram_source(engine: str = "graphviz") -> str:
+    """The diagram's source: graphviz ``dot`` text, or ``mermaid`` text for Markdown."""
+    if engine not in ("graphviz", "mermaid"):
+        raise ValueError(f"engine must be 'graphviz' or 'mermaid', got {engine!r}")
+    return str(_graph_machine(engine).get_graph().source)
+
+
+def write_diagram(path: str | Path) -> Path:
+    """Render the state diagram to ``path`` (format from the suffix, e.g. ``.png``).
+
+    Raises:
+        ModelUnavailableError: graphviz's ``dot`` is not on PATH (install the
+            ``graphviz`` system package, e.g. ``apt-get install graphviz``).
+    """
+    target = Path(path)
+    if shutil.which("dot") is None:
+        raise ModelUnavailableError(
+            "rendering the diagram needs graphviz's 'dot' program: install the graphviz "
+            "system package (Debian/Ubuntu: apt-get install graphviz), or write the "
+            "source with 'rallypoint spec diagram --source'"
+        )
+    fmt = target.suffix.lstrip(".") or "png"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _graph_machine("graphviz").get_graph().draw(str(target), format=fmt, prog="dot")
+    return target
