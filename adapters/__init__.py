@@ -1,1 +1,42 @@
-"""rallypoint.adapters."""
+"""rallypoint.adapters: backends, the sync engine, and torch's RendezvousHandler.
+
+``create_handler(params)`` builds a :class:`RallypointHandler` from torch's
+``RendezvousParameters`` (backend ``c10d``/``etcd`` or the torchrun entry-point
+names ``rallypoint-c10d``/``rallypoint-etcd``). See docs/adapters.md.
+"""
+
+from .backend import BackendStats, MemoryBackend, RendezvousBackend, Token
+from .config import BACKENDS, RendezvousConfig, parse_endpoint, parse_params
+from .errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from .factory import create_handler
+from .handler import RallypointHandler, RoundStoreProvider, SharedStoreProvider
+from .sync import StateSync, merge_heartbeats, split_heartbeats
+
+__all__ = [
+    "BACKENDS",
+    "BackendStats",
+    "MemoryBackend",
+    "RallypointHandler",
+    "RendezvousBackend",
+    "RendezvousClosedError",
+    "RendezvousConfig",
+    "RendezvousConnectionError",
+    "RendezvousGracefulExitError",
+    "RendezvousStateError",
+    "RendezvousTimeoutError",
+    "RoundStoreProvider",
+    "SharedStoreProvider",
+    "StateSync",
+    "Token",
+    "create_handler",
+    "merge_heartbeats",
+    "parse_endpoint",
+    "parse_params",
+    "split_heartbeats",
+]

@@ -1,0 +1,191 @@
+"""The backend contract: where the shared rendezvous state lives, and how to CAS it.
+
+A backend stores one opaque blob per run (the :func:`rallypoint.core.encode_state`
+bytes) under a *fencing token*, and a small counter per node (its heartbeat).
+
+Contract (the shared test suite ``tests/test_adapters_contract.py`` checks it on
+every implementation):
+
+* ``get_state()`` returns ``(blob, token)``, or None when no state was ever written.
+* ``set_state(blob, token)`` writes ``blob`` only if the stored token still equals
+  ``token`` (None: only if no state exists yet), and returns ``(current_blob,
+  current_token, won)``: after a win, the written blob and its new token; after a
+  loss, what is stored now, so the caller can decide again without another read.
+  A token is opaque to callers; two different writes never yield equal tokens.
+* ``wait_for_change(token, timeout)`` blocks until the state differs from the one
+  ``token`` names, or ``timeout`` seconds pass; returns True if it saw a change.
+  It may return early (spuriously); callers re-read either way.
+* ``beat(node)`` bumps ``node``'s heartbeat counter and returns the new value:
+  O(1) bytes, independent of the number of nodes (the blob is not rewritten).
+  ``get_heartbeats(nodes)`` reads the counters (0 for a node that never beat).
+* ``close()`` releases connections; the backend is unusable afterwards.
+
+Implementations: :class:`MemoryBackend` (tests, simulation, one process),
+:class:`rallypoint.adapters.c10d.C10dBackend` (torch TCPStore/FileStore) and
+:class:`rallypoint.adapters.etcd.EtcdBackend` (etcd v3).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["BackendStats", "MemoryBackend", "RendezvousBackend", "Token"]
+
+#: An opaque fencing token: a version, a revision, or the stored bytes themselves.
+Token = Any
+
+
+@dataclass
+class BackendStats:
+    """Operation and byte counts of one backend instance (for benchmarks).
+
+    ``bytes_written`` counts payload bytes sent (keys and values), ``bytes_read``
+    payload bytes received; the ``heartbeat_*`` figures count :meth:`beat` alone.
+    """
+
+    ops: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    heartbeat_ops: int = 0
+    heartbeat_bytes_written: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """A plain copy of the figures."""
+        return asdict(self)
+
+
+@runtime_checkable
+class RendezvousBackend(Protocol):
+    """What the sync engine needs from a store of the shared rendezvous state."""
+
+    @property
+    def name(self) -> str:
+        """The backend's name as torch reports it (``get_backend()``)."""
+        ...
+
+    @property
+    def endpoint(self) -> str:
+        """Where the backend lives (``host:port`` or a path), for messages."""
+        ...
+
+    @property
+    def stats(self) -> BackendStats:
+        """Operation and byte counts so far."""
+        ...
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """The stored blob and its token, or None if none was written."""
+        ...
+
+    def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+        """Compare-and-set; see the module docstring. None: nothing is stored and
+        the write lost (the caller re-reads)."""
+        ...
+
+    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
+        """Block until the state moves past ``token`` or ``timeout`` seconds pass."""
+        ...
+
+    def beat(self, node: str) -> int:
+        """Bump ``node``'s heartbeat counter; return the new value."""
+        ...
+
+    def get_heartbeats(self, nodes: Collection[str]) -> dict[str, int]:
+        """The heartbeat counters of ``nodes`` (0 where a node never beat)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and threads."""
+        ...
+
+
+class MemoryBackend:
+    """An in-process backend: a dict behind a condition variable.
+
+    Share one instance between the handlers of a test or simulation (threads). The
+    token is a version number that every successful write increments.
+    """
+
+    def __init__(self, run_id: str = "memory", endpoint: str = "memory") -> None:
+        self._run_id = run_id
+        self._endpoint = endpoint
+        self._cond = threading.Condition()
+        self._blob: bytes | None = None
+        self._version = 0
+        self._heartbeats: dict[str, int] = {}
+        self._stats = BackendStats()
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def stats(self) -> BackendStats:
+        return self._stats
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        with self._cond:
+            self._stats.ops += 1
+            if self._blob is None:
+                return None
+            self._stats.bytes_read += len(self._blob)
+            return self._blob, self._version
+
+    def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+        with self._cond:
+            self._stats.ops += 1
+            expected = 0 if token is None else token
+            if expected != self._version:
+                if self._blob is None:
+                    return None
+                self._stats.bytes_read += len(self._blob)
+                return self._blob, self._version, False
+            self._blob = bytes(state)
+            self._version += 1
+            self._stats.bytes_written += len(state)
+            self._cond.notify_all()
+            return self._blob, self._version, True
+
+    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
+        seen = 0 if token is None else token
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            self._stats.ops += 1
+            while self._version == seen and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return self._version != seen
+
+    def beat(self, node: str) -> int:
+        with self._cond:
+            self._stats.ops += 1
+            self._stats.heartbeat_ops += 1
+            # The key and an 8-byte counter: what a networked store would send.
+            size = len(node) + 8
+            self._stats.bytes_written += size
+            self._stats.heartbeat_bytes_written += size
+            value = self._heartbeats.get(node, 0) + 1
+            self._heartbeats[node] = value
+            return value
+
+    def get_heartbeats(self, nodes: Collection[str]) -> dict[str, int]:
+        with self._cond:
+            self._stats.ops += 1
+            self._stats.bytes_read += 8 * len(nodes)
+            return {node: self._heartbeats.get(node, 0) for node in nodes}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

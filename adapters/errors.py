@@ -1,0 +1,54 @@
+"""Errors raised by the adapters, catchable as rallypoint's *and* torch's errors.
+
+Each class inherits from the matching :mod:`rallypoint.core.errors` class and from
+torch's ``torch.distributed.elastic.rendezvous.api`` class of the same name, so
+torch's own elastic agent (which catches torch's classes) and rallypoint's agent
+(which catches the core's) both handle them.
+
+Messages follow one pattern: what happened, for which run and endpoint, and what to
+check (:func:`describe`).
+"""
+
+from __future__ import annotations
+
+from rallypoint.core import errors as _core
+from torch.distributed.elastic.rendezvous import api as _torch_api
+
+__all__ = [
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousGracefulExitError",
+    "RendezvousStateError",
+    "RendezvousTimeoutError",
+    "describe",
+]
+
+
+class RendezvousClosedError(_core.RendezvousClosedError, _torch_api.RendezvousClosedError):
+    """The rendezvous is closed: the job is over and no node may join."""
+
+
+class RendezvousTimeoutError(_core.RendezvousTimeoutError, _torch_api.RendezvousTimeoutError):
+    """A rendezvous operation did not finish before its deadline."""
+
+
+class RendezvousConnectionError(
+    _core.RendezvousConnectionError, _torch_api.RendezvousConnectionError
+):
+    """The backend (c10d store or etcd server) could not be reached."""
+
+
+class RendezvousStateError(_core.RendezvousStateError, _torch_api.RendezvousStateError):
+    """The shared state on the backend is malformed or of an unknown version."""
+
+
+class RendezvousGracefulExitError(
+    _core.RendezvousGracefulExitError, _torch_api.RendezvousGracefulExitError
+):
+    """The rendezvous closed while this node was redundant: exit without error."""
+
+
+def describe(what: str, *, run_id: str, endpoint: str, check: str) -> str:
+    """The message of every adapter error: ``what`` for ``run_id`` at ``endpoint``;
+    followed by what the user should ``check``."""
+    return f"{what} (run id {run_id!r}, endpoint {endpoint!r}). Check: {check}"

@@ -1,0 +1,32 @@
+"""``create_handler(params)``: torch's ``RendezvousParameters`` -> :class:`RallypointHandler`."""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from .config import parse_params
+from .handler import RallypointHandler
+
+__all__ = ["create_handler"]
+
+
+def create_handler(params: RendezvousParameters) -> RallypointHandler:
+    """Build a handler for ``params.backend`` in ``c10d``, ``etcd``, ``rallypoint-c10d``,
+    ``rallypoint-etcd``.
+
+    Raises:
+        ValueError: an unknown backend or a malformed option.
+        RendezvousConnectionError: the backend cannot be reached.
+    """
+    config = parse_params(params)
+    if config.kind == "c10d":
+        from .c10d import create_c10d_backend
+
+        backend = create_c10d_backend(config)
+        return RallypointHandler(backend, config.settings, local_addr=config.local_addr)
+    from .etcd import create_etcd_backend
+
+    etcd_backend, provider = create_etcd_backend(config)
+    return RallypointHandler(
+        etcd_backend, config.settings, local_addr=config.local_addr, store_provider=provider
+    )

@@ -1,0 +1,360 @@
+"""``RallypointHandler``: torch's ``RendezvousHandler`` on rallypoint's core.
+
+torch's interface (``next_rendezvous``, ``is_closed``, ``set_closed``,
+``num_nodes_waiting``, ``get_run_id``, ``get_backend``, ``shutdown``,
+``use_agent_store``), so torch's own elastic agent can drive it, plus what torch
+lacks: :meth:`RallypointHandler.dead_participants` (peers whose heartbeat stopped,
+timed on this node's monotonic clock), :meth:`RallypointHandler.wait_for_change`
+(react to a change at once instead of polling), the ``round`` and ``endpoint``
+properties, and the ``stable_ranks`` setting.
+
+The store handed out by ``next_rendezvous`` is namespaced per run and round
+(``rallypoint/<run_id>/round/<round>/``); the bootstrap store for the workers
+(``MASTER_ADDR``/``MASTER_PORT``) is a fresh TCPStore server hosted by the node of
+rank 0 for each round, so no key of an earlier round can leak into a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from datetime import timedelta
+from typing import Protocol
+
+from rallypoint.core import (
+    Action,
+    CloseOp,
+    ExitOp,
+    JoinOp,
+    NodeDesc,
+    Settings,
+    sanitize,
+)
+from rallypoint.core import errors as core_errors
+from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
+
+from .backend import RendezvousBackend
+from .errors import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+    describe,
+)
+from .sync import StateSync
+
+__all__ = ["RallypointHandler", "RoundStoreProvider", "SharedStoreProvider"]
+
+log = logging.getLogger(__name__)
+
+_local_ids = itertools.count()
+
+
+class RoundStoreProvider(Protocol):
+    """Gives the torch ``Store`` of one completed round to its participants."""
+
+    def store_for_round(self, run_id: str, round: int, rank: int, local_addr: str) -> Store:
+        """The store of ``round``, shared by every participant of that round."""
+        ...
+
+    def close(self) -> None:
+        """Release what the provider hosts."""
+        ...
+
+
+class SharedStoreProvider:
+    """A prefix of one store every node can reach (the c10d rendezvous store)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def store_for_round(self, run_id: str, round: int, rank: int, local_addr: str) -> Store:
+        return PrefixStore(f"rallypoint/{run_id}/round/{round}/", self._store)
+
+    def close(self) -> None:
+        return None
+
+
+class RallypointHandler(RendezvousHandler):
+    """A rendezvous handler driven by rallypoint's pure core.
+
+    Args:
+        backend: where the shared state lives (memory, c10d, etcd).
+        settings: the rendezvous settings (same on every node).
+        local_addr: this node's address (node identity and bootstrap store host).
+        store_provider: the per-round store; defaults to a prefix of the c10d
+            backend's own store (required for other backends).
+        poll_interval: the longest a wait lasts without a change notification.
+        local_id: distinguishes handlers in one process (default: a counter).
+    """
+
+    def __init__(
+        self,
+        backend: RendezvousBackend,
+        settings: Settings,
+        *,
+        local_addr: str,
+        store_provider: RoundStoreProvider | None = None,
+        poll_interval: float = 1.0,
+        local_id: int | None = None,
+    ) -> None:
+        if store_provider is None:
+            store = getattr(backend, "store", None)
+            if store is None:
+                raise ValueError(
+                    f"backend {backend.name!r} has no c10d store: pass a store_provider"
+                )
+            store_provider = SharedStoreProvider(store)
+        self._backend = backend
+        self._settings = settings
+        self._local_addr = local_addr
+        self._provider = store_provider
+        local = next(_local_ids) if local_id is None else local_id
+        self.node = NodeDesc(local_addr, os.getpid(), local)
+        self._sync = StateSync(backend, self.node, settings, poll_interval=poll_interval)
+        self._round = -1
+        self._members: frozenset[NodeDesc] = frozenset()
+        self._peer_seen: dict[NodeDesc, tuple[int, float]] = {}
+        self._peer_lock = threading.Lock()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._bootstrap_server: TCPStore | None = None
+        #: Monitor queries re-read the backend at most this often.
+        self.cache_duration = min(1.0, settings.keep_alive_interval / 2)
+
+    # -- properties ---------------------------------------------------------------
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @property
+    def sync(self) -> StateSync:
+        """The sync engine (state view, counters) of this handler."""
+        return self._sync
+
+    @property
+    def round(self) -> int:
+        """The round of the last completed ``next_rendezvous()`` (-1 before the first)."""
+        return self._round
+
+    @property
+    def endpoint(self) -> str:
+        """The backend's ``host:port`` (or path) actually in use."""
+        return self._backend.endpoint
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Workers use the per-round TCPStore hosted by the rank-0 agent."""
+        return True
+
+    def get_backend(self) -> str:
+        return self._backend.name
+
+    def get_run_id(self) -> str:
+        return self._settings.run_id
+
+    # -- errors -------------------------------------------------------------------
+
+    def _describe(self, what: str, check: str) -> str:
+        return describe(what, run_id=self._settings.run_id, endpoint=self.endpoint, check=check)
+
+    def _raise_for(self, action: Action, what: str, timeout: float) -> None:
+        if action is Action.FINISH:
+            return
+        if action is Action.ERROR_CLOSED:
+            raise RendezvousClosedError(
+                self._describe(
+                    f"{what}: the rendezvous is closed",
+                    "whether the job already finished; start a new run id to run again",
+                )
+            )
+        if action is Action.ERROR_GRACEFUL_EXIT:
+            raise RendezvousGracefulExitError(
+                self._describe(
+                    f"{what}: the rendezvous closed while {self.node} was redundant",
+                    "nothing: this node was not needed and may exit",
+                )
+            )
+        if action is Action.ERROR_TIMEOUT:
+            raise RendezvousTimeoutError(
+                self._describe(
+                    f"{what} did not finish within {timeout:g} s",
+                    f"that at least min_nodes={self._settings.min_nodes} nodes start with the "
+                    "same run id and endpoint, and that the timeout is long enough",
+                )
+            )
+        raise AssertionError(f"unexpected terminal action {action}")  # pragma: no cover
+
+    # -- the rendezvous -----------------------------------------------------------
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Leave the current round (if any) and join the next; block until it completes.
+
+        No random initial delay (torch sleeps 0-0.3 s): simultaneous joiners are
+        spread by the jittered backoff on lost compare-and-sets instead.
+
+        Raises:
+            RendezvousClosedError, RendezvousTimeoutError, RendezvousGracefulExitError,
+            RendezvousConnectionError, RendezvousStateError.
+        """
+        self._stop_heartbeats()
+        join_timeout = self._settings.join_timeout
+
+        def fresh_deadline() -> float:
+            return self._sync.now() + join_timeout
+
+        deadline = fresh_deadline()
+        log.info("%s joins the next round of rendezvous %r", self.node, self._settings.run_id)
+        self._raise_for(self._sync.run(ExitOp(), deadline), "leaving the round", join_timeout)
+        action = self._sync.run(JoinOp(), deadline, fresh_deadline)
+        self._raise_for(action, "joining the rendezvous", join_timeout)
+
+        state = self._sync.state
+        rank = state.participants[self.node]
+        world_size = state.world_size
+        self._round = state.round
+        now = self._sync.now()
+        with self._peer_lock:
+            self._members = frozenset(state.participants)
+            side = self._sync.side_counters()
+            self._peer_seen = {n: (side.get(n, 0), now) for n in self._members}
+        self._sync.watched = self._members
+        self._start_heartbeats()
+        log.info(
+            "%s joined round %d of rendezvous %r as rank %d of %d",
+            self.node,
+            self._round,
+            self._settings.run_id,
+            rank,
+            world_size,
+        )
+        store = self._provider.store_for_round(
+            self._settings.run_id, self._round, rank, self._local_addr
+        )
+        return RendezvousInfo(store, rank, world_size, self._bootstrap(rank, store))
+
+    def _bootstrap(self, rank: int, store: Store) -> RendezvousStoreInfo:
+        server_port = None
+        if rank == 0:
+            # A fresh server per round: the workers' store never holds keys of an
+            # earlier round, whichever node was rank 0 then.
+            self._bootstrap_server = None
+            try:
+                self._bootstrap_server = TCPStore(
+                    self._local_addr,
+                    0,
+                    is_master=True,
+                    multi_tenant=True,
+                    timeout=timedelta(seconds=self._settings.join_timeout),
+                )
+            except (RuntimeError, ValueError) as exc:
+                raise RendezvousConnectionError(
+                    self._describe(
+                        f"cannot host the workers' store on {self._local_addr} ({exc})",
+                        "that local_addr is an address of this host",
+                    )
+                ) from exc
+            server_port = self._bootstrap_server.port
+        try:
+            return RendezvousStoreInfo.build(rank, store, self._local_addr, server_port)
+        except (RuntimeError, ValueError) as exc:
+            raise RendezvousConnectionError(
+                self._describe(
+                    f"cannot exchange the workers' store address ({exc})",
+                    "that the node of rank 0 is alive and the round store is reachable",
+                )
+            ) from exc
+
+    def is_closed(self) -> bool:
+        return self._sync.refresh(self.cache_duration).closed
+
+    def set_closed(self) -> None:
+        timeout = self._settings.close_timeout
+        action = self._sync.run(CloseOp(), self._sync.now() + timeout)
+        self._raise_for(action, "closing the rendezvous", timeout)
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes in the wait list (after removing the ones this node sees dead)."""
+        state = self._sync.refresh(self.cache_duration)
+        live, _ = sanitize(state, self._sync.observations, self._settings, self._sync.now())
+        return len(live.wait_list)
+
+    def dead_participants(self) -> frozenset[NodeDesc]:
+        """Participants of the current round whose heartbeat counter this node has not
+        seen move for ``keep_alive_interval * keep_alive_max_attempt`` of its own
+        monotonic time. Reads the backend at most every ``cache_duration`` seconds."""
+        if not self._members:
+            return frozenset()
+        self._sync.refresh(self.cache_duration)
+        side = self._sync.side_counters()
+        now = self._sync.now()
+        window = self._settings.liveness_window
+        with self._peer_lock:
+            for node in self._members:
+                counter = side.get(node, 0)
+                seen = self._peer_seen.get(node)
+                if seen is None or seen[0] != counter:
+                    self._peer_seen[node] = (counter, now)
+            return frozenset(
+                node
+                for node, (_, since) in self._peer_seen.items()
+                if node != self.node and now - since > window
+            )
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until the shared state changes or ``timeout`` seconds pass; the next
+        query (``num_nodes_waiting``, ``is_closed``, ...) then reads afresh."""
+        self._sync.wait_for_change(timeout)
+        self._sync.refresh()
+
+    def shutdown(self) -> bool:
+        """Stop heartbeats and close the rendezvous (torch's semantics): True on success."""
+        self._stop_heartbeats()
+        try:
+            self.set_closed()
+            return True
+        except core_errors.RendezvousError as exc:
+            log.warning("closing rendezvous %r failed: %s", self._settings.run_id, exc)
+            return False
+
+    def close(self) -> None:
+        """Stop heartbeats and release the backend and hosted stores (not in torch's API)."""
+        self._stop_heartbeats()
+        self._bootstrap_server = None
+        self._provider.close()
+        self._backend.close()
+
+    # -- heartbeats ---------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        self._hb_stop = threading.Event()
+        stop = self._hb_stop
+        self._hb_thread = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(stop,),
+            name=f"rallypoint-heartbeat-{self._settings.run_id}",
+            daemon=True,
+        )
+        self._hb_thread.start()
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        interval = self._settings.keep_alive_interval
+        while not stop.wait(interval):
+            try:
+                self._sync.beat()
+            except core_errors.RendezvousError as exc:
+                log.warning("heartbeat of %s failed: %s", self.node, exc)
+
+    def _stop_heartbeats(self) -> None:
+        thread, self._hb_thread = self._hb_thread, None
+        self._hb_stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self._settings.heartbeat_timeout + 1.0)
