@@ -1,0 +1,344 @@
+"""``rallypoint run``: the torchrun-compatible launcher.
+
+Every torchrun flag keeps its meaning (dash and underscore spellings, and the
+``PET_<FLAG>`` environment defaults), so ``torchrun ARGS`` becomes
+``rallypoint run ARGS``. The differences:
+
+* ``--rdzv-backend c10d``/``etcd`` use rallypoint's rendezvous (faster regrouping,
+  dead-peer detection); ``torch-c10d``/``torch-etcd`` select torch's own.
+* extra options: ``--stop-grace`` (SIGTERM to SIGKILL), ``--exit-barrier-timeout``,
+  ``--bind-gpus`` (CUDA_VISIBLE_DEVICES per local rank), ``--local-addr``.
+
+Bad input exits with status 2 and one line on stderr; a failed job exits 1 after
+printing the failure table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from rallypoint.agent.config import ConfigError, LaunchConfig, parse_std
+
+__all__ = ["build_parser", "config_from_args", "main", "worker_argv"]
+
+logger = logging.getLogger("rallypoint.agent")
+
+#: Names of environment variables the launcher set for the agent process only.
+_AGENT_ONLY_ENV = "RALLYPOINT_AGENT_ONLY_ENV"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+class _EnvDefault(argparse.Action):
+    """torchrun's rule: ``PET_<DEST>`` in the environment is the flag's default."""
+
+    def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
+        env_name = f"PET_{dest.upper()}"
+        default = os.environ.get(env_name, default)
+        if default is not None:
+            required = False
+        super().__init__(dest=dest, default=default, required=required, **kw)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+
+
+class _EnvFlag(argparse.Action):
+    def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
+        env_name = f"PET_{dest.upper()}"
+        default = bool(int(os.environ.get(env_name, "1" if default else "0")))
+        super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, self.const)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (torchrun's flags plus rallypoint's few extras)."""
+    p = _Parser(
+        prog="rallypoint run",
+        description="Launch an elastic job (torchrun-compatible flags).",
+    )
+    env, flag = _EnvDefault, _EnvFlag
+
+    def opt(*names: str, **kw: Any) -> None:
+        spelled = list(names)
+        for name in names:
+            if name.startswith("--") and "-" in name[2:]:
+                spelled.append("--" + name[2:].replace("-", "_"))
+        p.add_argument(*spelled, **kw)
+
+    opt("--nnodes", action=env, default="1:1", help="MIN:MAX nodes, or N.")
+    opt(
+        "--nproc-per-node",
+        action=env,
+        default="1",
+        help="workers per node: N, gpu, cpu or auto.",
+    )
+    opt("--rdzv-backend", action=env, default="static", help="c10d, etcd, torch-c10d, ...")
+    opt("--rdzv-endpoint", action=env, default="", help="host:port of the backend.")
+    opt("--rdzv-id", action=env, default="none", help="the job id all nodes share.")
+    opt("--rdzv-conf", action=env, default="", help="k1=v1,k2=v2 backend options.")
+    opt("--standalone", action=flag, help="embedded c10d store on a free port (one node).")
+    opt("--max-restarts", action=env, type=int, default=0, help="worker group restarts.")
+    opt("--monitor-interval", action=env, type=float, default=0.1, help="seconds.")
+    opt(
+        "--start-method",
+        action=env,
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="accepted for torchrun compatibility; workers are always fresh processes.",
+    )
+    opt("--role", action=env, default="default", help="worker role name.")
+    opt("-m", "--module", action=flag, help="run the script as a Python module (python -m).")
+    opt("--no-python", action=flag, help="run the script as a program, not with python.")
+    opt("--run-path", action=flag, help="run the script with runpy.run_path.")
+    opt("--log-dir", action=env, default=None, help="where per-attempt logs go.")
+    opt("-r", "--redirects", action=env, default="0", help="0-3 or 0:1,1:2 (files only).")
+    opt("-t", "--tee", action=env, default="0", help="0-3 or 0:1,1:2 (files and console).")
+    opt("--local-ranks-filter", action=env, default="", help="local ranks shown on console.")
+    opt("--node-rank", action=env, type=int, default=0, help="node rank (static backend).")
+    opt("--master-addr", action=env, default="127.0.0.1", help="store host (static backend).")
+    opt("--master-port", action=env, type=int, default=29500, help="store port (static).")
+    opt("--local-addr", action=env, default=None, help="this node's reachable address.")
+    opt("--stop-grace", action=env, type=float, default=5.0, help="SIGTERM->SIGKILL seconds.")
+    opt(
+        "--exit-barrier-timeout",
+        action=env,
+        type=float,
+        default=300.0,
+        help="seconds a finished node waits for the others.",
+    )
+    opt("--bind-gpus", action=flag, help="CUDA_VISIBLE_DEVICES: one device per local rank.")
+    p.add_argument("training_script", help="the script, module or program to run.")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        if ":" in text:
+            low, high = text.split(":", 1)
+            return int(low), int(high)
+        return int(text), int(text)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+
+
+def _cuda_devices() -> tuple[str, ...]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible is not None and visible.strip():
+        return tuple(v.strip() for v in visible.split(",") if v.strip())[:count]
+    return tuple(str(i) for i in range(count))
+
+
+def _parse_nproc(text: str) -> int:
+    if text == "gpu":
+        devices = _cuda_devices()
+        if not devices:
+            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible")
+        return len(devices)
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text == "auto":
+        return len(_cuda_devices()) or os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--nproc-per-node {text!r}: expected N, gpu, cpu or auto") from None
+
+
+def _parse_rdzv_conf(text: str) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--rdzv-conf {text!r}: expected key=value pairs, got {item!r}")
+        result[key.strip()] = value.strip()
+    return result
+
+
+def _check_entrypoint(args: argparse.Namespace) -> None:
+    script = args.training_script
+    if args.no_python and args.module:
+        raise ConfigError("--no-python and --module cannot be used together")
+    if args.no_python:
+        if not (os.path.isfile(script) or shutil.which(script)):
+            raise ConfigError(f"program {script!r} not found")
+    elif args.module:
+        try:
+            found = importlib.util.find_spec(script.split(".")[0]) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(f"module {script!r} not found on the Python path")
+    elif not os.path.isfile(script):
+        raise ConfigError(f"training script {script!r} not found")
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The command each worker runs, as torchrun builds it."""
+    script, rest = args.training_script, list(args.training_script_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if args.no_python:
+        return [script, *rest]
+    if args.module:
+        return [sys.executable, "-u", "-m", script, *rest]
+    if args.run_path:
+        code = (
+            "import runpy, sys; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')"
+        )
+        return [sys.executable, "-u", "-c", code, os.path.abspath(script), *rest]
+    return [sys.executable, "-u", script, *rest]
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """Validate parsed flags into a :class:`LaunchConfig`.
+
+    Raises:
+        ConfigError: any invalid value, with a one-line message.
+    """
+    min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    nproc = _parse_nproc(str(args.nproc_per_node))
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
+    _check_entrypoint(args)
+    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    if args.standalone:
+        if max_nodes != 1:
+            logger.warning("--standalone runs a single node: using --nnodes 1")
+        min_nodes = max_nodes = 1
+        backend, endpoint, run_id = "c10d", "", str(uuid.uuid4())
+    env: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+        print(
+            "rallypoint: setting OMP_NUM_THREADS=1 for each worker to avoid overloading "
+            "the system; set it yourself to tune performance.",
+            file=sys.stderr,
+        )
+    ranks_filter = None
+    if args.local_ranks_filter:
+        try:
+            ranks_filter = frozenset(int(r) for r in args.local_ranks_filter.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--local-ranks-filter {args.local_ranks_filter!r}: expected e.g. 0,1"
+            ) from None
+    devices = _cuda_devices() if args.bind_gpus else ()
+    from rallypoint.agent.rendezvous import BACKENDS, parse_endpoint
+
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"--rdzv-backend {backend!r} is unknown; use one of {', '.join(sorted(BACKENDS))}"
+        )
+    if backend != "static" and not args.standalone:
+        if not endpoint:
+            raise ConfigError(
+                f"--rdzv-endpoint is required for the {backend} backend "
+                "(or use --standalone for a single node)"
+            )
+        parse_endpoint(endpoint, backend)
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=_parse_rdzv_conf(args.rdzv_conf),
+        role=args.role,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        stop_grace=args.stop_grace,
+        exit_barrier_timeout=args.exit_barrier_timeout,
+        log_dir=args.log_dir,
+        redirects=parse_std(args.redirects, nproc, "--redirects"),
+        tee=parse_std(args.tee, nproc, "--tee"),
+        local_ranks_filter=ranks_filter,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        local_addr=args.local_addr,
+        bind_gpus=args.bind_gpus,
+        visible_devices=devices,
+        env=env,
+        standalone=args.standalone,
+    )
+
+
+def _setup_logging() -> None:
+    level = os.environ.get("LOGLEVEL", "INFO").upper()
+    root = logging.getLogger("rallypoint")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[rallypoint %(levelname)s] %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
+
+
+def _quiet_agent_cpp_logs() -> None:
+    # Store waits that time out by design (the monitor loop's change waits, the exit
+    # barrier) make torch's C++ store client log a warning each time. Silence them
+    # in the agent only (read once, when torch loads); workers get the user's setting.
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        os.environ[_AGENT_ONLY_ENV] = "TORCH_CPP_LOG_LEVEL"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rallypoint run`` with ``argv``; return the process exit status."""
+    _quiet_agent_cpp_logs()
+    from rallypoint.agent.agent import AgentState, ElasticAgent
+    from rallypoint.agent.errors import format_failures
+    from rallypoint.agent.rendezvous import build_handler
+
+    _setup_logging()
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        config = config_from_args(args)
+        handler = build_handler(config)
+    except (_UsageError, ConfigError) as exc:
+        print(f"rallypoint run: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the backend could not be reached or set up
+        print(f"rallypoint run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    agent = ElasticAgent(config, worker_argv(args), handler)
+    try:
+        result = agent.run()
+    except OSError as exc:
+        print(f"rallypoint run: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(f"rallypoint run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if result.state is AgentState.FAILED:
+        print(format_failures(" ".join(worker_argv(args)), result.failures), file=sys.stderr)
+        print(f"rallypoint run: {result.message}; logs in {agent.log_root}", file=sys.stderr)
+    elif result.state is not AgentState.SUCCEEDED:
+        print(f"rallypoint run: {result.message}", file=sys.stderr)
+    elif result.message:
+        print(f"rallypoint run: {result.message}", file=sys.stderr)
+    return result.exit_code
