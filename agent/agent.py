@@ -32,6 +32,10 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from rallypoint.agent.config import LaunchConfig, Std
+from rallypoint.agent.errors import ProcessFailure
+from rallypoint.agent.rendezvous import HandlerView
+from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.rendezvous.api import (
@@ -39,11 +43,6 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
     RendezvousGracefulExitError,
 )
-
-from rallypoint.agent.config import LaunchConfig, Std
-from rallypoint.agent.errors import ProcessFailure
-from rallypoint.agent.rendezvous import HandlerView
-from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
 
 __all__ = ["AgentState", "Assignment", "ElasticAgent", "RunResult", "SignalReceived"]
 
@@ -63,7 +62,7 @@ class AgentState(enum.Enum):
     INTERRUPTED = "interrupted"
 
 
-class SignalReceived(Exception):  # noqa: N818 -- named for what happened, like torch's
+class SignalReceived(Exception):
     """The agent received SIGINT/SIGTERM/SIGHUP/SIGQUIT; it stops its workers and exits."""
 
     def __init__(self, signum: int) -> None:
@@ -332,7 +331,9 @@ class ElasticAgent:
         if self.on_round_started is not None:
             self.on_round_started(assignment, self.group.pids)
 
-    def _assign(self, store: Store, group_rank: int, group_world_size: int, info: Any) -> Assignment:
+    def _assign(
+        self, store: Store, group_rank: int, group_world_size: int, info: Any
+    ) -> Assignment:
         """Agree on ranks, the round number and the master address through the store.
 
         Every agent publishes its role and worker count; group rank 0 computes each
@@ -351,9 +352,7 @@ class ElasticAgent:
                 json.loads(store.get(f"{prefix}/info/{rank}")) for rank in range(group_world_size)
             ]
             round_number = (
-                round_hint
-                if round_hint is not None
-                else max(int(i["seen"]) for i in infos) + 1
+                round_hint if round_hint is not None else max(int(i["seen"]) for i in infos) + 1
             )
             master_addr, master_port, agent_store = self._choose_master(info)
             world = sum(int(i["nproc"]) for i in infos)
@@ -455,8 +454,7 @@ class ElasticAgent:
                     redirect=config.redirects.get(local_rank, Std.NONE),
                     tee=config.tee.get(local_rank, Std.NONE),
                     console=(
-                        config.local_ranks_filter is None
-                        or local_rank in config.local_ranks_filter
+                        config.local_ranks_filter is None or local_rank in config.local_ranks_filter
                     ),
                     prefix=f"[{config.role}/{global_rank}]: ",
                 )

@@ -136,15 +136,11 @@ class LaunchConfig:
                 "the minimum is larger than the maximum"
             )
         if self.nproc_per_node < 1:
-            raise ConfigError(
-                f"--nproc-per-node must be at least 1, got {self.nproc_per_node}"
-            )
+            raise ConfigError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.monitor_interval <= 0:
-            raise ConfigError(
-                f"--monitor-interval must be positive, got {self.monitor_interval}"
-            )
+            raise ConfigError(f"--monitor-interval must be positive, got {self.monitor_interval}")
         if self.stop_grace < 0:
             raise ConfigError(f"--stop-grace must be >= 0, got {self.stop_grace}")
         if not self.run_id:

@@ -337,8 +337,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result.state is AgentState.FAILED:
         print(format_failures(" ".join(worker_argv(args)), result.failures), file=sys.stderr)
         print(f"rallypoint run: {result.message}; logs in {agent.log_root}", file=sys.stderr)
-    elif result.state is not AgentState.SUCCEEDED:
-        print(f"rallypoint run: {result.message}", file=sys.stderr)
-    elif result.message:
+    elif result.state is not AgentState.SUCCEEDED or result.message:
         print(f"rallypoint run: {result.message}", file=sys.stderr)
     return result.exit_code

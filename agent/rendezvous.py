@@ -20,10 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rallypoint.agent.config import ConfigError, LaunchConfig
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-from rallypoint.agent.config import ConfigError, LaunchConfig
 
 __all__ = [
     "BACKENDS",
@@ -83,7 +82,9 @@ def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
     try:
         port = int(port_text)
     except ValueError:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port_text!r} is not a number") from None
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r}: port {port_text!r} is not a number"
+        ) from None
     if not 0 <= port <= 65535:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port} is out of range 0..65535")
     return host, port

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import IO
 
 import psutil
-
 from rallypoint.agent.config import Std
 
 __all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "kill_tree"]
@@ -219,9 +218,7 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
     except OSError as exc:
         for fp in files:
             fp.close()
-        raise OSError(
-            exc.errno, f"cannot start worker {launch.argv[0]!r}: {exc.strerror}"
-        ) from exc
+        raise OSError(exc.errno, f"cannot start worker {launch.argv[0]!r}: {exc.strerror}") from exc
     worker = WorkerProcess(launch=launch, popen=popen, start_time=time.time(), files=files)
     for bit, log, console in pumps:
         source = popen.stdout if bit == Std.OUT else popen.stderr

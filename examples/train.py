@@ -27,10 +27,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from rallypoint.agent import record
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from rallypoint.agent import record
 
 IN_FEATURES = 16
 
@@ -75,9 +74,7 @@ def load_checkpoint(path: str, model: nn.Module, device: torch.device) -> int:
         return 0
     with open(path, encoding="utf-8") as fp:
         state = json.load(fp)
-    model.load_state_dict(
-        {k: torch.tensor(v, device=device) for k, v in state["params"].items()}
-    )
+    model.load_state_dict({k: torch.tensor(v, device=device) for k, v in state["params"].items()})
     return int(state["step"])
 
 
@@ -108,7 +105,9 @@ def main() -> None:
         model = nn.Linear(IN_FEATURES, 1).to(device)
         path = checkpoint_path(args)
         start = load_checkpoint(path, model, device)
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
+        ddp = DistributedDataParallel(
+            model, device_ids=[device.index] if device.index is not None else None
+        )
         optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr)
         if rank == 0:
             print(
