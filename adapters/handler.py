@@ -92,6 +92,8 @@ class RallypointHandler(RendezvousHandler):
         store_provider: the per-round store; defaults to a prefix of the c10d
             backend's own store (required for other backends).
         poll_interval: the longest a wait lasts without a change notification.
+        retry_window: how long a rendezvous keeps retrying an unreachable backend
+            before it raises RendezvousConnectionError (see :class:`StateSync`).
         local_id: distinguishes handlers in one process (default: a counter).
     """
 
@@ -103,6 +105,7 @@ class RallypointHandler(RendezvousHandler):
         local_addr: str,
         store_provider: RoundStoreProvider | None = None,
         poll_interval: float = 1.0,
+        retry_window: float = 0.0,
         local_id: int | None = None,
     ) -> None:
         if store_provider is None:
@@ -118,7 +121,13 @@ class RallypointHandler(RendezvousHandler):
         self._provider = store_provider
         local = next(_local_ids) if local_id is None else local_id
         self.node = NodeDesc(local_addr, os.getpid(), local)
-        self._sync = StateSync(backend, self.node, settings, poll_interval=poll_interval)
+        self._sync = StateSync(
+            backend,
+            self.node,
+            settings,
+            poll_interval=poll_interval,
+            retry_window=retry_window,
+        )
         self._round = -1
         self._members: frozenset[NodeDesc] = frozenset()
         self._peer_seen: dict[NodeDesc, tuple[int, float]] = {}

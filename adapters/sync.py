@@ -46,7 +46,7 @@ from rallypoint.core import (
 from rallypoint.core import errors as core_errors
 
 from .backend import RendezvousBackend, Token
-from .errors import RendezvousStateError, describe
+from .errors import RendezvousConnectionError, RendezvousStateError, describe
 
 __all__ = ["SIDE_BITS", "StateSync", "merge_heartbeats", "split_heartbeats"]
 
@@ -90,6 +90,9 @@ class StateSync:
         rng: randomness for backoff jitter (seedable for tests).
         poll_interval: the longest a SYNC waits without a change notification:
             only a fallback for a notification lost with a crashed writer.
+        retry_window: how long (seconds) :meth:`run` keeps retrying while the
+            backend is unreachable before it raises (an etcd server restarting);
+            0 raises at once (a TCPStore client has already waited read_timeout).
 
     Thread-safe: the cached view is guarded by a lock that is never held while
     waiting on the backend.
@@ -104,6 +107,7 @@ class StateSync:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         poll_interval: float = 1.0,
+        retry_window: float = 0.0,
     ) -> None:
         self.backend = backend
         self.node = node
@@ -111,6 +115,7 @@ class StateSync:
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         self._poll_interval = poll_interval
+        self._retry_window = retry_window
         self._lock = threading.Lock()
         self._blob = RendezvousState()
         self._merged = RendezvousState()
@@ -242,44 +247,69 @@ class StateSync:
         Raises:
             RendezvousConnectionError, RendezvousStateError: from the backend.
         """
-        if not self._registered:
-            # Create this node's heartbeat key before the blob can name it, so
-            # readers find every member's key in one round trip.
-            self.beat()
-        self.refresh()
         losses = 0
+        down_since: float | None = None
+        fresh = False
         while True:
-            with self._lock:
-                base = self._merged
-                obs = self._obs
-            now = self._clock()
-            state, dead = sanitize(base, obs, self.settings, now)
-            ctx = Context(self.node, state, self.settings, now, obs)
-            action = op(ctx, deadline)
-            if action.is_terminal:
-                return action
-            if action is Action.SYNC:
-                if dead:
-                    # Publish the removal so that peers converge on it at once.
-                    self._write(state, base)
-                    continue
-                wake = wake_at(ctx, deadline)
-                timeout = self._poll_interval
-                if wake is not None:
-                    timeout = min(timeout, max(0.0, wake - now) + _WAKE_EPSILON)
-                self.backend.wait_for_change(self.token, timeout)
-                self.refresh()
-                continue
-            if action is Action.KEEP_ALIVE and not dead and self.node in self._blob.heartbeats:
-                self.beat()
-                continue
-            new = apply(state, action, ctx)
-            if self._write(new, base):
-                losses = 0
-                if action.resets_deadline and reset_deadline is not None:
-                    deadline = reset_deadline()
-            else:
-                losses += 1
-                # Jittered exponential backoff: spreads out a herd of simultaneous
-                # joiners without adding a fixed delay to the first retry.
-                time.sleep(self._rng.uniform(0, min(0.05, 0.001 * (2**losses))))
+            try:
+                if not self._registered:
+                    # Create this node's heartbeat key before the blob can name it,
+                    # so readers find every member's key in one round trip.
+                    self.beat()
+                if not fresh:
+                    self.refresh()
+                    fresh = True
+                action, deadline, losses = self._step(op, deadline, reset_deadline, losses)
+                down_since = None
+                if action is not None:
+                    return action
+                if losses:
+                    # Jittered exponential backoff: spreads out a herd of simultaneous
+                    # joiners without adding a fixed delay to the first retry.
+                    time.sleep(self._rng.uniform(0, min(0.05, 0.001 * (2**losses))))
+            except RendezvousConnectionError:
+                now = self._clock()
+                down_since = now if down_since is None else down_since
+                if now - down_since >= self._retry_window or now > deadline:
+                    raise
+                fresh = False
+                time.sleep(min(0.5, 0.05 + self._rng.uniform(0, 0.1)))
+
+    def _step(
+        self,
+        op: Operator,
+        deadline: float,
+        reset_deadline: Callable[[], float] | None,
+        losses: int,
+    ) -> tuple[Action | None, float, int]:
+        """One decision: returns (terminal action or None, deadline, CAS losses)."""
+        with self._lock:
+            base = self._merged
+            obs = self._obs
+        now = self._clock()
+        state, dead = sanitize(base, obs, self.settings, now)
+        ctx = Context(self.node, state, self.settings, now, obs)
+        action = op(ctx, deadline)
+        if action.is_terminal:
+            return action, deadline, 0
+        if action is Action.SYNC:
+            if dead:
+                # Publish the removal so that peers converge on it at once.
+                self._write(state, base)
+                return None, deadline, 0
+            wake = wake_at(ctx, deadline)
+            timeout = self._poll_interval
+            if wake is not None:
+                timeout = min(timeout, max(0.0, wake - now) + _WAKE_EPSILON)
+            self.backend.wait_for_change(self.token, timeout)
+            self.refresh()
+            return None, deadline, 0
+        if action is Action.KEEP_ALIVE and not dead and self.node in self._blob.heartbeats:
+            self.beat()
+            return None, deadline, 0
+        new = apply(state, action, ctx)
+        if not self._write(new, base):
+            return None, deadline, losses + 1
+        if action.resets_deadline and reset_deadline is not None:
+            deadline = reset_deadline()
+        return None, deadline, 0

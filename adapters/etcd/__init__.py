@@ -1,1 +1,16 @@
-"""rallypoint.adapters.etcd."""
+"""rallypoint.adapters.etcd: the rendezvous state in etcd v3, and a test server."""
+
+from .backend import EtcdBackend
+from .server import EtcdServer, EtcdServerError, find_etcd_binary, free_port
+from .store import DEFAULT_PORT, HostedStoreProvider, create_etcd_backend
+
+__all__ = [
+    "DEFAULT_PORT",
+    "EtcdBackend",
+    "EtcdServer",
+    "EtcdServerError",
+    "HostedStoreProvider",
+    "create_etcd_backend",
+    "find_etcd_binary",
+    "free_port",
+]

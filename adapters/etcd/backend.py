@@ -1,0 +1,266 @@
+"""The etcd backend: the rendezvous state in etcd v3, CAS on the key's mod_revision.
+
+Key layout under ``<prefix>/<run_id>/`` (default prefix ``/rallypoint``):
+
+===================  =========================================================
+key                  value
+===================  =========================================================
+``state``            the state blob; its ``mod_revision`` is the fencing token.
+                     A write is one txn: ``mod_revision(state) == token`` (or
+                     ``version(state) == 0`` to create) then put, else get, so a
+                     lost write returns the current state in the same round trip.
+``hb/<node>``        the node's heartbeat counter (decimal); each node writes only
+                     its own key, so a put is a safe O(1) increment.
+``store/<round>``    ``host:port`` of the TCPStore the rank-0 node hosts for the
+                     round (:class:`HostedStoreProvider`).
+===================  =========================================================
+
+Waiting is an etcd watch on ``state`` starting at ``token + 1``: no event is
+missed between the read and the watch, and a waiter wakes as soon as the next
+write commits. With ``ttl``, every state write attaches a fresh lease of ``ttl``
+seconds and heartbeats refresh it: a run's state disappears ``ttl`` seconds after
+its last node went silent (torch's etcd backend has the same option).
+
+The client is duck-typed on the python-etcd3 API (``get``, ``get_response``,
+``put``, ``transaction``, ``transactions``, ``add_watch_callback``,
+``cancel_watch``, ``get_prefix``, ``lease``, ``refresh_lease``); the default is
+``pyetcd`` from etcd-sdk-python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
+
+from ..backend import BackendStats, Token
+from ..errors import RendezvousConnectionError, describe
+
+__all__ = ["EtcdBackend"]
+
+_T = TypeVar("_T")
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        from pyetcd.exceptions import Etcd3Exception
+
+        errors.append(Etcd3Exception)
+    except ImportError:  # pragma: no cover - another etcd3-style client
+        pass
+    try:
+        import grpc
+
+        errors.append(grpc.RpcError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
+
+
+class EtcdBackend:
+    """A :class:`~rallypoint.adapters.backend.RendezvousBackend` on etcd v3.
+
+    Args:
+        client: an etcd3-style client (e.g. ``pyetcd.client(host, port)``).
+        run_id: namespaces every key.
+        endpoint: ``host:port``, for messages.
+        key_prefix: the root of this library's keys.
+        ttl: optional lifetime (seconds) of the state after the last write or beat.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        run_id: str,
+        *,
+        endpoint: str,
+        key_prefix: str = "/rallypoint",
+        ttl: float | None = None,
+        name: str = "rallypoint-etcd",
+    ) -> None:
+        if not run_id:
+            raise ValueError("run_id must be a non-empty string")
+        self._client = client
+        self._run_id = run_id
+        self._endpoint = endpoint
+        self._name = name
+        self._root = f"{key_prefix.rstrip('/')}/{run_id}/"
+        self._key = self._root + "state"
+        self._ttl = None if ttl is None else max(1, int(ttl))
+        self._lease_id: int | None = None
+        self._counters: dict[str, int] = {}
+        self._stats = BackendStats()
+        self._lock = threading.Lock()
+        self._errors = _client_errors()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def stats(self) -> BackendStats:
+        return self._stats
+
+    @property
+    def client(self) -> Any:
+        """The etcd client (shared with :class:`HostedStoreProvider`)."""
+        return self._client
+
+    def key(self, suffix: str) -> str:
+        """The full etcd key of ``suffix`` in this run's namespace."""
+        return self._root + suffix
+
+    def failure(self, exc: BaseException) -> RendezvousConnectionError:
+        """The error to raise for a client exception."""
+        return RendezvousConnectionError(
+            describe(
+                f"etcd failed ({exc.__class__.__name__}: {str(exc)[:200]})",
+                run_id=self._run_id,
+                endpoint=self._endpoint,
+                check="that the etcd server is running and reachable at this address "
+                "(etcdctl --endpoints=<endpoint> endpoint health)",
+            )
+        )
+
+    def call(self, op: Callable[[], _T], written: int = 0, read: int = 0) -> _T:
+        """Run one client operation: count it, and turn client errors into
+        :class:`RendezvousConnectionError`."""
+        try:
+            result = op()
+        except self._errors as exc:
+            raise self.failure(exc) from exc
+        with self._lock:
+            self._stats.ops += 1
+            self._stats.bytes_written += written
+            self._stats.bytes_read += read
+        return result
+
+    def _read_bytes(self, n: int) -> None:
+        with self._lock:
+            self._stats.bytes_read += n
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        value, meta = self.call(lambda: self._client.get(self._key), written=len(self._key))
+        if value is None:
+            return None
+        self._read_bytes(len(value))
+        self._lease_id = getattr(meta, "lease_id", None) or None
+        return bytes(value), int(meta.mod_revision)
+
+    def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+        tx = self._client.transactions
+        if token is None:
+            compare = [tx.version(self._key) == 0]
+        else:
+            compare = [tx.mod(self._key) == int(token)]
+        lease = None
+        if self._ttl is not None:
+            lease = self.call(lambda: self._client.lease(self._ttl), written=8)
+        ok, responses = self.call(
+            lambda: self._client.transaction(
+                compare=compare,
+                success=[tx.put(self._key, bytes(state), lease)],
+                failure=[tx.get(self._key)],
+            ),
+            written=len(self._key) * 2 + len(state),
+        )
+        if ok:
+            if lease is not None:
+                self._lease_id = int(lease.id)
+            return bytes(state), int(responses[0].response_put.header.revision), True
+        kvs = responses[0] if responses else []
+        if not kvs:
+            return None
+        value, meta = kvs[0]
+        self._read_bytes(len(value))
+        return bytes(value), int(meta.mod_revision), False
+
+    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
+        if token is None:
+            response = self.call(lambda: self._client.get_response(self._key))
+            if response.count > 0:
+                return True
+            start = int(response.header.revision) + 1
+        else:
+            start = int(token) + 1
+        return self.watch(self._key, start, timeout)
+
+    def watch(self, key: str, start_revision: int, timeout: float) -> bool:
+        """Block until ``key`` changes at or after ``start_revision`` (True) or
+        ``timeout`` passes (False).
+
+        A callback watch rather than ``watch_once``: when the server goes away, the
+        client hands the stream error to the callback, which is reported as a
+        :class:`RendezvousConnectionError` instead of crashing the caller.
+        """
+        fired = threading.Event()
+        box: list[object] = []
+
+        def callback(response: object) -> None:
+            box.append(response)
+            fired.set()
+
+        watch_id = self.call(
+            lambda: self._client.add_watch_callback(key, callback, start_revision=start_revision)
+        )
+        try:
+            if not fired.wait(max(timeout, 0.0)):
+                return False
+        finally:
+            # The stream may already be gone with the server.
+            with contextlib.suppress(*self._errors):
+                self._client.cancel_watch(watch_id)
+        if isinstance(box[0], BaseException):
+            raise self.failure(box[0])
+        return True
+
+    def _hbkey(self, node: str) -> str:
+        return f"{self._root}hb/{node}"
+
+    def beat(self, node: str) -> int:
+        key = self._hbkey(node)
+        if node not in self._counters:
+            value, _ = self.call(lambda: self._client.get(key), written=len(key))
+            self._counters[node] = int(value) if value else 0
+        counter = self._counters[node] + 1
+        payload = str(counter).encode()
+        self.call(lambda: self._client.put(key, payload), written=len(key) + len(payload))
+        self._counters[node] = counter
+        with self._lock:
+            self._stats.heartbeat_ops += 1
+            self._stats.heartbeat_bytes_written += len(key) + len(payload)
+        lease_id = self._lease_id
+        if lease_id is not None:
+            # Keep the state alive while anyone beats; a lease that already expired
+            # is simply gone (the next write attaches a new one).
+            try:
+                self.call(lambda: list(self._client.refresh_lease(lease_id)), written=8)
+            except RendezvousConnectionError:
+                self._lease_id = None
+        return counter
+
+    def get_heartbeats(self, nodes: Collection[str]) -> dict[str, int]:
+        prefix = f"{self._root}hb/"
+        wanted = set(nodes)
+        found: dict[str, int] = {}
+
+        def read() -> None:
+            for value, meta in self._client.get_prefix(prefix):
+                name = bytes(meta.key).decode()[len(prefix) :]
+                self._read_bytes(len(value) + len(meta.key))
+                if name in wanted:
+                    found[name] = int(value)
+
+        self.call(read, written=len(prefix))
+        return {node: found.get(node, 0) for node in nodes}
+
+    def close(self) -> None:
+        close = getattr(self._client, "close", None)
+        if close is not None:
+            close()
