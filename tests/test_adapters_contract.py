@@ -106,7 +106,7 @@ def test_every_write_gets_a_new_token(make: Make) -> None:
     a = make()
     token = None
     seen = set()
-    for i in range(5):
+    for _ in range(5):
         _, token, won = a.set_state(b"same", token)  # type: ignore[misc]
         assert won
         seen.add(token)
