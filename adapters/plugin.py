@@ -2,22 +2,31 @@
 
 torch's registry loads each ``torchrun.handlers`` entry point and *calls* it with no
 arguments to obtain the handler creator, so each entry point is a function that
-returns :func:`rallypoint.adapters.create_handler`.
+returns a creator. The creator imports :func:`rallypoint.adapters.create_handler`
+only when called: registration runs while ``torch.distributed.elastic.rendezvous``
+is still being imported, so importing the handler's modules then could fail on a
+partially initialized torch module (and torch only logs a warning).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 __all__ = ["c10d_handler", "etcd_handler"]
 
 
-def _creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+def _create(params: RendezvousParameters) -> RendezvousHandler:
     from .factory import create_handler
 
-    return create_handler
+    return create_handler(params)
+
+
+def _creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    return _create
 
 
 def c10d_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
