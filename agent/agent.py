@@ -28,7 +28,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -166,6 +165,7 @@ class ElasticAgent:
         self._store: Store | None = None
         self._log_root = self._make_log_root()
         self._next_closed_check = 0.0
+        self._closed = False
         self.on_round_started: Callable[[Assignment, list[int]], None] | None = None
 
     # ----------------------------------------------------------------- the loop
@@ -188,9 +188,10 @@ class ElasticAgent:
         # torch's shutdown() closes the rendezvous; rallypoint's handler also has
         # close() to release its backend and any store it hosts.
         started = time.monotonic()
-        with contextlib.suppress(Exception):
-            self.handler.shutdown()
         release = getattr(self.handler, "close", None)
+        if not (self._closed and callable(release)):
+            with contextlib.suppress(Exception):
+                self.handler.shutdown()
         if callable(release):
             with contextlib.suppress(Exception):
                 release()
@@ -222,7 +223,9 @@ class ElasticAgent:
                 )
             outcome, failures = self._monitor()
             if outcome == "succeeded":
-                self._exit_barrier()
+                if not self._exit_barrier():
+                    self.group.stop(config.stop_grace)
+                    continue
                 self._close_rendezvous()
                 return RunResult(
                     AgentState.SUCCEEDED,
@@ -483,34 +486,38 @@ class ElasticAgent:
             )
         return sorted(failures, key=lambda f: f.time)
 
-    def _exit_barrier(self) -> None:
-        """Wait until every agent of the round has finished, a peer died, or the timeout.
+    def _exit_barrier(self) -> bool:
+        """Wait until every agent of the round has finished; False: rejoin instead.
 
         Agents count themselves in; the last one sets a key the others wait on.
-        A dead peer can never arrive, so waiting stops when the handler reports one.
+        While waiting, a node waiting to join means a peer's workers failed and it
+        is re-rendezvousing: the job is not done, so this agent rejoins too (False).
+        A dead peer can never arrive, so waiting also stops when one is reported.
         """
         a, store = self._assignment, self._store
         if a is None or store is None or a.group_world_size == 1:
-            return
+            return True
         prefix = f"{_KEY_PREFIX}/{a.round}/exit"
         try:
             if store.add(f"{prefix}/count", 1) >= a.group_world_size:
                 store.set(f"{prefix}/done", "1")
             deadline = time.monotonic() + self.config.exit_barrier_timeout
             while time.monotonic() < deadline:
-                try:
-                    store.wait([f"{prefix}/done"], timedelta(seconds=0.5))
-                    return
-                except Exception as exc:  # torch raises DistStoreError/RuntimeError on timeout
-                    if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
-                        raise
+                if store.check([f"{prefix}/done"]):
+                    return True
+                if self.handler.num_nodes_waiting() > 0:
+                    logger.info("exit barrier: a node is waiting to join; rejoining")
+                    return False
                 dead = self.view.dead_participants()
                 if dead:
                     logger.warning(
                         "exit barrier: peer(s) %s stopped heartbeating; not waiting for them",
                         ", ".join(sorted(map(str, dead))),
                     )
-                    return
+                    return True
+                if self._closed_elsewhere():
+                    return True
+                self.view.wait(self.config.monitor_interval)
             logger.warning(
                 "exit barrier: not every agent finished within %.0f s",
                 self.config.exit_barrier_timeout,
@@ -521,11 +528,13 @@ class ElasticAgent:
             # The store's host may already be gone once everyone passed; the job
             # itself succeeded here, so the barrier only warns.
             logger.warning("exit barrier: %s: %s", type(exc).__name__, exc)
+        return True
 
     def _close_rendezvous(self) -> None:
         started = time.monotonic()
         try:
             self.handler.set_closed()
+            self._closed = True
         except Exception as exc:
             logger.debug("closing the rendezvous: %s: %s", type(exc).__name__, exc)
         logger.debug("rendezvous closed in %.3f s", time.monotonic() - started)

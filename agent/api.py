@@ -1,0 +1,114 @@
+"""Run a Python function on every worker of an elastic job: ``elastic_launch``.
+
+Like torch's ``torch.distributed.launcher.api.elastic_launch``::
+
+    results = elastic_launch(config, train)(epochs, lr=0.1)  # {global rank: return value}
+
+Each worker is a fresh interpreter (``python -m rallypoint.agent._function_worker``)
+that imports the function by name and calls it. Arguments and return values must
+be JSON-serialisable: they travel as JSON, never pickle. The function must be
+importable: defined at module top level, in a module or in a script file.
+A failure beyond ``max_restarts`` raises :class:`WorkerFailedError` carrying the
+failure table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rallypoint.agent._function_worker import ARGS_ENV, FUNCTION_ENV
+from rallypoint.agent.agent import AgentState, ElasticAgent, RunResult
+from rallypoint.agent.config import ConfigError, LaunchConfig
+from rallypoint.agent.errors import AgentError, WorkerFailedError
+from rallypoint.agent.rendezvous import build_handler
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+__all__ = ["elastic_launch", "function_spec"]
+
+
+def function_spec(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` (or ``file.py:qualname`` for a script) naming ``fn``.
+
+    Raises:
+        ConfigError: ``fn`` is a lambda, a nested function, or has no importable home.
+    """
+    qualname = getattr(fn, "__qualname__", "")
+    module_name = getattr(fn, "__module__", None)
+    if not qualname or "<" in qualname or module_name is None:
+        raise ConfigError(
+            f"{fn!r} cannot be launched: use a function defined at the top level of a module"
+        )
+    if module_name == "__main__":
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if not path:
+            raise ConfigError(
+                f"{qualname} is defined in an interactive session; move it to a module or script"
+            )
+        return f"{os.path.abspath(path)}:{qualname}"
+    return f"{module_name}:{qualname}"
+
+
+def elastic_launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    *,
+    handler: RendezvousHandler | None = None,
+) -> Callable[..., dict[int, Any]]:
+    """Return a callable that runs ``entrypoint`` on this node's workers and waits.
+
+    Args:
+        config: the launch configuration.
+        entrypoint: a top-level Python function, or a program path (then the
+            arguments are its command-line arguments and results are None).
+        handler: a rendezvous handler; by default built from ``config``.
+
+    The returned callable takes the function's arguments and returns
+    ``{global rank: return value}`` for this node's workers.
+
+    Raises:
+        WorkerFailedError: the workers failed more than ``config.max_restarts`` times.
+        AgentError: the rendezvous closed, or the agent was interrupted.
+    """
+
+    def launch(*args: Any, **kwargs: Any) -> dict[int, Any]:
+        is_function = callable(entrypoint)
+        if is_function:
+            assert callable(entrypoint)
+            try:
+                payload = json.dumps({"args": list(args), "kwargs": kwargs})
+            except TypeError as exc:
+                raise ConfigError(f"arguments must be JSON-serialisable: {exc}") from None
+            config.env[FUNCTION_ENV] = function_spec(entrypoint)
+            config.env[ARGS_ENV] = payload
+            argv = [sys.executable, "-u", "-m", "rallypoint.agent._function_worker"]
+        else:
+            if kwargs:
+                raise ConfigError("a program entry point takes positional arguments only")
+            argv = [str(entrypoint), *map(str, args)]
+        agent = ElasticAgent(
+            config, argv, handler or build_handler(config), return_values=is_function
+        )
+        result = agent.run()
+        return _results(result, entrypoint)
+
+    return launch
+
+
+def _results(result: RunResult, entrypoint: Callable[..., Any] | str) -> dict[int, Any]:
+    name = entrypoint if isinstance(entrypoint, str) else function_spec(entrypoint)
+    if result.state is AgentState.FAILED:
+        raise WorkerFailedError(name, result.failures)
+    if result.state is not AgentState.SUCCEEDED:
+        raise AgentError(f"{name}: {result.message}")
+    values: dict[int, Any] = {}
+    for rank, path in result.return_files.items():
+        try:
+            with open(path, encoding="utf-8") as fp:
+                values[rank] = json.load(fp)
+        except FileNotFoundError:
+            values[rank] = None
+    return values
