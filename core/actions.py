@@ -31,6 +31,7 @@ round that drops below min_nodes disarms its last call.
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,8 @@ from .state import (
 
 if TYPE_CHECKING:
     from .operators import Context
+
+_SINCE = operator.itemgetter(1)  # HeartbeatSighting.since, read in C
 
 __all__ = ["Action", "apply", "assign_ranks", "observe", "sanitize"]
 
@@ -275,13 +278,29 @@ def observe(observations: Observations, state: RendezvousState, now: float) -> O
     """
     seen = observations.heartbeats
     updated = seen
-    for node, counter in state.heartbeats.items():
-        sighting = seen.get(node)
-        if sighting is None or sighting.counter != counter:
-            updated = updated.set(node, HeartbeatSighting(counter, now))
-    for node in seen:
-        if node not in state.heartbeats:
-            updated = updated.delete(node)
+    counters = state.heartbeats
+    source = observations.source
+    items = observations.source_items
+    oldest = observations.oldest
+    if source is not counters and source != counters:
+        items = frozenset(counters.items())
+        if source is None:  # sightings not made by observe(): compare counter by counter
+            changed = frozenset((n, c) for n, c in items if n not in seen or seen[n].counter != c)
+        else:
+            changed = items - observations.source_items
+        if changed:
+            with updated.mutate() as mutable:
+                for node, counter in changed:
+                    mutable[node] = HeartbeatSighting(counter, now)
+                updated = mutable.finish()
+        if len(updated) != len(counters):
+            with updated.mutate() as mutable:
+                for node in seen:
+                    if node not in counters:
+                        del mutable[node]
+                updated = mutable.finish()
+        if updated is not seen:
+            oldest = min(map(_SINCE, updated.values()), default=None)
 
     last_call = observations.last_call
     if state.last_call is None:
@@ -292,9 +311,11 @@ def observe(observations: Observations, state: RendezvousState, now: float) -> O
     ):
         last_call = LastCallSighting(state.round, state.last_call, now)
 
-    if updated is seen and last_call is observations.last_call:
+    if updated is seen and last_call is observations.last_call and source is counters:
         return observations
-    return Observations(heartbeats=updated, last_call=last_call)
+    return Observations(
+        heartbeats=updated, last_call=last_call, source=counters, source_items=items, oldest=oldest
+    )
 
 
 def dead_nodes(
@@ -303,6 +324,9 @@ def dead_nodes(
     """Nodes whose heartbeat counter this observer has not seen move for the
     liveness window (``keep_alive_interval * keep_alive_max_attempt``)."""
     window = settings.liveness_window
+    oldest = observations.oldest
+    if oldest is None or now - oldest <= window:
+        return frozenset()
     return frozenset(
         node
         for node in state.heartbeats

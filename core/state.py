@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
 
 from immutables import Map
 
@@ -41,12 +41,13 @@ def _frozen_map(items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()) -> Map[_K
     return Map(items)
 
 
-@dataclass(frozen=True, order=True)
-class NodeDesc:
+class NodeDesc(NamedTuple):
     """One rendezvous participant: a handler instance in one process on one host.
 
     Nodes are totally ordered by (addr, pid, local_id); without the stable-ranks
-    option, ranks are assigned in that order, as torch does.
+    option, ranks are assigned in that order, as torch does. A named tuple, because
+    nodes are dictionary keys in every step of every node and tuple hashing and
+    comparison run in C.
     """
 
     addr: str
@@ -191,20 +192,37 @@ class RendezvousState:
         return dict(self.participants.items()) if self.complete else {}
 
     def evolve(self, **changes: object) -> RendezvousState:
-        """A copy with the given fields replaced (the input is never modified)."""
-        return replace(self, **changes)  # type: ignore[arg-type]
+        """A copy with the given fields replaced (the input is never modified).
+
+        Every transition goes through here; it copies the field dictionary instead
+        of re-running the constructor, converting only the fields it is given.
+        """
+        new = object.__new__(RendezvousState)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        for name, value in changes.items():
+            if name not in fields:
+                raise TypeError(f"RendezvousState has no field {name!r}")
+            if name in _MAP_FIELDS and not isinstance(value, Map):
+                value = Map(value)  # type: ignore[call-overload]
+            elif name in _SET_FIELDS and not isinstance(value, frozenset):
+                value = frozenset(value)  # type: ignore[call-overload]
+            fields[name] = value
+        return new
 
 
-@dataclass(frozen=True)
-class HeartbeatSighting:
+_MAP_FIELDS = frozenset({"participants", "heartbeats", "last_ranks"})
+_SET_FIELDS = frozenset({"wait_list", "redundancy_list"})
+
+
+class HeartbeatSighting(NamedTuple):
     """A heartbeat counter value and when (observer's clock) it was first seen."""
 
     counter: int
     since: float
 
 
-@dataclass(frozen=True)
-class LastCallSighting:
+class LastCallSighting(NamedTuple):
     """Which last call (round, arming number) was seen, and when it was first seen."""
 
     round: int
@@ -221,6 +239,18 @@ class Observations:
 
     heartbeats: Map[NodeDesc, HeartbeatSighting] = field(default_factory=Map)
     last_call: LastCallSighting | None = None
+    #: The heartbeat counters these sightings were taken from, and their items:
+    #: observing the next state then costs a C-level comparison or set difference
+    #: instead of a Python loop over every node.
+    source: Map[NodeDesc, int] | None = field(default=None, compare=False, repr=False)
+    source_items: frozenset[tuple[NodeDesc, int]] = field(
+        default=frozenset(), compare=False, repr=False
+    )
+    #: The earliest ``since`` of all heartbeat sightings (None: no sightings), so
+    #: that "is anybody dead?" is one comparison.
+    oldest: float | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "heartbeats", _frozen_map(self.heartbeats))
+        if self.oldest is None and self.heartbeats:
+            object.__setattr__(self, "oldest", min(s.since for s in self.heartbeats.values()))

@@ -1,0 +1,185 @@
+"""One test per row of the join decision table, each asserting the exact action.
+
+Every state here is reached through the core's own actions (core_scenarios), and the
+row that decided is checked too, so a reordering of the table cannot hide behind an
+action that happens to be the same.
+"""
+
+from __future__ import annotations
+
+from core_scenarios import FAR, completed, ctx, joined, node, settings, step
+
+from rallypoint.core import JOIN_TABLE, Action, JoinOp, Observations, RendezvousState, join_row
+
+ROWS_HIT: set[str] = set()
+
+
+def decide(c, deadline: float = FAR) -> Action:
+    row = join_row(c, deadline)
+    ROWS_HIT.add(row.name)
+    action = JoinOp()(c, deadline)
+    assert action is row.action
+    return action
+
+
+def redundant_setup():
+    """A full complete round (max=2) with node(9) standing by as redundant."""
+    s = settings(1, 2)
+    state = completed(2, s)
+    state = step(state, node(9), Action.ADD_TO_REDUNDANCY_LIST, s)
+    return s, state
+
+
+def test_closed_while_redundant_exits_gracefully():
+    s, state = redundant_setup()
+    state = step(state, node(0), Action.MARK_RENDEZVOUS_CLOSED, s)
+    assert decide(ctx(node(9), state, s)) is Action.ERROR_GRACEFUL_EXIT
+
+
+def test_closed_is_an_error_for_a_joiner():
+    s = settings()
+    state = step(RendezvousState(), node(0), Action.MARK_RENDEZVOUS_CLOSED, s)
+    assert decide(ctx(node(1), state, s)) is Action.ERROR_CLOSED
+
+
+def test_redundant_in_full_round_heartbeats_when_due():
+    s, state = redundant_setup()
+    obs = ctx(node(9), state, s, now=0.0).observations
+    later = ctx(node(9), state, s, now=s.keep_alive_interval, obs=obs)
+    assert decide(later) is Action.KEEP_ALIVE
+
+
+def test_redundant_in_full_round_waits():
+    s, state = redundant_setup()
+    assert decide(ctx(node(9), state, s)) is Action.SYNC
+
+
+def test_redundant_with_room_becomes_a_joiner_and_resets_its_deadline():
+    s, state = redundant_setup()
+    state = step(state, node(1), Action.REMOVE_FROM_PARTICIPANTS, s)
+    # Even past its join deadline: a redundant node is not subject to it.
+    action = decide(ctx(node(9), state, s, now=100.0), deadline=0.0)
+    assert action is Action.REMOVE_FROM_REDUNDANCY_LIST
+    assert action.resets_deadline
+
+
+def test_participant_of_complete_round_finishes():
+    s = settings()
+    state = completed(2, s)
+    assert decide(ctx(node(1), state, s)) is Action.FINISH
+
+
+def test_timed_out_participant_withdraws_within_rollback():
+    s = settings()
+    state = joined([node(0)], s)
+    assert (
+        decide(ctx(node(0), state, s, now=12.0), deadline=10.0) is Action.REMOVE_FROM_PARTICIPANTS
+    )
+
+
+def test_timed_out_waiter_withdraws_within_rollback():
+    s = settings()
+    state = step(completed(2, s), node(5), Action.ADD_TO_WAIT_LIST, s)
+    assert decide(ctx(node(5), state, s, now=12.0), deadline=10.0) is Action.REMOVE_FROM_WAIT_LIST
+
+
+def test_timed_out_after_rollback_is_an_error():
+    s = settings()
+    state = joined([node(0)], s)
+    late = 10.0 + s.rollback_period + 0.1
+    assert decide(ctx(node(0), state, s, now=late), deadline=10.0) is Action.ERROR_TIMEOUT
+
+
+def test_timed_out_stranger_is_an_error_at_once():
+    s = settings()
+    assert decide(ctx(node(0), RendezvousState(), s, now=11.0), 10.0) is Action.ERROR_TIMEOUT
+
+
+def test_complete_round_with_capacity_puts_a_newcomer_on_the_wait_list():
+    s = settings(2, 3)
+    state = completed(2, s)
+    assert decide(ctx(node(5), state, s)) is Action.ADD_TO_WAIT_LIST
+
+
+def test_complete_full_round_makes_a_newcomer_redundant():
+    s = settings(2, 2)
+    state = completed(2, s)
+    assert decide(ctx(node(5), state, s)) is Action.ADD_TO_REDUNDANCY_LIST
+
+
+def test_min_reached_and_last_call_passed_completes():
+    s = settings(2, 3, last_call_timeout=10.0)
+    state = joined([node(0), node(1)], s)
+    armed = ctx(node(0), state, s, now=0.0)
+    # Still within the last call: wait for more nodes.
+    within = ctx(node(0), state, s, now=9.0, obs=armed.observations)
+    assert decide(within) is not Action.MARK_RENDEZVOUS_COMPLETE
+    passed = ctx(node(0), state, s, now=10.5, obs=armed.observations)
+    assert decide(passed) is Action.MARK_RENDEZVOUS_COMPLETE
+
+
+def test_last_call_is_timed_from_this_nodes_own_sighting():
+    """A node that saw the last call armed late waits its full last call."""
+    s = settings(2, 3, last_call_timeout=10.0)
+    state = joined([node(0), node(1)], s)
+    late_observer = ctx(node(1), state, s, now=1000.0)
+    assert decide(late_observer) is not Action.MARK_RENDEZVOUS_COMPLETE
+    later = ctx(node(1), state, s, now=1010.5, obs=late_observer.observations)
+    assert decide(later) is Action.MARK_RENDEZVOUS_COMPLETE
+
+
+def test_open_round_admits_a_newcomer():
+    s = settings()
+    assert decide(ctx(node(0), RendezvousState(), s)) is Action.ADD_TO_PARTICIPANTS
+
+
+def test_open_round_admits_a_waiter():
+    s = settings(1, 2)
+    state = step(completed(1, s), node(5), Action.ADD_TO_WAIT_LIST, s)
+    state = step(state, node(0), Action.REMOVE_FROM_PARTICIPANTS, s)  # round advances
+    assert not state.complete and state.round == 1
+    assert decide(ctx(node(5), state, s)) is Action.ADD_TO_PARTICIPANTS
+
+
+def test_participant_below_quorum_heartbeats_when_due():
+    s = settings(2, 3)
+    state = joined([node(0)], s)
+    first = ctx(node(0), state, s, now=0.0)
+    due = ctx(node(0), state, s, now=s.keep_alive_interval, obs=first.observations)
+    assert decide(due) is Action.KEEP_ALIVE
+
+
+def test_participant_below_quorum_waits():
+    s = settings(2, 3)
+    state = joined([node(0)], s)
+    assert decide(ctx(node(0), state, s)) is Action.SYNC
+
+
+def test_waiter_of_a_complete_round_waits():
+    s = settings(2, 3)
+    state = step(completed(2, s), node(5), Action.ADD_TO_WAIT_LIST, s)
+    assert decide(ctx(node(5), state, s)) is Action.SYNC
+
+
+def test_max_reached_completes_at_once():
+    s = settings(2, 3)
+    state = joined([node(0), node(1), node(2)], s)
+    assert state.complete and state.world_size == 3
+    assert sorted(state.participants.values()) == [0, 1, 2]
+    assert decide(ctx(node(2), state, s)) is Action.FINISH
+
+
+def test_every_row_of_the_table_is_reached():
+    """Replays every scenario of this module: together they decide by every row."""
+    ROWS_HIT.clear()
+    for name, scenario in sorted(globals().items()):
+        if name.startswith("test_") and name != "test_every_row_of_the_table_is_reached":
+            scenario()
+    assert {row.name for row in JOIN_TABLE} == ROWS_HIT
+
+
+def test_observations_default_to_empty_and_change_nothing_when_fresh():
+    s = settings()
+    state = joined([node(0)], s)
+    c = ctx(node(0), state, s, obs=Observations())
+    assert c.observations.heartbeats[node(0)].counter == 1
