@@ -1,4 +1,4 @@
-"""The pure rendezvous core: no sockets, threads, sleeps, randomness or clock reads.
+"""The pure rendezvous core: no sockets, threads, waiting, randomness or clock reads.
 
 Embed it in any scheduler or simulation: keep a :class:`RendezvousState` somewhere
 all nodes can compare-and-set, and drive each node with this loop::
