@@ -31,10 +31,6 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from rallypoint.agent.config import LaunchConfig, Std
-from rallypoint.agent.errors import ProcessFailure
-from rallypoint.agent.rendezvous import HandlerView
-from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.rendezvous.api import (
@@ -42,6 +38,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousError,
     RendezvousGracefulExitError,
 )
+
+from rallypoint.agent.config import LaunchConfig, Std
+from rallypoint.agent.errors import ProcessFailure
+from rallypoint.agent.rendezvous import HandlerView
+from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
 
 __all__ = ["AgentState", "Assignment", "ElasticAgent", "RunResult", "SignalReceived"]
 

@@ -20,12 +20,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
 from rallypoint.agent._function_worker import ARGS_ENV, FUNCTION_ENV
 from rallypoint.agent.agent import AgentState, ElasticAgent, RunResult
 from rallypoint.agent.config import ConfigError, LaunchConfig
 from rallypoint.agent.errors import AgentError, WorkerFailedError
 from rallypoint.agent.rendezvous import build_handler
-from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 __all__ = ["elastic_launch", "function_spec"]
 

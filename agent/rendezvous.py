@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rallypoint.agent.config import ConfigError, LaunchConfig
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from rallypoint.agent.config import ConfigError, LaunchConfig
 
 __all__ = [
     "BACKENDS",

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 import psutil
+
 from rallypoint.agent.config import Std
 
 __all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "kill_tree"]

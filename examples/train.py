@@ -27,9 +27,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from rallypoint.agent import record
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from rallypoint.agent import record
 
 IN_FEATURES = 16
 
