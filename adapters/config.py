@@ -10,8 +10,9 @@ import math
 import socket
 from dataclasses import dataclass
 
-from rallypoint.core import Settings
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from rallypoint.core import Settings
 
 __all__ = ["BACKENDS", "RendezvousConfig", "parse_endpoint", "parse_params"]
 

@@ -11,8 +11,9 @@ check (:func:`describe`).
 
 from __future__ import annotations
 
-from rallypoint.core import errors as _core
 from torch.distributed.elastic.rendezvous import api as _torch_api
+
+from rallypoint.core import errors as _core
 
 __all__ = [
     "RendezvousClosedError",

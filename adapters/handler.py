@@ -23,6 +23,13 @@ import threading
 from datetime import timedelta
 from typing import Protocol
 
+from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
+
 from rallypoint.core import (
     Action,
     CloseOp,
@@ -33,12 +40,6 @@ from rallypoint.core import (
     sanitize,
 )
 from rallypoint.core import errors as core_errors
-from torch.distributed import PrefixStore, Store, TCPStore
-from torch.distributed.elastic.rendezvous import (
-    RendezvousHandler,
-    RendezvousInfo,
-    RendezvousStoreInfo,
-)
 
 from .backend import RendezvousBackend
 from .errors import (
@@ -223,7 +224,8 @@ class RallypointHandler(RendezvousHandler):
         deadline = fresh_deadline()
         log.info("%s joins the next round of rendezvous %r", self.node, self._settings.run_id)
         self._raise_for(self._sync.run(ExitOp(), deadline), "leaving the round", join_timeout)
-        action = self._sync.run(JoinOp(), deadline, fresh_deadline)
+        # ExitOp has just read (or written) the state: JoinOp starts from it.
+        action = self._sync.run(JoinOp(), deadline, fresh_deadline, fresh=True)
         self._raise_for(action, "joining the rendezvous", join_timeout)
 
         state = self._sync.state
@@ -292,7 +294,7 @@ class RallypointHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """Nodes in the wait list (after removing the ones this node sees dead)."""
-        state = self._sync.refresh(self.cache_duration)
+        state = self._sync.refresh(self.cache_duration, heartbeats=True)
         live, _ = sanitize(state, self._sync.observations, self._settings, self._sync.now())
         return len(live.wait_list)
 
@@ -302,7 +304,7 @@ class RallypointHandler(RendezvousHandler):
         monotonic time. Reads the backend at most every ``cache_duration`` seconds."""
         if not self._members:
             return frozenset()
-        self._sync.refresh(self.cache_duration)
+        self._sync.refresh(self.cache_duration, heartbeats=True)
         side = self._sync.side_counters()
         now = self._sync.now()
         window = self._settings.liveness_window

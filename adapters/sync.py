@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from immutables import Map
+
 from rallypoint.core import (
     Action,
     Context,
@@ -123,6 +124,8 @@ class StateSync:
         self._token: Token | None = None
         self._obs = Observations()
         self._read_at: float | None = None
+        self._side_read_at: float | None = None
+        self._side_max_age = settings.keep_alive_interval / 4
         self._registered = False
         #: Nodes whose heartbeat keys are read even when the blob no longer lists
         #: them (the handler's current round, for dead_participants()).
@@ -171,28 +174,51 @@ class StateSync:
                 )
             ) from exc
 
-    def _adopt(self, result: tuple[bytes, Token] | None) -> RendezvousState:
+    def _adopt(
+        self, result: tuple[bytes, Token] | None, heartbeats: bool = False
+    ) -> RendezvousState:
         blob = RendezvousState() if result is None else self._decode(result[0])
         token = None if result is None else result[1]
         nodes = set(blob.heartbeats) | set(self.watched)
-        raw = self.backend.get_heartbeats([str(n) for n in nodes]) if nodes else {}
-        side = {n: raw.get(str(n), 0) for n in nodes}
         now = self._clock()
+        with self._lock:
+            side_age = None if self._side_read_at is None else now - self._side_read_at
+            known = nodes <= self._side.keys()
+        # The counters only feed liveness, which acts on windows of whole keep-alive
+        # intervals: re-read them at most every interval/4 unless asked, so that the
+        # hot path (a waiter woken by a write) costs one read, not three.
+        stale = side_age is None or side_age > self._side_max_age
+        side: dict[NodeDesc, int] | None = None
+        if nodes and (heartbeats or stale or not known):
+            raw = self.backend.get_heartbeats([str(n) for n in nodes])
+            side = {n: raw.get(str(n), 0) for n in nodes}
         with self._lock:
             self._blob = blob
             self._token = token
-            self._side = side
-            self._merged = merge_heartbeats(blob, side)
+            if side is not None:
+                self._side = side
+                self._side_read_at = now
+            self._merged = merge_heartbeats(blob, self._side)
             self._obs = observe(self._obs, self._merged, now)
             self._read_at = now
             return self._merged
 
-    def refresh(self, max_age: float = 0.0) -> RendezvousState:
-        """Re-read the state unless the cached copy is at most ``max_age`` seconds old."""
+    def refresh(self, max_age: float = 0.0, heartbeats: bool = False) -> RendezvousState:
+        """Re-read the state unless the cached copy is at most ``max_age`` seconds old.
+
+        Heartbeat counters are re-read with it when ``heartbeats`` is true or when
+        the cached counters are older than a quarter keep-alive interval.
+        """
         with self._lock:
-            if self._read_at is not None and self._clock() - self._read_at <= max_age:
+            fresh = self._read_at is not None and self._clock() - self._read_at <= max_age
+            if fresh and (not heartbeats or self._side_read_at == self._read_at):
                 return self._merged
-        return self._adopt(self.backend.get_state())
+        return self._adopt(self.backend.get_state(), heartbeats)
+
+    def heartbeats_fresh(self) -> bool:
+        """True when the counters were read together with the cached state."""
+        with self._lock:
+            return self._side_read_at is not None and self._side_read_at == self._read_at
 
     def wait_for_change(self, timeout: float) -> bool:
         """Block until the state moves past the cached token (or ``timeout``)."""
@@ -235,6 +261,8 @@ class StateSync:
         op: Operator,
         deadline: float,
         reset_deadline: Callable[[], float] | None = None,
+        *,
+        fresh: bool = False,
     ) -> Action:
         """Run ``op`` until it answers a terminal action, and return that action.
 
@@ -243,13 +271,14 @@ class StateSync:
             deadline: local monotonic time after which the operator times out.
             reset_deadline: gives a fresh deadline after an action whose
                 ``resets_deadline`` is true (a redundant node becoming a joiner).
+            fresh: the cached state was just read or written (by the previous
+                operator): decide on it without reading again.
 
         Raises:
             RendezvousConnectionError, RendezvousStateError: from the backend.
         """
         losses = 0
         down_since: float | None = None
-        fresh = False
         while True:
             try:
                 if not self._registered:
@@ -292,6 +321,10 @@ class StateSync:
         action = op(ctx, deadline)
         if action.is_terminal:
             return action, deadline, 0
+        if dead and not self.heartbeats_fresh():
+            # Never declare a peer dead on cached counters: read them, decide again.
+            self.refresh(heartbeats=True)
+            return None, deadline, 0
         if action is Action.SYNC:
             if dead:
                 # Publish the removal so that peers converge on it at once.
