@@ -99,25 +99,17 @@ def measure(launcher: str, backend: str, workdir: Path, timeout: float = 120.0) 
             args = list(common)
             if launcher == "rallypoint":
                 args += ["--rdzv-conf", f"is_host={host}"]
+            argv = [sys.executable, "-m", module, *args]
+            argv += map(str, (worker, stamps, crash, finish))
             log = open(run_dir / f"agent{index}.log", "wb")  # noqa: SIM115 -- closed below
-            agents.append(
-                (
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            module,
-                            *args,
-                            *map(str, (worker, stamps, crash, finish)),
-                        ],  # fmt: skip
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        env=dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR"),
-                    ),
-                    log,
-                )
+            popen = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR"),
             )
+            agents.append((popen, log))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if crash.exists():
