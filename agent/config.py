@@ -38,6 +38,13 @@ class Std(enum.IntFlag):
     ALL = 3
 
 
+def _std(text: str) -> Std:
+    number = int(text)
+    if not 0 <= number <= 3:
+        raise ValueError(number)
+    return Std(number)
+
+
 def parse_std(value: str, nprocs: int, flag: str) -> dict[int, Std]:
     """Parse torchrun's ``-r``/``-t`` value: ``3`` for every local rank or ``0:1,1:2``.
 
@@ -49,7 +56,7 @@ def parse_std(value: str, nprocs: int, flag: str) -> dict[int, Std]:
         if not value:
             return dict.fromkeys(range(nprocs), Std.NONE)
         if ":" not in value:
-            std = Std(int(value))
+            std = _std(value)
             return dict.fromkeys(range(nprocs), std)
         result = dict.fromkeys(range(nprocs), Std.NONE)
         for item in value.split(","):
@@ -59,7 +66,7 @@ def parse_std(value: str, nprocs: int, flag: str) -> dict[int, Std]:
                 raise ConfigError(
                     f"{flag} {value!r}: local rank {rank} is out of range 0..{nprocs - 1}"
                 )
-            result[rank] = Std(int(std_text))
+            result[rank] = _std(std_text)
         return result
     except ValueError as exc:
         if isinstance(exc, ConfigError):

@@ -219,6 +219,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         ConfigError: any invalid value, with a one-line message.
     """
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+    if min_nodes > max_nodes:
+        raise ConfigError(f"--nnodes {args.nnodes}: the minimum is larger than the maximum")
     nproc = _parse_nproc(str(args.nproc_per_node))
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
@@ -309,15 +311,15 @@ def _quiet_agent_cpp_logs() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rallypoint run`` with ``argv``; return the process exit status."""
     _quiet_agent_cpp_logs()
-    from rallypoint.agent.agent import AgentState, ElasticAgent
-    from rallypoint.agent.errors import format_failures
-    from rallypoint.agent.rendezvous import build_handler
-
     _setup_logging()
     parser = build_parser()
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
         config = config_from_args(args)
+        from rallypoint.agent.agent import AgentState, ElasticAgent
+        from rallypoint.agent.errors import format_failures
+        from rallypoint.agent.rendezvous import build_handler
+
         handler = build_handler(config)
     except (_UsageError, ConfigError) as exc:
         print(f"rallypoint run: error: {exc}", file=sys.stderr)

@@ -106,6 +106,8 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
     Raises:
         ConfigError: unknown backend or malformed endpoint.
     """
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
     backend = config.rdzv_backend
     if backend not in BACKENDS:
         raise ConfigError(
