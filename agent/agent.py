@@ -51,6 +51,7 @@ logger = logging.getLogger("rallypoint.agent")
 ROUND_ENV = "RALLYPOINT_ROUND"
 _KEY_PREFIX = "rallypoint/agent"
 _CLOSED_CHECK_PERIOD = 1.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class AgentState(enum.Enum):
@@ -111,7 +112,7 @@ def _signals_raise() -> Iterator[None]:
 
     previous: dict[int, Any] = {}
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        for sig in _STOP_SIGNALS:
             try:
                 previous[sig] = signal.signal(sig, handler)
             except ValueError:
@@ -121,6 +122,12 @@ def _signals_raise() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _ignore_signals() -> None:
+    with contextlib.suppress(ValueError):  # not the main thread: nothing was installed
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _free_port(addr: str) -> int:
@@ -172,18 +179,42 @@ class ElasticAgent:
     # ----------------------------------------------------------------- the loop
 
     def run(self) -> RunResult:
-        """Run the job on this node; always stops the workers and shuts the handler down."""
+        """Run the job on this node; always stops the workers and releases the handler.
+
+        A job that ends (success, failure beyond the budget) closes the rendezvous.
+        A termination signal only takes this node out: like torchrun, the agent then
+        does not close the rendezvous, so the other nodes regroup without it.
+        """
+        interrupted = False
         with _signals_raise():
             try:
                 return self._run()
             except SignalReceived as sig:
+                interrupted = True
                 logger.warning("%s: stopping workers and leaving the rendezvous", sig)
                 return RunResult(
                     AgentState.INTERRUPTED, 128 + sig.signum, message=str(sig), rounds=self.rounds
                 )
             finally:
+                # A second signal must not cut the cleanup short.
+                _ignore_signals()
                 self.group.stop(self.config.stop_grace)
-                self._shutdown_handler()
+                if interrupted:
+                    self._leave_handler()
+                else:
+                    self._shutdown_handler()
+
+    def _leave_handler(self) -> None:
+        # rallypoint's handler may offer leave() (take this node out of the shared
+        # state now) and close() (stop heartbeats, release the backend); without
+        # leave() the peers notice the silence after the liveness window.
+        for name in ("leave", "close"):
+            method = getattr(self.handler, name, None)
+            if callable(method):
+                try:
+                    method()
+                except Exception as exc:
+                    logger.debug("handler.%s(): %s: %s", name, type(exc).__name__, exc)
 
     def _shutdown_handler(self) -> None:
         # torch's shutdown() closes the rendezvous; rallypoint's handler also has
@@ -490,46 +521,64 @@ class ElasticAgent:
     def _exit_barrier(self) -> bool:
         """Wait until every agent of the round has finished; False: rejoin instead.
 
-        Agents count themselves in; the last one sets a key the others wait on.
-        While waiting, a node waiting to join means a peer's workers failed and it
-        is re-rendezvousing: the job is not done, so this agent rejoins too (False).
+        Phase one: agents count themselves in; the last one sets ``done``. While
+        waiting, a node waiting to join means a peer's workers failed and it is
+        re-rendezvousing: the job is not done, so this agent rejoins too (False).
         A dead peer can never arrive, so waiting also stops when one is reported.
+
+        Phase two: an agent that saw ``done`` counts itself out, then waits until
+        all have. Whichever agent hosts the store therefore stays until every
+        agent has seen ``done``; once counted out, a vanished store is harmless.
         """
         a, store = self._assignment, self._store
         if a is None or store is None or a.group_world_size == 1:
             return True
         prefix = f"{_KEY_PREFIX}/{a.round}/exit"
+        deadline = time.monotonic() + self.config.exit_barrier_timeout
         try:
             if store.add(f"{prefix}/count", 1) >= a.group_world_size:
                 store.set(f"{prefix}/done", "1")
-            deadline = time.monotonic() + self.config.exit_barrier_timeout
-            while time.monotonic() < deadline:
-                if store.check([f"{prefix}/done"]):
+            while not store.check([f"{prefix}/done"]):
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "exit barrier: not every agent finished within %.0f s",
+                        self.config.exit_barrier_timeout,
+                    )
                     return True
                 if self.handler.num_nodes_waiting() > 0:
                     logger.info("exit barrier: a node is waiting to join; rejoining")
                     return False
-                dead = self.view.dead_participants()
-                if dead:
-                    logger.warning(
-                        "exit barrier: peer(s) %s stopped heartbeating; not waiting for them",
-                        ", ".join(sorted(map(str, dead))),
-                    )
-                    return True
-                if self._closed_elsewhere():
+                if self._peers_gone("exit barrier"):
                     return True
                 self.view.wait(self.config.monitor_interval)
-            logger.warning(
-                "exit barrier: not every agent finished within %.0f s",
-                self.config.exit_barrier_timeout,
-            )
         except SignalReceived:
             raise
         except Exception as exc:
-            # The store's host may already be gone once everyone passed; the job
-            # itself succeeded here, so the barrier only warns.
             logger.warning("exit barrier: %s: %s", type(exc).__name__, exc)
+            return True
+        try:
+            store.add(f"{prefix}/left", 1)
+            while store.add(f"{prefix}/left", 0) < a.group_world_size:
+                if time.monotonic() >= deadline or self._peers_gone("exit barrier"):
+                    break
+                time.sleep(min(self.config.monitor_interval, 0.05))
+        except SignalReceived:
+            raise
+        except Exception as exc:
+            # Everyone has seen "done" before the store's host may leave.
+            logger.debug("exit barrier, phase two: %s: %s", type(exc).__name__, exc)
         return True
+
+    def _peers_gone(self, where: str) -> bool:
+        dead = self.view.dead_participants()
+        if dead:
+            logger.warning(
+                "%s: peer(s) %s stopped heartbeating; not waiting for them",
+                where,
+                ", ".join(sorted(map(str, dead))),
+            )
+            return True
+        return self._closed_elsewhere()
 
     def _close_rendezvous(self) -> None:
         started = time.monotonic()

@@ -51,12 +51,23 @@ def on_term(signum, frame):
         pass
     sys.exit(0)
 
+def wait_for_round():
+    # Fail only once every worker of the round is up (its SIGTERM handler set).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(os.path.join(out_dir, "records.jsonl")) as fp:
+            mine = [l for l in fp if json.loads(l)["RALLYPOINT_ROUND"] == env["RALLYPOINT_ROUND"]]
+        if len(mine) >= int(env["WORLD_SIZE"]):
+            return
+        time.sleep(0.02)
+
 signal.signal(signal.SIGTERM, on_term)
 with open(os.path.join(out_dir, "records.jsonl"), "a") as fp:
     fp.write(json.dumps(env) + "\n")
 if mode == "quick":
     sys.exit(0)
-if mode == "crash-once" and env["RANK"] == "1":
+if mode == "crash-once" and env["RANK"] == "1" and not after_crash:
+    wait_for_round()
     try:
         os.close(os.open(crashed, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         sys.exit(3)
@@ -65,15 +76,7 @@ if mode == "crash-once" and env["RANK"] == "1":
 if mode == "always-fail" and env["RANK"] == "1":
     from rallypoint.agent import record
 
-    # Fail only once every worker of the round is up (its SIGTERM handler set).
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with open(os.path.join(out_dir, "records.jsonl")) as fp:
-            mine = [l for l in fp if json.loads(l)["RALLYPOINT_ROUND"] == env["RALLYPOINT_ROUND"]]
-        if len(mine) >= int(env["WORLD_SIZE"]):
-            break
-        time.sleep(0.02)
-
+    wait_for_round()
     @record
     def main():
         raise ValueError("bad batch in rank 1")
@@ -253,17 +256,24 @@ def _check_ranks(recs: list[dict[str, Any]], nodes: int, per_node: int) -> None:
     assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in recs}) == 1
 
 
+@pytest.mark.parametrize("backend", ["c10d", "torch-c10d"])
 def test_two_agents_c10d_worker_crash_is_restarted(
-    procs: Procs, free_port: Callable[[], int]
+    procs: Procs, free_port: Callable[[], int], backend: str
 ) -> None:
-    """2 agents x 2 workers over c10d; rank 1 crashes once; the job restarts and finishes."""
+    """2 agents x 2 workers over c10d; rank 1 crashes once; the job restarts and finishes.
+
+    With torch's handler (``torch-c10d``) the agents agree on the round through the store.
+    """
     port = free_port()
     args = _c10d_args(port, "crash", "2", 2, "--max-restarts", "1")
+    args[args.index("c10d")] = backend
+    conf = FAST_CONF if backend == "c10d" else "join_timeout=60"
     cmd = [str(procs.worker), str(procs.dir), "crash-once"]
-    procs.start(*args, "--rdzv-conf", FAST_CONF + ",is_host=true", *cmd, name="a")
-    procs.start(*args, "--rdzv-conf", FAST_CONF + ",is_host=false", *cmd, name="b")
+    procs.start(*args, "--rdzv-conf", conf + ",is_host=true", *cmd, name="a")
+    procs.start(*args, "--rdzv-conf", conf + ",is_host=false", *cmd, name="b")
     assert procs.wait(0) == 0, procs.logs()
     assert procs.wait(1) == 0, procs.logs()
+    assert "exit barrier:" not in procs.logs()
     rounds = _rounds(procs.records())
     first, last = min(rounds), max(rounds)
     assert last > first, rounds
@@ -368,6 +378,7 @@ def test_two_agents_etcd(procs: Procs, etcd_server: Any) -> None:
     procs.start(*args, name="b")
     assert procs.wait(0) == 0, procs.logs()
     assert procs.wait(1) == 0, procs.logs()
+    assert "exit barrier:" not in procs.logs()
     rounds = _rounds(procs.records())
     assert len(rounds) == 1
     _check_ranks(next(iter(rounds.values())), 2, 2)
