@@ -91,8 +91,15 @@ class RoundResult:
 
 
 def check_agreement(results: Mapping[NodeDesc, RoundResult]) -> list[str]:
-    """No split brain: nodes returning from the same round agree on the world size
-    and on membership, and no two of them hold the same rank."""
+    """No split brain: nodes returning from the same round agree on the world size,
+    hold distinct ranks within it, and saw memberships of one group.
+
+    Participants may leave a complete round one by one (an exit, or a peer declared
+    dead), so a node that returns later may see a subset of what an earlier one saw;
+    that is not a disagreement. Two views of one round disagree when together they
+    name more nodes than the world size, or a node returned without being a member
+    of its own view.
+    """
     problems: list[str] = []
     by_round: dict[int, dict[NodeDesc, RoundResult]] = {}
     for node, result in results.items():
@@ -101,12 +108,18 @@ def check_agreement(results: Mapping[NodeDesc, RoundResult]) -> list[str]:
         sizes = {r.world_size for r in members.values()}
         if len(sizes) > 1:
             problems.append(f"round {round_}: nodes disagree on the world size: {sorted(sizes)}")
-        views = {r.membership for r in members.values()}
-        if len(views) > 1:
-            problems.append(f"round {round_}: nodes disagree on membership")
+        union = frozenset().union(*(r.membership for r in members.values()))
+        world = max(sizes)
+        if len(union) > world:
+            problems.append(
+                f"round {round_}: nodes disagree on membership: their views name "
+                f"{len(union)} nodes for a world of {world}"
+            )
         ranks = [r.rank for r in members.values()]
         if len(set(ranks)) != len(ranks):
             problems.append(f"round {round_}: two nodes returned with the same rank")
+        if any(not 0 <= r < world for r in ranks):
+            problems.append(f"round {round_}: a rank in {sorted(ranks)} is outside 0..{world - 1}")
         for node, r in members.items():
             if node not in r.membership:
                 problems.append(f"round {round_}: {node} returned but is not a member")

@@ -1,0 +1,916 @@
+"""An explicit-state model checker of the real core.
+
+Breadth-first search over every interleaving of node events in a small cluster:
+nodes step their operators (each step is one compare-and-set round trip of the
+driving loop in :mod:`rallypoint.core`, taken atomically, which is what a winning
+CAS means), their timers run out, they crash, restart, join, exit, close and
+heartbeat, and silent peers expire. Every step calls the core itself
+(``observe``, ``sanitize``, the operators, ``apply``), looked up through its modules
+at call time so that a test can plant a bug in it.
+
+In every reachable state the checker verifies :mod:`rallypoint.spec.invariants`
+(state, step and agreement properties) and that every node's lifecycle change is an
+edge of the :mod:`rallypoint.spec.model` whose guards hold (conformance).
+
+The state space is made finite and small the way TLA+ specs do it:
+
+* **Time as coarse ticks of each timer.** Each node's clock is kept relative to its
+  own ``now`` (= 0), and every timer the core can test is reduced to the few values
+  its thresholds distinguish: a sighting of a peer is *fresh* or *expired* (older
+  than the liveness window); the node's own sighting is *fresh*, *due* (a keep-alive
+  interval old) or *expired*; a last call is *running* or *over*; an operation is
+  *before* its deadline, *timed out* within the rollback period, or *past* it. A
+  tick event moves one timer of one node one value on. Every order of expiries is
+  explored, so the search covers every clock offset and drift between nodes (it
+  over-approximates real time, which is sound for safety properties).
+* **Counters as equalities.** Only whether a sighting equals the counter matters, so
+  heartbeat counters and last-call armings are renumbered to a few canonical values
+  that keep every equality the core can test.
+* **Symmetry.** Nodes are interchangeable: a state is stored under the least of its
+  relabellings by node permutation (CockroachDB's TLA+ does the same). Ranks move
+  with their nodes, so a stored state may be a rank-permutation of a reachable one;
+  every property checked is invariant under that.
+* **Bounds.** Crashes are bounded, and a state whose round exceeds ``max_round`` is
+  checked but not expanded.
+
+Visited states are kept as 64-bit fingerprints (as TLC does), with a parent pointer,
+so a violation is replayed from the initial state into a readable trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
+
+from immutables import Map
+
+from rallypoint.core import (
+    HeartbeatSighting,
+    LastCallSighting,
+    NodeDesc,
+    Observations,
+    RendezvousState,
+    Settings,
+)
+from rallypoint.core import actions as core_actions
+from rallypoint.core import operators as core_operators
+from rallypoint.core.actions import Action
+from rallypoint.core.errors import InvalidTransitionError
+
+from .invariants import RoundResult, check_agreement, check_state, check_transition
+from .model import Guards, LifecycleModel, View, lifecycle_state
+
+__all__ = [
+    "CheckConfig",
+    "CheckResult",
+    "Checker",
+    "CheckerConfigError",
+    "Event",
+    "Violation",
+    "check",
+]
+
+
+class CheckerConfigError(ValueError):
+    """The checker configuration is out of range (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """What to check.
+
+    Attributes:
+        nodes: cluster size (node slots; a restart reuses its slot with a new pid).
+        min_nodes, max_nodes: the rendezvous settings.
+        max_round: states beyond this round are checked but not expanded.
+        max_crashes: crashes in one run (each crash allows one restart).
+        allow_close: whether nodes may close the rendezvous.
+        symmetry: store states modulo node permutations.
+        max_states: stop after this many distinct states (None: explore all).
+    """
+
+    nodes: int = 3
+    min_nodes: int = 2
+    max_nodes: int = 3
+    max_round: int = 1
+    max_crashes: int = 1
+    allow_close: bool = True
+    symmetry: bool = True
+    max_states: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise CheckerConfigError(f"nodes must be at least 1, got {self.nodes}")
+        for name in ("max_round", "max_crashes"):
+            if getattr(self, name) < 0:
+                raise CheckerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_states is not None and self.max_states < 1:
+            raise CheckerConfigError(f"max_states must be positive, got {self.max_states}")
+        try:
+            self.settings()
+        except ValueError as exc:
+            raise CheckerConfigError(str(exc)) from None
+
+    def settings(self) -> Settings:
+        """The core settings of the search. Only their ratios matter: every timer
+        value the search uses sits on one side of each threshold."""
+        return Settings(
+            run_id="check",
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            join_timeout=10.0,
+            last_call_timeout=1.0,
+            close_timeout=10.0,
+            heartbeat_timeout=10.0,
+            keep_alive_interval=1.0,
+            keep_alive_max_attempt=2,
+            rollback_period=1.0,
+        )
+
+
+class Local(NamedTuple):
+    """One node slot's local state (its clock's ``now`` is always 0)."""
+
+    incarnation: int
+    #: idle, joining, training, exited, closed, failed, crashed (see lifecycle_state)
+    phase: str
+    #: the running operation: None, "join", "exit" or "close"
+    op: str | None
+    #: the operation's deadline relative to now: BEFORE, TIMED_OUT or PAST
+    deadline: float | None
+    observations: Observations
+    #: what the join returned, kept while the node trains
+    result: RoundResult | None
+
+
+class Global(NamedTuple):
+    """A state of the search: the shared state and every slot's local state."""
+
+    shared: RendezvousState
+    locals: tuple[Local, ...]
+    crashes: int
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of a search: what happens to which node slot.
+
+    ``timer`` names the timer a tick moves on (only ``deadline`` is stored; the
+    other timers are chosen when the node steps, see :meth:`Checker.expand`).
+    """
+
+    kind: str
+    slot: int
+    timer: NodeDesc | str | None = None
+    #: for a step: (peers seen expired, own sighting "fresh"/"due"/"expired",
+    #: last call over) -- how much time the node's clock let pass since it looked
+    choice: tuple[frozenset[NodeDesc], str, bool] | None = None
+
+
+@dataclass
+class Violation:
+    """A broken property, with the trace that reaches it from the initial state."""
+
+    problems: list[str]
+    trace: list[str]
+
+    def format(self) -> str:
+        lines = ["VIOLATION:", *(f"  - {p}" for p in self.problems), "trace:"]
+        lines += [f"  {line}" for line in self.trace]
+        return "\n".join(lines)
+
+
+@dataclass
+class CheckResult:
+    """The outcome of a search."""
+
+    config: CheckConfig
+    states: int = 0
+    transitions: int = 0
+    depth: int = 0
+    seconds: float = 0.0
+    complete: bool = True
+    violation: Violation | None = None
+    lifecycle_edges: set[tuple[str, str, str]] = field(default_factory=set)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    def summary(self) -> str:
+        c = self.config
+        scope = "full state space" if self.complete else f"stopped at {c.max_states} states"
+        lines = [
+            f"config: nodes={c.nodes} min={c.min_nodes} max={c.max_nodes} "
+            f"max_round={c.max_round} max_crashes={c.max_crashes} close={c.allow_close} "
+            f"symmetry={c.symmetry}",
+            f"states explored: {self.states} ({scope})",
+            f"transitions: {self.transitions}",
+            f"depth: {self.depth}",
+            f"seconds: {self.seconds:.2f}",
+            f"lifecycle edges exercised: {len(self.lifecycle_edges)}",
+        ]
+        lines.append("result: no violation" if self.ok else "result: VIOLATION")
+        if self.violation is not None:
+            lines.append(self.violation.format())
+        return "\n".join(lines)
+
+
+class _Found(Exception):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+_TERMINAL_PHASES = frozenset({"closed", "failed", "crashed"})
+
+
+_NO_OBSERVATIONS = Observations()
+#: Peer edges have no guards; their checks pass this placeholder.
+_NO_GUARDS = Guards(*([False] * len(fields(Guards))))
+_NODE_RE = re.compile(r"\bn(\d+)_(\d+)_0\b")
+_OBSERVATION_FIELDS = frozenset(f.name for f in fields(Observations))
+
+
+def make_observations(
+    heartbeats: Mapping[NodeDesc, HeartbeatSighting], last_call: LastCallSighting | None
+) -> Observations:
+    """Observations holding exactly these sightings, as if ``observe`` had taken them
+    from a state whose counters equal the sightings' counters.
+
+    The checker edits sightings (ages, renumbered counters, relabelled nodes); the
+    core's Observations may carry caches derived from the sightings, which must be
+    rebuilt to match, or ``observe``/``dead_nodes`` would act on stale ones.
+    """
+    beats = Map(heartbeats)
+    if "source" not in _OBSERVATION_FIELDS:
+        return Observations(heartbeats=beats, last_call=last_call)
+    source = Map({n: h.counter for n, h in beats.items()})
+    caches = {
+        "source": source,
+        "source_items": frozenset(source.items()),
+        "oldest": min((h.since for h in beats.values()), default=None),
+    }
+    return Observations(heartbeats=beats, last_call=last_call, **caches)  # type: ignore[arg-type]
+
+
+def node_of(slot: int, incarnation: int) -> NodeDesc:
+    """The node of a slot's incarnation (a restart is a new process: a new pid)."""
+    return NodeDesc(f"n{slot}", 100 + incarnation, 0)
+
+
+class Checker:
+    """Breadth-first model checker over a :class:`CheckConfig`."""
+
+    def __init__(self, config: CheckConfig) -> None:
+        self.config = config
+        self.settings = config.settings()
+        self.model = LifecycleModel()
+        window = self.settings.liveness_window
+        interval = self.settings.keep_alive_interval
+        rollback = self.settings.rollback_period
+        #: sighting ages: fresh -> due (own only) -> expired
+        self._fresh, self._due, self._expired = 0.0, -interval, -(window + 1.0)
+        #: deadline values relative to now
+        self._before = 1.0
+        self._timed_out = -rollback if rollback > 0 else None
+        self._past = -(rollback + 1.0)
+        self._call_over = -(self.settings.last_call_timeout + 1.0)
+        self.edges: set[tuple[str, str, str]] = set()
+
+    # -- states ------------------------------------------------------------------
+
+    def initial(self) -> Global:
+        locals_ = tuple(
+            Local(0, "idle", None, None, _NO_OBSERVATIONS, None) for _ in range(self.config.nodes)
+        )
+        return self._normalize(Global(RendezvousState(), locals_, 0))
+
+    def _normalize(self, g: Global) -> Global:
+        """Forget what no future step can tell apart: heartbeat counter values and
+        last-call arming numbers (the steps choose the ages of sightings afresh, see
+        :meth:`expand`), and the nodes' stored observations."""
+        state = g.shared
+        if (
+            any(c != 1 for c in state.heartbeats.values())
+            or state.last_call_seq != 1
+            or state.last_call not in (None, 1)
+        ):
+            state = state.evolve(
+                heartbeats=dict.fromkeys(state.heartbeats, 1),
+                last_call=None if state.last_call is None else 1,
+                last_call_seq=1,
+            )
+        empty = _NO_OBSERVATIONS
+        locals_ = tuple(
+            loc if loc.observations is empty else loc._replace(observations=empty)
+            for loc in g.locals
+        )
+        return Global(state, locals_, g.crashes)
+
+    def _tick(self, loc: Local) -> Local | None:
+        """``loc`` with its deadline moved one value on, or None when it cannot."""
+        nxt = {self._before: self._timed_out or self._past, self._timed_out: self._past}
+        if loc.deadline is None or loc.deadline not in nxt:
+            return None
+        return loc._replace(deadline=nxt[loc.deadline])
+
+    def expand(self, g: Global, event: Event) -> Iterator[Event]:
+        """The concrete events of ``event``: a step, for every way the node's timers
+        may have run since it last looked.
+
+        Between two steps of a node any amount of its local time may pass, and its
+        peers may stall for any time. So at each step any subset of the other members
+        may have been silent for longer than the liveness window, the node's own
+        heartbeat may be fresh, due or expired, and an armed last call may be over.
+        This is the asynchronous model with an unreliable failure detector: it
+        contains every real timing (any clock offset, drift, scheduling delay), so a
+        safety property that holds here holds in every real run. Whether real
+        clocks declare only really silent nodes dead is the simulator's question.
+        """
+        if event.kind not in ("step", "heartbeat"):
+            yield event
+            return
+        loc = g.locals[event.slot]
+        node = node_of(event.slot, loc.incarnation)
+        state = g.shared
+        peers = sorted(n for n in state.heartbeats if n != node)
+        own = ("fresh", "due", "expired") if node in state.heartbeats else ("fresh",)
+        over = (False, True) if state.last_call is not None else (False,)
+        subsets = itertools.chain.from_iterable(
+            itertools.combinations(peers, k) for k in range(len(peers) + 1)
+        )
+        for expired, mine, lc in itertools.product(list(subsets), own, over):
+            yield replace(event, choice=(frozenset(expired), mine, lc))
+
+    def _aged(
+        self, state: RendezvousState, node: NodeDesc, choice: tuple[frozenset[NodeDesc], str, bool]
+    ) -> Observations:
+        """Sightings of every member, aged as ``choice`` says."""
+        expired, mine, lc = choice
+        own = {"fresh": self._fresh, "due": self._due, "expired": self._expired}[mine]
+        beats = {
+            n: HeartbeatSighting(c, own if n == node else self._expired if n in expired else 0.0)
+            for n, c in state.heartbeats.items()
+        }
+        call = None
+        if state.last_call is not None:
+            since = self._call_over if lc else 0.0
+            call = LastCallSighting(state.round, state.last_call, since)
+        return make_observations(beats, call)
+
+    # -- symmetry ----------------------------------------------------------------
+
+    @staticmethod
+    def _signature(g: Global, slot: int) -> tuple[object, ...]:
+        """Label-free facts about a slot, to order slots before breaking ties."""
+        loc = g.locals[slot]
+        node = node_of(slot, loc.incarnation)
+        s = g.shared
+        role = (
+            ("p", s.participants[node])
+            if node in s.participants
+            else ("w", 0)
+            if node in s.wait_list
+            else ("r", 0)
+            if node in s.redundancy_list
+            else ("-", 0)
+        )
+        own = loc.observations.heartbeats.get(node)
+        return (
+            loc.incarnation,
+            loc.phase,
+            loc.op or "",
+            -99 if loc.deadline is None else loc.deadline,
+            role,
+            s.heartbeats.get(node, 0),
+            (own.counter, own.since) if own else (),
+            len(loc.observations.heartbeats),
+        )
+
+    def _key(self, g: Global, perm: tuple[int, ...]) -> tuple[object, ...]:
+        """The state as sortable primitives, slots relabelled by ``perm``."""
+
+        def lab(n: NodeDesc) -> tuple[int, int]:
+            return (perm[int(n.addr[1:])], n.pid)
+
+        s = g.shared
+        shared = (
+            s.round,
+            s.complete,
+            s.closed,
+            s.world_size,
+            tuple(sorted((lab(n), r) for n, r in s.participants.items())),
+            tuple(sorted(lab(n) for n in s.wait_list)),
+            tuple(sorted(lab(n) for n in s.redundancy_list)),
+            tuple(sorted((lab(n), c) for n, c in s.heartbeats.items())),
+            s.last_call or 0,
+        )
+        slots: list[tuple[object, ...]] = [()] * len(g.locals)
+        for i, loc in enumerate(g.locals):
+            obs = loc.observations
+            call = obs.last_call
+            res = loc.result
+            slots[perm[i]] = (
+                loc.incarnation,
+                loc.phase,
+                loc.op or "",
+                -99 if loc.deadline is None else loc.deadline,
+                tuple(sorted((lab(n), h.counter, h.since) for n, h in obs.heartbeats.items())),
+                (call.round, call.arming, call.since) if call else (),
+                (res.round, res.rank, res.world_size, tuple(sorted(map(lab, res.membership))))
+                if res
+                else (),
+            )
+        return (shared, tuple(slots), g.crashes)
+
+    def _permutations(self, g: Global) -> Iterator[tuple[int, ...]]:
+        n = len(g.locals)
+        if not self.config.symmetry:
+            yield tuple(range(n))
+            return
+        sigs = [self._signature(g, i) for i in range(n)]
+        order = sorted(range(n), key=lambda i: sigs[i])
+        groups = [list(grp) for _, grp in itertools.groupby(order, key=lambda i: sigs[i])]
+        for choice in itertools.product(*(itertools.permutations(grp) for grp in groups)):
+            ordered = [i for grp in choice for i in grp]
+            perm = [0] * n
+            for new, old in enumerate(ordered):
+                perm[old] = new
+            yield tuple(perm)
+
+    def fingerprint(self, g: Global) -> tuple[tuple[int, ...], int]:
+        """The relabelling to ``g``'s representative and the representative's
+        64-bit fingerprint."""
+        best_key: tuple[object, ...] | None = None
+        best_perm: tuple[int, ...] = tuple(range(len(g.locals)))
+        for perm in self._permutations(g):
+            key = self._key(g, perm)
+            if best_key is None or key < best_key:  # type: ignore[operator]
+                best_key, best_perm = key, perm
+        return best_perm, hash(best_key)
+
+    def canonical(self, g: Global) -> tuple[Global, tuple[int, ...], int]:
+        """The stored representative of ``g``, the permutation used, its fingerprint."""
+        perm, fp = self.fingerprint(g)
+        return relabel(g, perm), perm, fp
+
+    # -- events ------------------------------------------------------------------
+
+    def events(self, g: Global) -> Iterator[Event]:
+        """Every event enabled in ``g``."""
+        cfg = self.config
+        for i, loc in enumerate(g.locals):
+            if loc.phase == "crashed":
+                yield Event("restart", i)
+                continue
+            if loc.phase in _TERMINAL_PHASES:
+                continue
+            if self._tick(loc) is not None:
+                yield Event("tick", i, "deadline")
+            if g.crashes < cfg.max_crashes:
+                yield Event("crash", i)
+            if loc.op is not None:
+                yield Event("step", i)
+                continue
+            if loc.phase in ("idle", "exited") or (
+                loc.phase == "training" and not self._member(g, i)
+            ):
+                yield Event("join", i)
+            if loc.phase == "training":
+                yield Event("heartbeat", i)
+                yield Event("exit", i)
+            if cfg.allow_close and not g.shared.closed:
+                yield Event("close", i)
+
+    @staticmethod
+    def _member(g: Global, slot: int) -> bool:
+        return node_of(slot, g.locals[slot].incarnation) in g.shared.members()
+
+    def _model_state(self, g: Global, slot: int, shared: RendezvousState | None = None) -> str:
+        loc = g.locals[slot]
+        return lifecycle_state(
+            loc.phase, node_of(slot, loc.incarnation), g.shared if shared is None else shared
+        )
+
+    def _expect(self, src: str, trigger: str, dst: str, guards: Guards, who: str) -> None:
+        if not self.model.allows(src, trigger, dst, guards):
+            raise _Found(
+                [
+                    f"conformance: {who} went {src} --{trigger}--> {dst}, "
+                    f"which the model does not allow (guards: {_true_guards(guards)})"
+                ]
+            )
+        self.edges.add((src, trigger, dst))
+
+    def successor(self, g: Global, event: Event) -> tuple[Global, list[str]]:
+        """The state after ``event``, and a line describing it.
+
+        Raises:
+            _Found: a property or the model's conformance is violated by this step.
+        """
+        slot = event.slot
+        loc = g.locals[slot]
+        node = node_of(slot, loc.incarnation)
+        if event.kind == "tick":
+            ticked = self._tick(loc)
+            if ticked is None:
+                raise ValueError(f"the deadline of {node} cannot tick")
+            text = "deadline passed" if ticked.deadline == self._timed_out else "rollback over"
+            return _with(g, slot, ticked), [text]
+        before = self._model_state(g, slot)
+        guards = Guards.of(View(node, g.shared, self.settings, 0.0, loc.observations))
+        if event.kind == "crash":
+            new = loc._replace(phase="crashed", op=None, deadline=None, result=None)
+            self._expect(before, "crash", "crashed", guards, str(node))
+            return _with(g, slot, new, crashes=g.crashes + 1), ["crashed"]
+        if event.kind == "restart":
+            new = Local(loc.incarnation + 1, "idle", None, None, _NO_OBSERVATIONS, None)
+            return _with(g, slot, new), [f"restarted as {node_of(slot, loc.incarnation + 1)}"]
+        if event.kind == "join":
+            new = loc._replace(phase="joining", op="join", deadline=self._before, result=None)
+            after = _with(g, slot, new)
+            self._expect(before, "join", self._model_state(after, slot), guards, str(node))
+            return after, ["starts join"]
+        if event.kind == "exit":
+            return _with(g, slot, loc._replace(op="exit", deadline=self._before)), ["starts exit"]
+        if event.kind == "close":
+            return _with(g, slot, loc._replace(op="close", deadline=self._before)), ["starts close"]
+        if event.choice is None:
+            raise ValueError(f"a {event.kind} event needs a choice (see expand)")
+        if event.kind == "heartbeat":
+            return self._step(g, slot, core_operators.KeepAliveOp(), self._before, event.choice)
+        if event.kind == "step":
+            op = {
+                "join": core_operators.JoinOp(),
+                "exit": core_operators.ExitOp(),
+                "close": core_operators.CloseOp(),
+            }[loc.op or ""]
+            return self._step(g, slot, op, loc.deadline, event.choice)
+        raise ValueError(f"unknown event {event.kind!r}")
+
+    def _step(
+        self,
+        g: Global,
+        slot: int,
+        op: core_operators.Operator,
+        deadline: float | None,
+        choice: tuple[frozenset[NodeDesc], str, bool],
+    ) -> tuple[Global, list[str]]:
+        """One iteration of the driving loop, calling the real core."""
+        settings = self.settings
+        loc = g.locals[slot]
+        node = node_of(slot, loc.incarnation)
+        state = g.shared
+        seen = core_actions.observe(self._aged(state, node, choice), state, 0.0)
+        sanitized, dead = core_actions.sanitize(state, seen, settings, 0.0)
+        ctx = core_operators.Context(node, sanitized, settings, 0.0, seen)
+        obs = seen
+        dl = float(deadline) if deadline is not None else float("inf")
+        action = op(ctx, dl)
+        lines = []
+        expired, mine, lc = choice
+        if mine != "fresh":
+            lines.append(f"own heartbeat {mine}")
+        if lc:
+            lines.append("last call over")
+        if expired:
+            lines.append(f"sees {sorted(map(str, expired))} silent too long")
+        if dead:
+            lines.append(f"declares dead {sorted(map(str, dead))}")
+        if action.changes_state:
+            try:
+                written = core_actions.apply(sanitized, action, ctx)
+            except InvalidTransitionError as exc:
+                raise _Found(
+                    [f"the core chose {action.name}, which it then rejected: {exc}"]
+                ) from None
+            obs = core_actions.observe(obs, written, 0.0)
+        else:
+            written = sanitized
+        lines.append(f"{type(op).__name__} -> {action.name}")
+
+        phase, new_op, new_deadline, result = loc.phase, loc.op, loc.deadline, loc.result
+        if action is Action.FINISH:
+            if loc.op == "join":
+                phase, new_op, new_deadline = "training", None, None
+                result = RoundResult(
+                    round=written.round,
+                    rank=written.participants[node],
+                    world_size=written.world_size,
+                    membership=frozenset(written.participants),
+                )
+            elif loc.op == "exit":
+                phase, new_op, new_deadline, result = "exited", None, None, None
+            elif loc.op == "close":
+                phase, new_op, new_deadline, result = "closed", None, None, None
+        elif action in (Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT):
+            phase, new_op, new_deadline, result = "closed", None, None, None
+        elif action is Action.ERROR_TIMEOUT:
+            phase, new_op, new_deadline, result = "failed", None, None, None
+        elif action is Action.REMOVE_FROM_PARTICIPANTS and loc.op == "exit":
+            phase, result = "exited", None
+        if action.resets_deadline:
+            new_deadline = self._before
+        new_loc = loc._replace(
+            phase=phase, op=new_op, deadline=new_deadline, observations=obs, result=result
+        )
+        after = _with(g, slot, new_loc, shared=written)
+
+        # Safety of the written state and of both halves of the step.
+        problems = check_state(written, settings)
+        problems += check_transition(state, sanitized)
+        problems += check_transition(sanitized, written)
+        if problems:
+            raise _Found(problems)
+        self._conform(g, slot, sanitized, after, action, op, deadline, seen)
+        return after, lines
+
+    def _conform(
+        self,
+        g: Global,
+        slot: int,
+        sanitized: RendezvousState,
+        after: Global,
+        action: Action,
+        op: core_operators.Operator,
+        deadline: float | None,
+        seen: Observations,
+    ) -> None:
+        """Every node's lifecycle change in this step must be an edge of the model."""
+        loc = g.locals[slot]
+        node = node_of(slot, loc.incarnation)
+        state = g.shared
+        nodes = [node_of(i, other.incarnation) for i, other in enumerate(g.locals)]
+        # Peers change lifecycle state only when removed (sanitize) or when the
+        # round completes or advances; other nodes need no check.
+        if sanitized is not state:
+            for i in range(len(g.locals)):
+                if nodes[i] in state.members() and nodes[i] not in sanitized.members():
+                    src = self._model_state(g, i)
+                    dst = self._model_state(g, i, sanitized)
+                    if src != dst:
+                        self._expect(src, "declared_dead", dst, _NO_GUARDS, str(nodes[i]))
+        middle = self._model_state(g, slot, sanitized)
+        final = self._model_state(after, slot)
+        trigger = _trigger(action, op)
+        if action.changes_state or (trigger is not None and middle != final):
+            if trigger is None:
+                raise _Found([f"conformance: {node} changed {middle} -> {final}"])
+            # The stepping node's own action, judged on its view before the action.
+            guards = Guards.of(View(node, sanitized, self.settings, 0.0, seen, deadline))
+            self._expect(middle, trigger, final, guards, str(node))
+        elif middle != final:
+            raise _Found([f"conformance: {node} went {middle} -> {final} on {action.name}"])
+        written = after.shared
+        if written.complete != sanitized.complete or written.round != sanitized.round:
+            for i in range(len(g.locals)):
+                if i == slot:
+                    continue
+                src = self._model_state(g, i, sanitized)
+                dst = self._model_state(after, i)
+                if src != dst:
+                    self._expect(src, "round_completed", dst, _NO_GUARDS, str(nodes[i]))
+
+    # -- the search --------------------------------------------------------------
+
+    def run(self, progress: Callable[[CheckResult], None] | None = None) -> CheckResult:
+        """Explore every reachable state (or up to ``max_states``).
+
+        ``progress`` is called with the running totals every 50,000 states.
+        """
+        start = time.perf_counter()
+        result = CheckResult(self.config)
+        init, _, init_fp = self.canonical(self.initial())
+        problems = check_state(init.shared, self.settings)
+        parents: dict[int, tuple[int, Event | None]] = {init_fp: (init_fp, None)}
+        if problems:
+            result.violation = Violation(problems, ["initial state"])
+            return result
+        frontier: deque[tuple[Global, int, int]] = deque([(init, init_fp, 0)])
+        limit = self.config.max_states
+        while frontier:
+            g, fp, depth = frontier.popleft()
+            result.depth = max(result.depth, depth)
+            if g.shared.round > self.config.max_round:
+                continue
+            # Many timer choices of one step lead to the same state: canonicalize once.
+            local_seen: set[Global] = set()
+            for event in (e for abstract in self.events(g) for e in self.expand(g, abstract)):
+                try:
+                    succ, _ = self.successor(g, event)
+                    succ = self._normalize(succ)
+                    slot = event.slot
+                    if succ.locals[slot].result is not None and g.locals[slot].result is None:
+                        results = {
+                            node_of(i, loc.incarnation): loc.result
+                            for i, loc in enumerate(succ.locals)
+                            if loc.result is not None
+                        }
+                        agreement = check_agreement(results)
+                        if agreement:
+                            raise _Found(agreement)
+                except _Found as found:
+                    result.transitions += 1
+                    parents_path = [*self._path(parents, fp), event]
+                    result.violation = Violation(found.problems, self.replay(parents_path))
+                    result.states = len(parents)
+                    result.seconds = time.perf_counter() - start
+                    result.lifecycle_edges = set(self.edges)
+                    return result
+                result.transitions += 1
+                if succ in local_seen:
+                    continue
+                local_seen.add(succ)
+                perm, cfp = self.fingerprint(succ)
+                if cfp in parents:
+                    continue
+                parents[cfp] = (fp, event)
+                frontier.append((relabel(succ, perm), cfp, depth + 1))
+                if progress is not None and len(parents) % 50_000 == 0:
+                    result.states = len(parents)
+                    result.depth = depth + 1
+                    result.seconds = time.perf_counter() - start
+                    progress(result)
+                if limit is not None and len(parents) >= limit:
+                    result.complete = False
+                    frontier.clear()
+                    break
+        result.states = len(parents)
+        result.seconds = time.perf_counter() - start
+        result.lifecycle_edges = set(self.edges)
+        return result
+
+    @staticmethod
+    def _path(parents: dict[int, tuple[int, Event | None]], fp: int) -> list[Event]:
+        events: list[Event] = []
+        while True:
+            parent, event = parents[fp]
+            if event is None:
+                break
+            events.append(event)
+            fp = parent
+        events.reverse()
+        return events
+
+    def replay(self, events: list[Event]) -> list[str]:
+        """A readable trace of ``events`` from the initial state.
+
+        Node names stay stable along the trace although the search relabels nodes:
+        ``names`` follows each canonical slot back to the slot it started as.
+        """
+        g, perm, _ = self.canonical(self.initial())
+        names = [""] * len(g.locals)
+        for old, new in enumerate(perm):
+            names[new] = f"n{old}"
+        lines = [f"  0. initial: {describe(g, names)}"]
+        for k, event in enumerate(events, 1):
+            who = _display(g, event.slot, names)
+            try:
+                succ, what = self.successor(g, event)
+            except _Found as found:
+                text = _NODE_RE.sub(
+                    lambda m: _name(node_of(int(m[1]), int(m[2]) - 100), names),
+                    "; ".join(found.problems),
+                )
+                lines.append(f"{k:3}. {who} {event.kind}: VIOLATES {text}")
+                break
+            succ = self._normalize(succ)
+            text = _NODE_RE.sub(
+                lambda m: _name(node_of(int(m[1]), int(m[2]) - 100), names), "; ".join(what)
+            )
+            lines.append(f"{k:3}. {who} {event.kind}: {text}")
+            g, perm, _ = self.canonical(succ)
+            moved = [""] * len(names)
+            for old, new in enumerate(perm):
+                moved[new] = names[old]
+            names = moved
+            lines.append(f"     -> {describe(g, names)}")
+        return lines
+
+
+def _true_guards(guards: Guards) -> str:
+    held = [name for name, value in vars(guards).items() if value]
+    return ", ".join(held) or "none"
+
+
+def _trigger(action: Action, op: core_operators.Operator) -> str | None:
+    if action.changes_state:
+        return action.value
+    if action is Action.FINISH:
+        return "closed" if isinstance(op, core_operators.CloseOp) else "finish"
+    if action in (Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT):
+        return "closed"
+    if action is Action.ERROR_TIMEOUT:
+        return "timeout"
+    return None
+
+
+def _with(
+    g: Global,
+    slot: int,
+    loc: Local,
+    shared: RendezvousState | None = None,
+    crashes: int | None = None,
+) -> Global:
+    locals_ = list(g.locals)
+    locals_[slot] = loc
+    return Global(
+        g.shared if shared is None else shared,
+        tuple(locals_),
+        g.crashes if crashes is None else crashes,
+    )
+
+
+def relabel(g: Global, perm: tuple[int, ...]) -> Global:
+    """``g`` with slot ``i`` moved to ``perm[i]`` and every node renamed with it."""
+    if perm == tuple(range(len(perm))):
+        return g
+
+    def lab(n: NodeDesc) -> NodeDesc:
+        return NodeDesc(f"n{perm[int(n.addr[1:])]}", n.pid, n.local_id)
+
+    s = g.shared
+    shared = s.evolve(
+        participants={lab(n): r for n, r in s.participants.items()},
+        wait_list={lab(n) for n in s.wait_list},
+        redundancy_list={lab(n) for n in s.redundancy_list},
+        heartbeats={lab(n): c for n, c in s.heartbeats.items()},
+        last_ranks={lab(n): r for n, r in s.last_ranks.items()},
+    )
+    locals_: list[Local] = [g.locals[0]] * len(g.locals)
+    for i, loc in enumerate(g.locals):
+        obs = loc.observations
+        res = loc.result
+        locals_[perm[i]] = loc._replace(
+            observations=make_observations(
+                {lab(n): h for n, h in obs.heartbeats.items()}, obs.last_call
+            ),
+            result=replace(res, membership=frozenset(map(lab, res.membership))) if res else None,
+        )
+    return Global(shared, tuple(locals_), g.crashes)
+
+
+def _display(g: Global, slot: int, names: list[str]) -> str:
+    inc = g.locals[slot].incarnation
+    return names[slot] + (f"'{inc}" if inc else "")
+
+
+def _name(n: NodeDesc, names: list[str]) -> str:
+    base = names[int(n.addr[1:])]
+    return base + (f"'{n.pid - 100}" if n.pid != 100 else "")
+
+
+def describe(g: Global, names: list[str] | None = None) -> str:
+    """One line per state for traces: the shared state, then every node.
+
+    A node shows its phase, its operation (``/join``), ``timed-out`` or
+    ``past-rollback`` for its deadline, ``due`` when its keep-alive is due,
+    ``lc-over`` when its last call ran out, and ``x{...}`` the peers whose
+    heartbeat it saw expire.
+    """
+    names = names or [f"n{i}" for i in range(len(g.locals))]
+    s = g.shared
+    parts = [
+        f"round={s.round}",
+        "complete" if s.complete else "open",
+        *(["closed"] if s.closed else []),
+        f"world={s.world_size}" if s.complete else "",
+        "P{" + ", ".join(f"{_name(n, names)}:{r}" for n, r in sorted(s.participants.items())) + "}",
+    ]
+    if s.wait_list:
+        parts.append("W{" + ", ".join(sorted(_name(n, names) for n in s.wait_list)) + "}")
+    if s.redundancy_list:
+        parts.append("R{" + ", ".join(sorted(_name(n, names) for n in s.redundancy_list)) + "}")
+    if s.last_call is not None:
+        parts.append("last-call armed")
+    nodes = []
+    for i, loc in enumerate(g.locals):
+        me = node_of(i, loc.incarnation)
+        text = f"{_display(g, i, names)}={loc.phase}" + (f"/{loc.op}" if loc.op else "")
+        if loc.deadline is not None and loc.deadline < 0:
+            text += " timed-out" if loc.deadline == -1.0 else " past-rollback"
+        beats = loc.observations.heartbeats
+        own = beats.get(me)
+        if own is not None and own.since < 0:
+            text += " due" if own.since == -1.0 else " self-expired"
+        call = loc.observations.last_call
+        if call is not None and call.since < 0:
+            text += " lc-over"
+        gone = sorted(_name(n, names) for n, h in beats.items() if n != me and h.since < 0)
+        if gone:
+            text += " x{" + ",".join(gone) + "}"
+        nodes.append(text)
+    return " ".join(p for p in parts if p) + " | " + "; ".join(sorted(nodes))
+
+
+def check(
+    config: CheckConfig, progress: Callable[[CheckResult], None] | None = None
+) -> CheckResult:
+    """Run the model checker on ``config``."""
+    return Checker(config).run(progress)
