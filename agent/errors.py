@@ -252,7 +252,7 @@ def format_failures(name: str, failures: Sequence[ProcessFailure], width: int = 
             "Root cause has no traceback: decorate the worker's entry point with "
             "rallypoint.agent.record to capture one."
         )
-    return buffer.getvalue()
+    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
 
 
 def describe_call(fn: Callable[..., Any]) -> str:

@@ -337,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rallypoint run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if result.state is AgentState.FAILED:
-        print(format_failures(" ".join(worker_argv(args)), result.failures), file=sys.stderr)
+        print(format_failures(args.training_script, result.failures), file=sys.stderr)
         print(f"rallypoint run: {result.message}; logs in {agent.log_root}", file=sys.stderr)
     elif result.state is not AgentState.SUCCEEDED or result.message:
         print(f"rallypoint run: {result.message}", file=sys.stderr)

@@ -62,6 +62,7 @@ def wait_for_round():
         time.sleep(0.02)
 
 signal.signal(signal.SIGTERM, on_term)
+print("hello from rank", env["RANK"], flush=True)
 with open(os.path.join(out_dir, "records.jsonl"), "a") as fp:
     fp.write(json.dumps(env) + "\n")
 if mode == "quick":
@@ -352,6 +353,7 @@ def test_sigterm_stops_workers_and_agent(procs: Procs) -> None:
     procs.start(
         "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05",
         "--stop-grace", "5", "-t", "3", "--log-dir", str(procs.dir / "logs"),
+        "--local-ranks-filter", "0",
         str(procs.worker), str(procs.dir), "wait",
     )  # fmt: skip
     recs = procs.wait_records(lambda rs: len(rs) == 2, "both workers started")
@@ -360,8 +362,12 @@ def test_sigterm_stops_workers_and_agent(procs: Procs) -> None:
     terminated = {int(p.name.split(".")[1]) for p in procs.dir.glob("terminated.*")}
     assert terminated == {int(r["pid"]) for r in recs}
     assert procs.marked() == []
-    # Per-attempt, per-rank log files exist (tee writes the files too).
-    assert len(list((procs.dir / "logs").glob("*/attempt_0/*/stdout.log"))) == 2
+    # Tee: prefixed lines on the console for the filtered ranks, files for all.
+    log = procs.log(0)
+    assert "[default/0]: hello from rank 0" in log
+    assert "hello from rank 1" not in log
+    logs = sorted((procs.dir / "logs").glob("*/attempt_0/*/stdout.log"))
+    assert [p.read_text() for p in logs] == ["hello from rank 0\n", "hello from rank 1\n"]
     assert {r["OMP_NUM_THREADS"] for r in recs} == {os.environ.get("OMP_NUM_THREADS", "1")}
 
 
