@@ -204,7 +204,13 @@ class CheckResult:
 
     def summary(self) -> str:
         c = self.config
-        scope = "full state space" if self.complete else f"stopped at {c.max_states} states"
+        scope = (
+            "stopped at the first violation"
+            if self.violation is not None
+            else "full state space"
+            if self.complete
+            else f"stopped at {c.max_states} states"
+        )
         lines = [
             f"config: nodes={c.nodes} min={c.min_nodes} max={c.max_nodes} "
             f"max_round={c.max_round} max_crashes={c.max_crashes} close={c.allow_close} "
@@ -282,6 +288,8 @@ class Checker:
         self._past = -(rollback + 1.0)
         self._call_over = -(self.settings.last_call_timeout + 1.0)
         self.edges: set[tuple[str, str, str]] = set()
+        #: the problems of the last replayed violation, in the trace's node names
+        self.last_problems: list[str] = []
 
     # -- states ------------------------------------------------------------------
 
@@ -718,7 +726,9 @@ class Checker:
                 except _Found as found:
                     result.transitions += 1
                     parents_path = [*self._path(parents, fp), event]
-                    result.violation = Violation(found.problems, self.replay(parents_path))
+                    self.last_problems = found.problems
+                    trace = self.replay(parents_path)
+                    result.violation = Violation(self.last_problems, trace)
                     result.states = len(parents)
                     result.seconds = time.perf_counter() - start
                     result.lifecycle_edges = set(self.edges)
@@ -774,16 +784,13 @@ class Checker:
             try:
                 succ, what = self.successor(g, event)
             except _Found as found:
-                text = _NODE_RE.sub(
-                    lambda m: _name(node_of(int(m[1]), int(m[2]) - 100), names),
-                    "; ".join(found.problems),
-                )
+                renamed = [_rename(p, names) for p in found.problems]
+                self.last_problems = renamed
+                text = "; ".join(renamed)
                 lines.append(f"{k:3}. {who} {event.kind}: VIOLATES {text}")
                 break
             succ = self._normalize(succ)
-            text = _NODE_RE.sub(
-                lambda m: _name(node_of(int(m[1]), int(m[2]) - 100), names), "; ".join(what)
-            )
+            text = _rename("; ".join(what), names)
             lines.append(f"{k:3}. {who} {event.kind}: {text}")
             g, perm, _ = self.canonical(succ)
             moved = [""] * len(names)
@@ -859,6 +866,11 @@ def relabel(g: Global, perm: tuple[int, ...]) -> Global:
 def _display(g: Global, slot: int, names: list[str]) -> str:
     inc = g.locals[slot].incarnation
     return names[slot] + (f"'{inc}" if inc else "")
+
+
+def _rename(text: str, names: list[str]) -> str:
+    """``text`` with node ids (``n1_101_0``) replaced by their trace names."""
+    return _NODE_RE.sub(lambda m: _name(node_of(int(m[1]), int(m[2]) - 100), names), text)
 
 
 def _name(n: NodeDesc, names: list[str]) -> str:

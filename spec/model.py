@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rallypoint.core import NodeDesc, Observations, RendezvousState, Settings
 from transitions import Machine, MachineError
+
+from rallypoint.core import NodeDesc, Observations, RendezvousState, Settings
 
 __all__ = [
     "LIVE_STATES",
@@ -163,13 +164,20 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         conditions=["timed_out", "within_rollback"],
     ),
     _edge("remove_from_participants", "training", "exited", unless=["timed_out"]),
-    _edge("timeout", ["joining", "waiting", "participant", "training"], "failed", ["timed_out"]),
+    # An operation whose deadline passed fails; a redundant node waits without a
+    # deadline, and a complete round returns before its deadline is looked at.
+    _edge(
+        "timeout",
+        ["idle", "joining", "waiting", "participant", "training", "evicted", "exited"],
+        "failed",
+        conditions=["timed_out"],
+    ),
     # Failure detection: a member whose heartbeat did not move is removed.
     _edge("declared_dead", ["waiting", "redundant", "participant", "complete"], "joining"),
     _edge("declared_dead", "training", "evicted"),
     # Closing: any live node may close; every live node then stops.
-    _edge("mark_rendezvous_closed", LIVE_STATES, None, unless=["closed"]),
-    _edge("closed", LIVE_STATES, "closed", conditions=["closed"]),
+    _edge("mark_rendezvous_closed", LIVE_STATES, None, unless=["rendezvous_closed"]),
+    _edge("closed", LIVE_STATES, "closed", conditions=["rendezvous_closed"]),
 )
 
 
@@ -259,7 +267,7 @@ class _Node:
             raise RuntimeError("guards must be set before firing a trigger")
         return bool(getattr(self.guards, name))
 
-    def closed(self) -> bool:
+    def rendezvous_closed(self) -> bool:
         return self._g("closed")
 
     def not_closed(self) -> bool:
@@ -368,8 +376,8 @@ def lifecycle_state(phase: str, node: NodeDesc | None, state: RendezvousState) -
 _UNIVERSAL_TRIGGERS = ("crash", "closed", "mark_rendezvous_closed")
 _DIAGRAM_TITLE = (
     "rallypoint: lifecycle of one rendezvous node\n"
-    "(from every live state: crash -> crashed; closed [closed] -> closed; "
-    "mark_rendezvous_closed [!closed] internal)"
+    "(from every live state: crash -> crashed; closed [rendezvous_closed] -> closed; "
+    "mark_rendezvous_closed [!rendezvous_closed] internal)"
 )
 
 
