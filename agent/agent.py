@@ -110,7 +110,7 @@ def _signals_raise() -> Iterator[None]:
     def handler(signum: int, frame: FrameType | None) -> None:
         raise SignalReceived(signum)
 
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     try:
         for sig in _STOP_SIGNALS:
             try:

@@ -296,7 +296,8 @@ def _setup_logging() -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[rallypoint %(levelname)s] %(message)s"))
         root.addHandler(handler)
-    root.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
+    known = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+    root.setLevel(level if level in known else "INFO")
 
 
 def _quiet_agent_cpp_logs() -> None:

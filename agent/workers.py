@@ -186,13 +186,15 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
     with contextlib.suppress(FileNotFoundError):
         os.remove(launch.error_file)
     files: list[IO[bytes]] = []
-    pumps: list[tuple[int, IO[bytes], IO[str] | None]] = []
-    streams: dict[int, int | IO[bytes] | None] = {}
-    for bit, name, console in (
+    pumps: list[tuple[Std, IO[bytes], IO[str] | None]] = []
+    streams: dict[Std, int | IO[bytes] | None] = {}
+    routes: tuple[tuple[Std, str, IO[str]], ...] = (
         (Std.OUT, "stdout", sys.stdout),
         (Std.ERR, "stderr", sys.stderr),
-    ):
+    )
+    for bit, name, console in routes:
         path = os.path.join(launch.log_dir, f"{name}.log")
+        log: IO[bytes]
         if launch.tee & bit:
             log = open(path, "wb")  # noqa: SIM115 -- closed in WorkerGroup.stop
             files.append(log)
@@ -221,12 +223,12 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
             fp.close()
         raise OSError(exc.errno, f"cannot start worker {launch.argv[0]!r}: {exc.strerror}") from exc
     worker = WorkerProcess(launch=launch, popen=popen, start_time=time.time(), files=files)
-    for bit, log, console in pumps:
+    for bit, log, sink in pumps:
         source = popen.stdout if bit == Std.OUT else popen.stderr
         assert source is not None  # PIPE was requested for this stream
         thread = threading.Thread(
             target=_pump,
-            args=(source, log, console, launch.prefix),
+            args=(source, log, sink, launch.prefix),
             name=f"rallypoint-tee-{launch.global_rank}-{bit.name}",
             daemon=True,
         )
