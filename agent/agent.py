@@ -40,7 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from rallypoint.agent.config import LaunchConfig, Std
-from rallypoint.agent.errors import ProcessFailure
+from rallypoint.agent.errors import AgentError, ProcessFailure
 from rallypoint.agent.rendezvous import HandlerView
 from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
 
@@ -51,6 +51,8 @@ logger = logging.getLogger("rallypoint.agent")
 ROUND_ENV = "RALLYPOINT_ROUND"
 _KEY_PREFIX = "rallypoint/agent"
 _CLOSED_CHECK_PERIOD = 1.0
+_ASSIGN_ATTEMPTS = 5
+_STORE_GET_TIMEOUT = 300.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -69,6 +71,10 @@ class SignalReceived(Exception):
     def __init__(self, signum: int) -> None:
         self.signum = signum
         super().__init__(f"received {signal.Signals(signum).name}")
+
+
+class _RoundAbandoned(Exception):
+    """The round's store exchange cannot finish: a peer died or the store failed."""
 
 
 @dataclass(frozen=True)
@@ -343,9 +349,16 @@ class ElasticAgent:
     # ------------------------------------------------------------ a new round
 
     def _rendezvous_and_start(self) -> None:
-        info = self.handler.next_rendezvous()
-        self._store = info.store
-        assignment = self._assign(info.store, info.rank, info.world_size, info)
+        for attempt in range(1, _ASSIGN_ATTEMPTS + 1):
+            info = self.handler.next_rendezvous()
+            self._store = info.store
+            try:
+                assignment = self._assign(info.store, info.rank, info.world_size, info)
+                break
+            except (_RoundAbandoned, RuntimeError) as exc:  # store errors are RuntimeErrors
+                if attempt == _ASSIGN_ATTEMPTS:
+                    raise AgentError(f"could not agree on ranks {attempt} times: {exc}") from exc
+                logger.warning("[%s] %s; joining the next round", self.config.role, exc)
         self._assignment = assignment
         self.rounds += 1
         launches = self._launches(assignment)
@@ -384,7 +397,8 @@ class ElasticAgent:
         store.set(f"{prefix}/info/{group_rank}", json.dumps(mine))
         if group_rank == 0:
             infos = [
-                json.loads(store.get(f"{prefix}/info/{rank}")) for rank in range(group_world_size)
+                json.loads(self._get(store, f"{prefix}/info/{rank}"))
+                for rank in range(group_world_size)
             ]
             round_number = (
                 round_hint if round_hint is not None else max(int(i["seen"]) for i in infos) + 1
@@ -409,7 +423,7 @@ class ElasticAgent:
                 store.set(f"{prefix}/assigned/{rank}", json.dumps(assigned))
                 base += int(i["nproc"])
                 role_base[i["role"]] += int(i["nproc"])
-        got = json.loads(store.get(f"{prefix}/assigned/{group_rank}"))
+        got = json.loads(self._get(store, f"{prefix}/assigned/{group_rank}"))
         self._last_round = int(got["round"])
         return Assignment(
             round=int(got["round"]),
@@ -423,6 +437,29 @@ class ElasticAgent:
             master_port=int(got["master_port"]),
             use_agent_store=bool(got["agent_store"]),
         )
+
+    def _get(self, store: Store, key: str) -> bytes:
+        """``store.get`` that gives up when a peer dies instead of blocking for minutes.
+
+        Raises:
+            _RoundAbandoned: a peer of the round stopped heartbeating, the store
+                failed, or the key did not appear in time.
+        """
+        deadline = time.monotonic() + _STORE_GET_TIMEOUT
+        pause = 0.002
+        try:
+            while not store.check([key]):
+                if time.monotonic() > deadline:
+                    raise _RoundAbandoned(f"no {key!r} in the store after {_STORE_GET_TIMEOUT} s")
+                dead = self.view.dead_participants()
+                if dead:
+                    names = ", ".join(sorted(map(str, dead)))
+                    raise _RoundAbandoned(f"peer(s) {names} died while ranks were assigned")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+            return bytes(store.get(key))
+        except (RuntimeError, ValueError) as exc:  # torch's store errors are RuntimeErrors
+            raise _RoundAbandoned(f"the round's store failed: {exc}") from exc
 
     def _choose_master(self, info: Any) -> tuple[str, int, bool]:
         config = self.config

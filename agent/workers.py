@@ -195,13 +195,14 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
     for bit, name, console in routes:
         path = os.path.join(launch.log_dir, f"{name}.log")
         log: IO[bytes]
+        # The files outlive this function: WorkerGroup.stop closes them.
         if launch.tee & bit:
-            log = open(path, "wb")  # noqa: SIM115 -- closed in WorkerGroup.stop
+            log = open(path, "wb")  # noqa: SIM115
             files.append(log)
             streams[bit] = subprocess.PIPE
             pumps.append((bit, log, console if launch.console else None))
         elif launch.redirect & bit:
-            log = open(path, "wb")  # noqa: SIM115 -- closed in WorkerGroup.stop
+            log = open(path, "wb")  # noqa: SIM115
             files.append(log)
             streams[bit] = log
         elif not launch.console:
