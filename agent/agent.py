@@ -456,7 +456,7 @@ class ElasticAgent:
                     names = ", ".join(sorted(map(str, dead)))
                     raise _RoundAbandoned(f"peer(s) {names} died while ranks were assigned")
                 time.sleep(pause)
-                pause = min(pause * 2, 0.05)
+                pause = min(pause * 2, 0.01)
             return bytes(store.get(key))
         except (RuntimeError, ValueError) as exc:  # torch's store errors are RuntimeErrors
             raise _RoundAbandoned(f"the round's store failed: {exc}") from exc
