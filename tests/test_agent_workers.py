@@ -1,0 +1,76 @@
+"""Worker processes: stopping reaches the whole tree, and output is routed per rank."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from rallypoint.agent.config import Std
+from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
+
+# A worker that ignores SIGTERM and leaves two descendants behind: one in its process
+# group that also ignores SIGTERM, one that escaped into a session of its own.
+STUBBORN = r"""
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+kids = [
+    subprocess.Popen([sys.executable, "-c", code]),
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                     start_new_session=True),
+]
+with open(sys.argv[1] + ".tmp", "w") as fp:
+    fp.write(" ".join(str(k.pid) for k in kids))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _launch(tmp_path: Path, code: str, *args: str, **kw: object) -> WorkerLaunch:
+    script = tmp_path / "w.py"
+    script.write_text(code)
+    return WorkerLaunch(
+        local_rank=0,
+        global_rank=0,
+        argv=[sys.executable, str(script), *args],
+        env=dict(os.environ),
+        log_dir=str(tmp_path / "logs"),
+        error_file=str(tmp_path / "logs" / "error.json"),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_stop_kills_the_whole_tree_after_the_grace(tmp_path: Path) -> None:
+    pids_file = tmp_path / "pids"
+    group = WorkerGroup()
+    group.start([_launch(tmp_path, STUBBORN, str(pids_file), redirect=Std.ALL)])
+    deadline = time.monotonic() + 60
+    while not pids_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    kids = [psutil.Process(int(p)) for p in pids_file.read_text().split()]
+    worker = psutil.Process(group.pids[0])
+    try:
+        assert group.poll() == {0: None}
+        group.stop(grace=0.3)
+        _, alive = psutil.wait_procs([worker, *kids], timeout=10)
+        assert not alive
+        assert group.workers == []
+        assert (tmp_path / "logs" / "stdout.log").read_text() == "ready\n"
+    finally:
+        for proc in (worker, *kids):
+            if proc.is_running():
+                proc.kill()
+
+
+def test_exit_codes_and_signals_are_reported(tmp_path: Path) -> None:
+    group = WorkerGroup()
+    group.start([_launch(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")])
+    group.workers[0].popen.wait(timeout=60)
+    assert group.poll() == {0: -9}
+    assert group.workers[0].exit_time is not None
+    group.stop(grace=0.0)
