@@ -5,7 +5,7 @@
 * ``c10d``, ``etcd`` (and the entry-point names ``rallypoint-c10d``,
   ``rallypoint-etcd``): rallypoint's own handler, :func:`rallypoint.adapters.create_handler`;
 * ``torch-c10d``, ``torch-etcd``: torch's dynamic rendezvous, kept for comparisons
-  (``bench/recovery.py``) and as a fallback;
+  (``bench/recovery.py``);
 * ``static``: torch's fixed-membership rendezvous (``--master-addr/--master-port``,
   ``--node-rank``), torchrun's default.
 
@@ -17,7 +17,6 @@ degrades to polling when a handler lacks them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -91,22 +90,12 @@ def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
     return host, port
 
 
-def _rallypoint_factory() -> Callable[[RendezvousParameters], RendezvousHandler] | None:
-    try:
-        from rallypoint import adapters
-    except ImportError:
-        return None
-    factory = getattr(adapters, "create_handler", None)
-    return factory if callable(factory) else None
-
-
 def build_handler(config: LaunchConfig) -> RendezvousHandler:
     """Create the rendezvous handler ``config`` asks for.
 
     Raises:
         ConfigError: unknown backend or malformed endpoint.
     """
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     backend = config.rdzv_backend
     if backend not in BACKENDS:
@@ -141,10 +130,10 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
         **configs,
     )
     if BACKENDS[backend] == "rallypoint":
-        factory = _rallypoint_factory()
-        if factory is not None:
-            params.backend = backend
-            return factory(params)
+        from rallypoint.adapters import create_handler
+
+        params.backend = backend
+        return create_handler(params)
     return get_rendezvous_handler(params)
 
 

@@ -293,7 +293,8 @@ def test_two_agents_c10d_worker_crash_is_restarted(
 
 
 def test_scale_up_then_dead_peer_regroups(procs: Procs, free_port: Callable[[], int]) -> None:
-    """A late agent joins a running job; then a SIGKILLed agent's peers regroup without it."""
+    """A late agent joins a running job; a SIGKILLed agent's peers regroup without it;
+    a SIGTERMed agent leaves and the last one carries on."""
     port = free_port()
     args = _c10d_args(port, "elastic", "1:3", 1, "--max-restarts", "0")
     cmd = [str(procs.worker), str(procs.dir), "wait"]
@@ -324,9 +325,20 @@ def test_scale_up_then_dead_peer_regroups(procs: Procs, free_port: Callable[[], 
     assert not psutil.pid_exists(b_worker) or psutil.Process(b_worker).status() == "zombie"
     # Membership changes never spend the restart budget (max-restarts is 0).
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in two} == {"0"}
+    round2 = int(two[0]["RALLYPOINT_ROUND"])
+
+    # SIGTERM takes a node out without closing the job: the last agent goes on alone.
+    procs.killed.add(2)
+    procs.popen(2).send_signal(signal.SIGTERM)
+    assert procs.wait(2) == 128 + signal.SIGTERM
+
+    def alone(rs: list[dict[str, Any]]) -> bool:
+        recs = _full_round(rs, 1, 1)
+        return bool(recs) and int(recs[0]["RALLYPOINT_ROUND"]) > round2
+
+    procs.wait_records(alone, "a round of the last agent alone")
     procs.finish()
     assert procs.wait(0) == 0, procs.logs()
-    assert procs.wait(2) == 0, procs.logs()
 
 
 def test_max_restarts_exhausted_prints_failure_table(procs: Procs) -> None:
