@@ -26,7 +26,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -180,7 +180,6 @@ class ElasticAgent:
         self._log_root = self._make_log_root()
         self._next_closed_check = 0.0
         self._closed = False
-        self.on_round_started: Callable[[Assignment, list[int]], None] | None = None
 
     # ----------------------------------------------------------------- the loop
 
@@ -376,8 +375,6 @@ class ElasticAgent:
             assignment.master_addr,
             assignment.master_port,
         )
-        if self.on_round_started is not None:
-            self.on_round_started(assignment, self.group.pids)
 
     def _assign(
         self, store: Store, group_rank: int, group_world_size: int, info: Any

@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -253,8 +253,3 @@ def format_failures(name: str, failures: Sequence[ProcessFailure], width: int = 
             "rallypoint.agent.record to capture one."
         )
     return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
-
-
-def describe_call(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` of a function, for messages."""
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"

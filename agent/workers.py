@@ -4,8 +4,8 @@ Each worker runs in its own session (``start_new_session=True``), so it leads a
 process group the agent can signal as a whole: stopping a worker sends SIGTERM to
 its group (and to any descendant that escaped it), waits a grace period, then
 SIGKILLs whatever is left. On Linux each worker also asks the kernel to SIGKILL it
-when the agent dies (``PR_SET_PDEATHSIG``), so even a SIGKILLed agent leaves no
-worker behind.
+when the agent dies (``PR_SET_PDEATHSIG``, set by util-linux's ``setpriv`` just
+before it execs the worker), so even a SIGKILLed agent leaves no worker behind.
 
 Output: per local rank and stream, ``redirect`` sends it to the attempt's log file
 only, ``tee`` to the file and to the agent's console with a ``[role/rank]`` prefix.
@@ -14,8 +14,9 @@ only, ``tee`` to the file and to the agent's console with a ``[role/rank]`` pref
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,17 +30,33 @@ import psutil
 
 from rallypoint.agent.config import Std
 
-__all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "kill_tree"]
+__all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "die_with_agent", "kill_tree"]
 
-_PR_SET_PDEATHSIG = 1
+# Sets the parent-death signal, then becomes the worker (same pid). Used only where
+# util-linux's setpriv is missing. No preexec_fn: Python code between fork and exec
+# deadlocks or aborts in a process whose other threads hold locks (gRPC's etcd
+# client does), and it forces fork() where subprocess would otherwise use vfork().
+_PDEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec. Failing here must not stop the
-    # worker from starting, hence the broad suppression.
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+@functools.cache
+def _setpriv() -> str | None:
+    return shutil.which("setpriv")
+
+
+def die_with_agent(argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped so the kernel SIGKILLs the worker when the agent dies (Linux)."""
+    if sys.platform != "linux":
+        return list(argv)
+    setpriv = _setpriv()
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "KILL", "--", *argv]
+    return [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
 
 
 @dataclass(frozen=True)
@@ -211,13 +228,12 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
             streams[bit] = None
     try:
         popen = subprocess.Popen(
-            list(launch.argv),
+            die_with_agent(launch.argv),
             env=dict(launch.env),
             stdin=subprocess.DEVNULL,
             stdout=streams[Std.OUT],
             stderr=streams[Std.ERR],
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
     except OSError as exc:
         for fp in files:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from rallypoint.agent.config import Std
 from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
@@ -74,3 +77,50 @@ def test_exit_codes_and_signals_are_reported(tmp_path: Path) -> None:
     assert group.poll() == {0: -9}
     assert group.workers[0].exit_time is not None
     group.stop(grace=0.0)
+
+
+# A stand-in agent: starts one sleeping worker, reports its pid, and dies abruptly.
+MINI_AGENT = r"""
+import os, sys, time
+from rallypoint.agent import workers
+if sys.argv[2] == "shim":
+    workers._setpriv = lambda: None
+launch = workers.WorkerLaunch(
+    local_rank=0, global_rank=0, env=dict(os.environ),
+    argv=[sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+    log_dir=sys.argv[1], error_file=os.path.join(sys.argv[1], "error.json"),
+    redirect=workers.Std.ALL,
+)
+group = workers.WorkerGroup()
+group.start([launch])
+out = os.path.join(sys.argv[1], "stdout.log")
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    with open(out) as fp:
+        if fp.read() == "up\n":
+            break
+    time.sleep(0.01)
+print(group.pids[0], flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["setpriv", "shim"])
+def test_workers_die_with_their_agent(tmp_path: Path, mode: str) -> None:
+    if mode == "setpriv" and shutil.which("setpriv") is None:
+        pytest.skip("util-linux setpriv is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-c", MINI_AGENT, str(tmp_path), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    worker = int(proc.stdout.strip())
+    try:
+        psutil.Process(worker).wait(timeout=10)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        psutil.Process(worker).kill()
+        pytest.fail("the worker outlived its agent")
