@@ -15,7 +15,7 @@ from .errors import (
     RendezvousTimeoutError,
 )
 from .factory import create_handler
-from .handler import RallypointHandler, RoundStoreProvider, SharedStoreProvider
+from .handler import RallypointHandler
 from .sync import StateSync, merge_heartbeats, split_heartbeats
 
 __all__ = [
@@ -30,8 +30,6 @@ __all__ = [
     "RendezvousGracefulExitError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
-    "RoundStoreProvider",
-    "SharedStoreProvider",
     "StateSync",
     "Token",
     "create_handler",

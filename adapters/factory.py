@@ -26,13 +26,13 @@ def create_handler(params: RendezvousParameters) -> RallypointHandler:
         return RallypointHandler(backend, config.settings, local_addr=config.local_addr)
     from .etcd import create_etcd_backend
 
-    etcd_backend, provider = create_etcd_backend(config)
+    etcd_backend, store = create_etcd_backend(config)
     # An etcd client reconnects by itself: ride out a restarting server for up to
     # read_timeout instead of failing the rendezvous.
     return RallypointHandler(
         etcd_backend,
         config.settings,
         local_addr=config.local_addr,
-        store_provider=provider,
+        store=store,
         retry_window=config.read_timeout,
     )

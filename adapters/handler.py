@@ -9,9 +9,13 @@ timed on this node's monotonic clock), :meth:`RallypointHandler.wait_for_change`
 properties, and the ``stable_ranks`` setting.
 
 The store handed out by ``next_rendezvous`` is namespaced per run and round
-(``rallypoint/<run_id>/round/<round>/``); the bootstrap store for the workers
-(``MASTER_ADDR``/``MASTER_PORT``) is a fresh TCPStore server hosted by the node of
-rank 0 for each round, so no key of an earlier round can leak into a new one.
+(``rallypoint/<run_id>/round/<round>``). The workers' bootstrap store
+(``MASTER_ADDR``/``MASTER_PORT``) is a TCPStore server that each handler starts
+when it is created and publishes under ``rallypoint/<run_id>/boot/<node>`` before
+it ever joins; the rank-0 node's server serves the round (torch also keeps one
+server per rank-0 agent across rounds). Publishing ahead means that when a round
+completes, no node waits for rank 0 to start a server and announce it: the
+address is one read away.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Protocol
+from typing import TypeVar
 
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
@@ -51,36 +56,13 @@ from .errors import (
 )
 from .sync import StateSync
 
-__all__ = ["RallypointHandler", "RoundStoreProvider", "SharedStoreProvider"]
+__all__ = ["RallypointHandler"]
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 _local_ids = itertools.count()
-
-
-class RoundStoreProvider(Protocol):
-    """Gives the torch ``Store`` of one completed round to its participants."""
-
-    def store_for_round(self, run_id: str, round: int, rank: int, local_addr: str) -> Store:
-        """The store of ``round``, shared by every participant of that round."""
-        ...
-
-    def close(self) -> None:
-        """Release what the provider hosts."""
-        ...
-
-
-class SharedStoreProvider:
-    """A prefix of one store every node can reach (the c10d rendezvous store)."""
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-
-    def store_for_round(self, run_id: str, round: int, rank: int, local_addr: str) -> Store:
-        return PrefixStore(f"rallypoint/{run_id}/round/{round}/", self._store)
-
-    def close(self) -> None:
-        return None
 
 
 class RallypointHandler(RendezvousHandler):
@@ -90,8 +72,9 @@ class RallypointHandler(RendezvousHandler):
         backend: where the shared state lives (memory, c10d, etcd).
         settings: the rendezvous settings (same on every node).
         local_addr: this node's address (node identity and bootstrap store host).
-        store_provider: the per-round store; defaults to a prefix of the c10d
-            backend's own store (required for other backends).
+        store: the torch Store every node reaches, handed to the agent with a
+            per-round prefix; defaults to the c10d backend's own store (required
+            for other backends: e.g. an EtcdStore, or a HashStore in one process).
         poll_interval: the longest a wait lasts without a change notification.
         retry_window: how long a rendezvous keeps retrying an unreachable backend
             before it raises RendezvousConnectionError (see :class:`StateSync`).
@@ -104,22 +87,19 @@ class RallypointHandler(RendezvousHandler):
         settings: Settings,
         *,
         local_addr: str,
-        store_provider: RoundStoreProvider | None = None,
+        store: Store | None = None,
         poll_interval: float = 1.0,
         retry_window: float = 0.0,
         local_id: int | None = None,
     ) -> None:
-        if store_provider is None:
+        if store is None:
             store = getattr(backend, "store", None)
             if store is None:
-                raise ValueError(
-                    f"backend {backend.name!r} has no c10d store: pass a store_provider"
-                )
-            store_provider = SharedStoreProvider(store)
+                raise ValueError(f"backend {backend.name!r} has no c10d store: pass a store")
         self._backend = backend
         self._settings = settings
         self._local_addr = local_addr
-        self._provider = store_provider
+        self._store = store
         local = next(_local_ids) if local_id is None else local_id
         self.node = NodeDesc(local_addr, os.getpid(), local)
         self._sync = StateSync(
@@ -135,9 +115,12 @@ class RallypointHandler(RendezvousHandler):
         self._peer_lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self._boot_store = PrefixStore(f"rallypoint/{settings.run_id}/boot", store)
         self._bootstrap_server: TCPStore | None = None
+        self._bootstrap_info: RendezvousStoreInfo | None = None
         #: Monitor queries re-read the backend at most this often.
         self.cache_duration = min(1.0, settings.keep_alive_interval / 2)
+        self._publish_bootstrap()
 
     # -- properties ---------------------------------------------------------------
 
@@ -216,6 +199,7 @@ class RallypointHandler(RendezvousHandler):
             RendezvousConnectionError, RendezvousStateError.
         """
         self._stop_heartbeats()
+        self._publish_bootstrap()
         join_timeout = self._settings.join_timeout
 
         def fresh_deadline() -> float:
@@ -223,12 +207,19 @@ class RallypointHandler(RendezvousHandler):
 
         deadline = fresh_deadline()
         log.info("%s joins the next round of rendezvous %r", self.node, self._settings.run_id)
-        self._raise_for(self._sync.run(ExitOp(), deadline), "leaving the round", join_timeout)
-        # ExitOp has just read (or written) the state: JoinOp starts from it.
-        action = self._sync.run(JoinOp(), deadline, fresh_deadline, fresh=True)
-        self._raise_for(action, "joining the rendezvous", join_timeout)
-
-        state = self._sync.state
+        while True:
+            self._raise_for(self._sync.run(ExitOp(), deadline), "leaving the round", join_timeout)
+            # ExitOp has just read (or written) the state: JoinOp starts from it.
+            action = self._sync.run(JoinOp(), deadline, fresh_deadline, fresh=True)
+            self._raise_for(action, "joining the rendezvous", join_timeout)
+            state = self._sync.state
+            rank0 = next((node for node, r in state.participants.items() if r == 0), None)
+            if rank0 is not None:
+                break
+            # The round completed, but its rank-0 node was declared dead before this
+            # node saw it: the round cannot bootstrap its workers, so leave it and
+            # join the next one (within the same deadline).
+            log.warning("%s: round %d lost its rank 0; rejoining", self.node, state.round)
         rank = state.participants[self.node]
         world_size = state.world_size
         self._round = state.round
@@ -247,40 +238,52 @@ class RallypointHandler(RendezvousHandler):
             rank,
             world_size,
         )
-        store = self._provider.store_for_round(
-            self._settings.run_id, self._round, rank, self._local_addr
-        )
-        return RendezvousInfo(store, rank, world_size, self._bootstrap(rank, store))
+        store = PrefixStore(f"rallypoint/{self._settings.run_id}/round/{self._round}", self._store)
+        return RendezvousInfo(store, rank, world_size, self._bootstrap_of(rank0))
 
-    def _bootstrap(self, rank: int, store: Store) -> RendezvousStoreInfo:
-        server_port = None
-        if rank == 0:
-            # A fresh server per round: the workers' store never holds keys of an
-            # earlier round, whichever node was rank 0 then.
-            self._bootstrap_server = None
-            try:
-                self._bootstrap_server = TCPStore(
-                    self._local_addr,
-                    0,
-                    is_master=True,
-                    multi_tenant=True,
-                    timeout=timedelta(seconds=self._settings.join_timeout),
-                )
-            except (RuntimeError, ValueError) as exc:
-                raise RendezvousConnectionError(
-                    self._describe(
-                        f"cannot host the workers' store on {self._local_addr} ({exc})",
-                        "that local_addr is an address of this host",
-                    )
-                ) from exc
-            server_port = self._bootstrap_server.port
+    def _publish_bootstrap(self) -> None:
+        """Start this node's bootstrap server and publish its address (once)."""
+        if self._bootstrap_info is not None:
+            return
         try:
-            return RendezvousStoreInfo.build(rank, store, self._local_addr, server_port)
+            server = TCPStore(
+                self._local_addr,
+                0,
+                is_master=True,
+                multi_tenant=True,
+                timeout=timedelta(seconds=self._settings.join_timeout),
+            )
         except (RuntimeError, ValueError) as exc:
             raise RendezvousConnectionError(
                 self._describe(
-                    f"cannot exchange the workers' store address ({exc})",
-                    "that the node of rank 0 is alive and the round store is reachable",
+                    f"cannot host the workers' store on {self._local_addr} ({exc})",
+                    "that local_addr is an address of this host",
+                )
+            ) from exc
+        info = RendezvousStoreInfo(self._local_addr, server.port)
+        self._call_store(
+            lambda: self._boot_store.set(str(self.node), f"{info.master_addr}:{info.master_port}"),
+            "publishing this node's bootstrap store address",
+        )
+        self._bootstrap_server, self._bootstrap_info = server, info
+
+    def _bootstrap_of(self, node: NodeDesc) -> RendezvousStoreInfo:
+        if node == self.node and self._bootstrap_info is not None:
+            return self._bootstrap_info
+        raw = self._call_store(
+            lambda: self._boot_store.get(str(node)), "reading the rank-0 bootstrap store address"
+        )
+        host, _, port = bytes(raw).decode().rpartition(":")
+        return RendezvousStoreInfo(host, int(port))
+
+    def _call_store(self, op: Callable[[], _T], what: str) -> _T:
+        try:
+            return op()
+        except (RuntimeError, ValueError) as exc:
+            raise RendezvousConnectionError(
+                self._describe(
+                    f"{what} failed ({exc.__class__.__name__}: {str(exc)[:200]})",
+                    "that the rendezvous store is reachable",
                 )
             ) from exc
 
@@ -340,7 +343,6 @@ class RallypointHandler(RendezvousHandler):
         """Stop heartbeats and release the backend and hosted stores (not in torch's API)."""
         self._stop_heartbeats()
         self._bootstrap_server = None
-        self._provider.close()
         self._backend.close()
 
     # -- heartbeats ---------------------------------------------------------------

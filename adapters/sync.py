@@ -22,6 +22,7 @@ counter the action changed gets its blob counter + 1.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -50,6 +51,8 @@ from .backend import RendezvousBackend, Token
 from .errors import RendezvousConnectionError, RendezvousStateError, describe
 
 __all__ = ["SIDE_BITS", "StateSync", "merge_heartbeats", "split_heartbeats"]
+
+log = logging.getLogger(__name__)
 
 #: Bits of the merged counter that hold the backend (side) counter.
 SIDE_BITS = 32
@@ -296,11 +299,12 @@ class StateSync:
                     # Jittered exponential backoff: spreads out a herd of simultaneous
                     # joiners without adding a fixed delay to the first retry.
                     time.sleep(self._rng.uniform(0, min(0.05, 0.001 * (2**losses))))
-            except RendezvousConnectionError:
+            except RendezvousConnectionError as exc:
                 now = self._clock()
                 down_since = now if down_since is None else down_since
                 if now - down_since >= self._retry_window or now > deadline:
                     raise
+                log.warning("%s: backend unreachable, retrying: %s", self.node, exc)
                 fresh = False
                 time.sleep(min(0.5, 0.05 + self._rng.uniform(0, 0.1)))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from rallypoint.adapters.etcd.server import EtcdServer, EtcdServerError, find_etcd_binary
 from rallypoint.adapters.etcd.server import free_port as _free_port
 

@@ -14,10 +14,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from torch.distributed import FileStore, TCPStore
+
 from rallypoint.adapters import MemoryBackend, RendezvousBackend
 from rallypoint.adapters.c10d import C10dBackend
 from rallypoint.adapters.etcd import EtcdBackend, EtcdServer
-from torch.distributed import FileStore, TCPStore
 
 _run_ids = itertools.count()
 Make = Callable[[], RendezvousBackend]

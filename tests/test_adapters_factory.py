@@ -10,6 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import api as torch_api
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
 from rallypoint.adapters import (
     RallypointHandler,
     RendezvousConnectionError,
@@ -18,9 +22,6 @@ from rallypoint.adapters import (
 )
 from rallypoint.adapters.etcd import EtcdServer
 from rallypoint.core import errors as core_errors
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import api as torch_api
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 FAST = {
     "keep_alive_interval": "0.2",
@@ -168,3 +169,34 @@ def test_etcd_restart_mid_rendezvous_loses_nothing(
     assert not errors, errors
     assert sorted(info.rank for info in results.values()) == [0, 1, 2]
     assert len({h.round for h in made}) == 1
+
+
+def test_etcd_store_implements_the_torch_store_interface(etcd_server: EtcdServer) -> None:
+    from datetime import timedelta
+
+    import pyetcd
+    from torch.distributed import DistStoreError, PrefixStore
+
+    from rallypoint.adapters.etcd import EtcdBackend, EtcdStore
+
+    client = pyetcd.client("127.0.0.1", etcd_server.client_port, timeout=10)
+    try:
+        base = EtcdStore(EtcdBackend(client, "store-test", endpoint=etcd_server.endpoint))
+        store = PrefixStore("round/0", base)
+        store.set("a", b"1")
+        assert store.get("a") == b"1"
+        assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+        assert store.compare_set("c", "", "x") == b"x"
+        assert store.compare_set("c", "y", "z") == b"x"
+        assert store.compare_set("c", "x", "z") == b"z"
+        store.multi_set(["m1", "m2"], [b"p", b"q"])
+        assert store.multi_get(["m1", "m2"]) == [b"p", b"q"]
+        assert store.check(["a", "m1"]) and not store.check(["missing"])
+        later = threading.Timer(0.1, lambda: store.set("late", b"v"))
+        later.start()
+        store.wait(["late"], timedelta(seconds=30))
+        later.join()
+        with pytest.raises(DistStoreError):
+            store.wait(["never"], timedelta(seconds=0.2))
+    finally:
+        client.close()

@@ -11,18 +11,18 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from torch.distributed import HashStore
+from torch.distributed.elastic.rendezvous import api as torch_api
+
 from rallypoint.adapters import (
     MemoryBackend,
     RallypointHandler,
     RendezvousClosedError,
     RendezvousStateError,
     RendezvousTimeoutError,
-    SharedStoreProvider,
 )
 from rallypoint.core import Settings
 from rallypoint.core import errors as core_errors
-from torch.distributed import HashStore
-from torch.distributed.elastic.rendezvous import api as torch_api
 
 Factory = Callable[..., RallypointHandler]
 
@@ -48,7 +48,7 @@ def cluster() -> Iterator[tuple[MemoryBackend, Factory]]:
             backend,
             settings,
             local_addr="127.0.0.1",
-            store_provider=SharedStoreProvider(store),
+            store=store,
             local_id=local_id,
         )
         handlers.append(handler)

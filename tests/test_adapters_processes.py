@@ -18,9 +18,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from torch.distributed import TCPStore
+
 from rallypoint.adapters.c10d import C10dBackend
 from rallypoint.core import decode_state
-from torch.distributed import TCPStore
 
 NODE_SCRIPT = textwrap.dedent(
     """

@@ -2,14 +2,14 @@
 
 from .backend import EtcdBackend
 from .server import EtcdServer, EtcdServerError, find_etcd_binary, free_port
-from .store import DEFAULT_PORT, HostedStoreProvider, create_etcd_backend
+from .store import DEFAULT_PORT, EtcdStore, create_etcd_backend
 
 __all__ = [
     "DEFAULT_PORT",
     "EtcdBackend",
     "EtcdServer",
     "EtcdServerError",
-    "HostedStoreProvider",
+    "EtcdStore",
     "create_etcd_backend",
     "find_etcd_binary",
     "free_port",

@@ -11,8 +11,8 @@ key                  value
                      lost write returns the current state in the same round trip.
 ``hb/<node>``        the node's heartbeat counter (decimal); each node writes only
                      its own key, so a put is a safe O(1) increment.
-``store/<round>``    ``host:port`` of the TCPStore the rank-0 node hosts for the
-                     round (:class:`HostedStoreProvider`).
+``kv/<key>``         the keys of :class:`EtcdStore`, the torch Store handed to
+                     the agent (per-round namespaces, bootstrap addresses).
 ===================  =========================================================
 
 Waiting is an etcd watch on ``state`` starting at ``token + 1``: no event is

@@ -1,9 +1,14 @@
-"""The per-round torch Store for etcd rendezvous, and the backend factory.
+"""A torch ``Store`` on etcd v3, and the etcd backend factory.
 
-etcd is not a torch ``Store``, so the node of rank 0 hosts a TCPStore server for
-each completed round and publishes its ``host:port`` under ``store/<round>``; the
-other participants watch that key and connect. The store lives as long as the
-rank-0 agent stays in the round, like the workers it serves.
+torch's agent needs a ``torch.distributed.Store`` from the rendezvous (rank
+assignment, exit barrier); etcd is not one, so :class:`EtcdStore` implements the
+Store interface on the same etcd client: every node is already connected, nothing
+new is opened when a round completes (a new server plus a connection from every
+node stalled 32 nodes for seconds), and the store outlives any single node.
+
+Keys live under ``<prefix>/<run_id>/kv/``. ``get``/``wait`` block on an etcd watch,
+not a poll; ``add`` and ``compare_set`` are transactions, so concurrent callers never
+lose an update.
 """
 
 from __future__ import annotations
@@ -12,98 +17,125 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import DistStoreError, Store
 
 from ..config import RendezvousConfig, parse_endpoint
-from ..errors import RendezvousConnectionError, describe
 from .backend import EtcdBackend
 
-__all__ = ["DEFAULT_PORT", "HostedStoreProvider", "create_etcd_backend"]
+__all__ = ["DEFAULT_PORT", "EtcdStore", "create_etcd_backend"]
 
 #: etcd's default client port.
 DEFAULT_PORT = 2379
 
 
-class HostedStoreProvider:
-    """Rank 0 hosts the round's TCPStore and publishes its address in etcd.
+def _bytes(value: str | bytes | bytearray) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdStore(Store):
+    """``torch.distributed.Store`` over an :class:`EtcdBackend`'s client.
 
     Args:
-        backend: the etcd backend of the same run (its client and key namespace).
-        timeout: how long a non-zero rank waits for the address, and the store's
-            operation timeout.
+        backend: gives the client, the run's key namespace and error mapping.
+        timeout: the default timeout of ``get`` and ``wait``.
     """
 
-    def __init__(self, backend: EtcdBackend, timeout: float) -> None:
+    def __init__(self, backend: EtcdBackend, timeout: timedelta = timedelta(seconds=300)) -> None:
+        super().__init__()
         self._backend = backend
-        self._timeout = timeout
-        self._server: TCPStore | None = None
+        self._client: Any = backend.client
+        self._root = backend.key("kv/")
+        self.set_timeout(timeout)
 
-    def store_for_round(self, run_id: str, round: int, rank: int, local_addr: str) -> Store:
-        key = self._backend.key(f"store/{round}")
-        timeout = timedelta(seconds=self._timeout)
-        client: Any = self._backend.client
-        if rank == 0:
-            # Replace the previous round's server: its workers are gone.
-            self._server = None
-            try:
-                self._server = TCPStore(
-                    local_addr, 0, is_master=True, multi_tenant=True, timeout=timeout
-                )
-            except (RuntimeError, ValueError) as exc:
-                raise RendezvousConnectionError(
-                    describe(
-                        f"cannot host the round store on {local_addr} ({exc})",
-                        run_id=run_id,
-                        endpoint=self._backend.endpoint,
-                        check="that local_addr is an address of this host",
-                    )
-                ) from exc
-            address = f"{local_addr}:{self._server.port}".encode()
-            self._backend.call(lambda: client.put(key, address), written=len(key) + len(address))
-            store: Store = self._server
-        else:
-            host, port = parse_endpoint(self._wait_for_address(key, run_id), 0)
-            try:
-                store = TCPStore(host, port, is_master=False, timeout=timeout)
-            except (RuntimeError, ValueError) as exc:
-                raise RendezvousConnectionError(
-                    describe(
-                        f"cannot reach the round store of rank 0 at {host}:{port} ({exc})",
-                        run_id=run_id,
-                        endpoint=self._backend.endpoint,
-                        check="that the rank-0 node is alive and its local_addr is reachable "
-                        "from this node",
-                    )
-                ) from exc
-        return PrefixStore(f"rallypoint/{run_id}/round/{round}/", store)
+    def _key(self, key: str) -> str:
+        return self._root + key
 
-    def _wait_for_address(self, key: str, run_id: str) -> str:
-        client: Any = self._backend.client
-        deadline = time.monotonic() + self._timeout
+    def set(self, key: str, value: str | bytes) -> None:
+        full, data = self._key(key), _bytes(value)
+        self._backend.call(lambda: self._client.put(full, data), written=len(full) + len(data))
+
+    def _lookup(self, key: str) -> tuple[bytes | None, int]:
+        """(value or None, the revision the read saw)."""
+        response = self._backend.call(lambda: self._client.get_response(self._key(key)))
+        if response.count > 0:
+            return bytes(response.kvs[0].value), int(response.header.revision)
+        return None, int(response.header.revision)
+
+    def _wait_one(self, key: str, deadline: float) -> bytes:
         while True:
-            response = self._backend.call(lambda: client.get_response(key))
-            if response.count > 0:
-                return bytes(response.kvs[0].value).decode()
+            value, revision = self._lookup(key)
+            if value is not None:
+                return value
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RendezvousConnectionError(
-                    describe(
-                        f"rank 0 did not publish the round store address within {self._timeout} s",
-                        run_id=run_id,
-                        endpoint=self._backend.endpoint,
-                        check="that the rank-0 node is alive (its log shows the round)",
-                    )
+                raise DistStoreError(
+                    f"timed out waiting for key {key!r} in the etcd store at "
+                    f"{self._backend.endpoint}"
                 )
-            self._backend.watch(key, int(response.header.revision) + 1, min(left, 1.0))
+            self._backend.watch(self._key(key), revision + 1, min(left, 1.0))
 
-    def close(self) -> None:
-        self._server = None
+    def get(self, key: str) -> bytes:
+        return self._wait_one(key, time.monotonic() + self.timeout.total_seconds())
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        span = (timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + span
+        for key in keys:
+            self._wait_one(key, deadline)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._lookup(key)[0] is not None for key in keys)
+
+    def _swap(self, key: str, update: Any) -> bytes:
+        """Atomically replace the value with ``update(old or None)`` (None: keep)."""
+        full = self._key(key)
+        tx = self._client.transactions
+        while True:
+            response = self._backend.call(lambda: self._client.get_response(full))
+            if response.count > 0:
+                old: bytes | None = bytes(response.kvs[0].value)
+                compare = [tx.mod(full) == int(response.kvs[0].mod_revision)]
+            else:
+                old, compare = None, [tx.version(full) == 0]
+            new = update(old)
+            if new is None:
+                return old if old is not None else b""
+            ok, _ = self._backend.call(
+                lambda c=compare, n=new: self._client.transaction(
+                    compare=c, success=[tx.put(full, n)], failure=[]
+                ),
+                written=len(full) + len(new),
+            )
+            if ok:
+                return bytes(new)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._swap(key, lambda old: str(int(old or b"0") + amount).encode()))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        want, data = _bytes(expected), _bytes(desired)
+
+        def update(old: bytes | None) -> bytes | None:
+            if (old is None and want == b"") or old == want:
+                return data
+            return None
+
+        return self._swap(key, update)
+
+    def delete_key(self, key: str) -> bool:
+        full = self._key(key)
+        return bool(self._backend.call(lambda: self._client.delete(full)))
+
+    def num_keys(self) -> int:
+        return sum(1 for _ in self._backend.call(lambda: list(self._client.get_prefix(self._root))))
 
 
 def create_etcd_backend(
     config: RendezvousConfig, client: Any = None
-) -> tuple[EtcdBackend, HostedStoreProvider]:
+) -> tuple[EtcdBackend, EtcdStore]:
     """Connect to the etcd server named by ``config.endpoint`` (default port 2379).
+
+    Returns the backend and the store handed to the agent (same client).
 
     Raises:
         RendezvousConnectionError: etcd does not answer a status request.
@@ -121,4 +153,4 @@ def create_etcd_backend(
         name=config.backend_name,
     )
     backend.call(client.status)
-    return backend, HostedStoreProvider(backend, config.read_timeout)
+    return backend, EtcdStore(backend, timedelta(seconds=config.read_timeout))
