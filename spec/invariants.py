@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from rallypoint.core import NodeDesc, RendezvousState, Settings
 
 __all__ = [
+    "AgreementTracker",
     "RoundResult",
     "check_agreement",
     "check_state",
@@ -124,3 +125,41 @@ def check_agreement(results: Mapping[NodeDesc, RoundResult]) -> list[str]:
             if node not in r.membership:
                 problems.append(f"round {round_}: {node} returned but is not a member")
     return problems
+
+
+class AgreementTracker:
+    """:func:`check_agreement`, fed one returned join at a time.
+
+    For long simulations: each :meth:`add` costs O(size of the view) in C set
+    operations instead of re-checking every result of the round.
+    """
+
+    def __init__(self) -> None:
+        self._world: dict[int, int] = {}
+        self._ranks: dict[int, dict[int, NodeDesc]] = {}
+        self._union: dict[int, set[NodeDesc]] = {}
+
+    def add(self, node: NodeDesc, result: RoundResult) -> list[str]:
+        """Record that ``node`` returned ``result``; the properties it breaks."""
+        problems: list[str] = []
+        round_ = result.round
+        world = self._world.setdefault(round_, result.world_size)
+        if result.world_size != world:
+            sizes = sorted({world, result.world_size})
+            problems.append(f"round {round_}: nodes disagree on the world size: {sizes}")
+        ranks = self._ranks.setdefault(round_, {})
+        holder = ranks.setdefault(result.rank, node)
+        if holder != node:
+            problems.append(f"round {round_}: two nodes returned with the same rank")
+        if not 0 <= result.rank < max(world, result.world_size):
+            problems.append(f"round {round_}: a rank in [{result.rank}] is outside 0..{world - 1}")
+        union = self._union.setdefault(round_, set())
+        union |= result.membership
+        if len(union) > max(world, result.world_size):
+            problems.append(
+                f"round {round_}: nodes disagree on membership: their views name "
+                f"{len(union)} nodes for a world of {world}"
+            )
+        if node not in result.membership:
+            problems.append(f"round {round_}: {node} returned but is not a member")
+        return problems
