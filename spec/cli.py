@@ -1,0 +1,183 @@
+"""``rallypoint spec ...`` and ``rallypoint simulate ...``: argument parsing and output.
+
+* ``rallypoint spec diagram [--output PATH] [--source]`` writes the lifecycle diagram
+  (PNG via graphviz's ``dot``) and its ``.dot`` and mermaid sources.
+* ``rallypoint spec check --nodes 3`` runs the model checker.
+* ``rallypoint simulate --nodes 1000 --crash-rate 0.01 --seed 7 [--plot out.png]``
+  runs the simulator and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["simulate_main", "spec_main"]
+
+
+def _spec_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rallypoint spec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    diagram = sub.add_parser("diagram", help="write the state diagram of one node's lifecycle")
+    diagram.add_argument(
+        "--output", default="docs/spec-diagram.png", help="image path (.png, .svg)"
+    )
+    diagram.add_argument(
+        "--source", action="store_true", help="only write the .dot and .mmd sources (no graphviz)"
+    )
+    check = sub.add_parser("check", help="model-check the core exhaustively")
+    check.add_argument("--nodes", type=int, default=3)
+    check.add_argument("--min", dest="min_nodes", type=int, default=2)
+    check.add_argument("--max", dest="max_nodes", type=int, default=3)
+    check.add_argument("--max-round", type=int, default=1, help="rounds explored (default 1)")
+    check.add_argument("--max-crashes", type=int, default=1)
+    check.add_argument("--no-close", action="store_true", help="nodes never close")
+    check.add_argument("--no-symmetry", action="store_true", help="disable symmetry reduction")
+    check.add_argument("--max-states", type=int, default=None, help="stop after this many")
+    return parser
+
+
+def spec_main(argv: list[str]) -> int:
+    """Entry point of ``rallypoint spec``; returns the exit status."""
+    args = _spec_parser().parse_args(argv)
+    if args.command == "diagram":
+        from .model import ModelUnavailableError, diagram_source, write_diagram
+
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".dot").write_text(diagram_source("graphviz"))
+        out.with_suffix(".mmd").write_text(diagram_source("mermaid"))
+        print(f"wrote {out.with_suffix('.dot')} and {out.with_suffix('.mmd')}")
+        if args.source:
+            return 0
+        try:
+            write_diagram(out)
+        except ModelUnavailableError as exc:
+            print(f"rallypoint spec diagram: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote {out}")
+        return 0
+    from .check import CheckConfig, CheckerConfigError, check
+
+    try:
+        config = CheckConfig(
+            nodes=args.nodes,
+            min_nodes=args.min_nodes,
+            max_nodes=args.max_nodes,
+            max_round=args.max_round,
+            max_crashes=args.max_crashes,
+            allow_close=not args.no_close,
+            symmetry=not args.no_symmetry,
+            max_states=args.max_states,
+        )
+    except CheckerConfigError as exc:
+        print(f"rallypoint spec check: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(r: object) -> None:
+        print(
+            f"  ... {r.states:,} states, {r.transitions:,} transitions, "  # type: ignore[attr-defined]
+            f"depth {r.depth}, {r.seconds:.0f} s",  # type: ignore[attr-defined]
+            file=sys.stderr,
+            flush=True,
+        )
+
+    result = check(config, progress)
+    print(result.summary())
+    return 0 if result.ok else 1
+
+
+def _simulate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rallypoint simulate", description="simulate many rendezvous nodes deterministically"
+    )
+    p.add_argument("--nodes", type=int, default=64)
+    p.add_argument("--min", dest="min_nodes", type=int, default=None)
+    p.add_argument("--max", dest="max_nodes", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=300.0, help="simulated seconds")
+    p.add_argument("--crash-rate", type=float, default=0.0, help="crashes per node per minute")
+    p.add_argument("--partition-rate", type=float, default=0.0, help="per node per minute")
+    p.add_argument("--partition-duration", type=float, default=30.0)
+    p.add_argument("--leave-rate", type=float, default=0.0, help="leaves per node per minute")
+    p.add_argument("--restart-delay", type=float, default=10.0)
+    p.add_argument("--latency", type=float, default=0.002, help="one-way backend latency, s")
+    p.add_argument("--jitter", type=float, default=0.001)
+    p.add_argument("--conflict-rate", type=float, default=0.0, help="spurious CAS failures")
+    p.add_argument("--clock-offset", type=float, default=0.0, help="max clock offset, s")
+    p.add_argument("--drift", type=float, default=0.0, help="max clock drift (0.01 = 1%%)")
+    p.add_argument("--last-call", type=float, default=1.0, help="last call timeout, s")
+    p.add_argument("--arrival-spread", type=float, default=2.0)
+    p.add_argument("--plot", type=Path, default=None, help="PNG of round-completion times")
+    p.add_argument("--no-timing", action="store_true", help="omit the wall-clock line")
+    return p
+
+
+def simulate_main(argv: list[str]) -> int:
+    """Entry point of ``rallypoint simulate``; returns the exit status."""
+    args = _simulate_parser().parse_args(argv)
+    from .simulator import SimConfig, SimConfigError, simulate
+
+    try:
+        config = SimConfig(
+            nodes=args.nodes,
+            min_nodes=args.min_nodes,
+            max_nodes=args.max_nodes,
+            seed=args.seed,
+            duration=args.duration,
+            crash_rate=args.crash_rate,
+            partition_rate=args.partition_rate,
+            partition_duration=args.partition_duration,
+            leave_rate=args.leave_rate,
+            restart_delay=args.restart_delay,
+            latency=args.latency,
+            jitter=args.jitter,
+            conflict_rate=args.conflict_rate,
+            clock_offset=args.clock_offset,
+            drift=args.drift,
+            last_call_timeout=args.last_call,
+            arrival_spread=args.arrival_spread,
+        )
+    except SimConfigError as exc:
+        print(f"rallypoint simulate: {exc}", file=sys.stderr)
+        return 2
+    report = simulate(config)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"rallypoint simulate: {config.nodes} nodes, seed {config.seed}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for name, value in report.summary_rows():
+        table.add_row(name, value)
+    console.print(table)
+    for violation in report.violations:
+        console.print(violation.format(), markup=False)
+    if not args.no_timing:
+        console.print(
+            f"wall {report.wall_seconds:.2f} s, {report.steps_per_second:,.0f} node-steps/s"
+        )
+    if args.plot is not None:
+        _plot(report, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0 if report.ok else 1
+
+
+def _plot(report: object, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = report.rounds  # type: ignore[attr-defined]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar([r.round for r in rounds], [r.duration for r in rounds])
+    ax.set_xlabel("round")
+    ax.set_ylabel("seconds from first join to last return")
+    ax.set_title(f"round completion, {report.config.nodes} nodes")  # type: ignore[attr-defined]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
