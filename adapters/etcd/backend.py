@@ -109,7 +109,7 @@ class EtcdBackend:
 
     @property
     def client(self) -> Any:
-        """The etcd client (shared with :class:`HostedStoreProvider`)."""
+        """The etcd client (shared with :class:`EtcdStore`)."""
         return self._client
 
     def key(self, suffix: str) -> str:
