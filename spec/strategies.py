@@ -1,0 +1,93 @@
+"""Hypothesis strategies for writing your own properties of the rendezvous.
+
+* :func:`node_descs` -- nodes (addr, pid, local id);
+* :func:`rendezvous_settings` -- valid :class:`Settings`;
+* :func:`rendezvous_states` -- shared states that pass :func:`check_state`;
+* :func:`sim_configs` -- simulator configurations with faults, skew and drift.
+
+Example::
+
+    @given(sim_configs(max_nodes=16))
+    def test_no_split_brain(config):
+        assert not simulate(config).violations
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from rallypoint.core import NodeDesc, RendezvousState, Settings, assign_ranks
+
+from .simulator import SimConfig
+
+__all__ = ["node_descs", "rendezvous_settings", "rendezvous_states", "sim_configs"]
+
+
+def node_descs() -> st.SearchStrategy[NodeDesc]:
+    """Nodes with short addresses, pids and local ids."""
+    return st.builds(
+        NodeDesc,
+        st.sampled_from(["10.0.0.1", "10.0.0.2", "host-a", "host-b"]),
+        st.integers(1, 5),
+        st.integers(0, 2),
+    )
+
+
+@st.composite
+def rendezvous_settings(draw: st.DrawFn, max_nodes: int = 8) -> Settings:
+    """Valid settings with min_nodes <= max_nodes <= ``max_nodes``."""
+    high = draw(st.integers(1, max_nodes))
+    low = draw(st.integers(1, high))
+    return Settings(
+        run_id="strategy",
+        min_nodes=low,
+        max_nodes=high,
+        last_call_timeout=draw(st.sampled_from([0.5, 1.0, 30.0])),
+        keep_alive_interval=draw(st.sampled_from([1.0, 5.0])),
+        keep_alive_max_attempt=draw(st.integers(1, 3)),
+        stable_ranks=draw(st.booleans()),
+    )
+
+
+@st.composite
+def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> RendezvousState:
+    """Shared states that satisfy :func:`rallypoint.spec.invariants.check_state`."""
+    s = settings or draw(rendezvous_settings())
+    nodes = draw(st.lists(node_descs(), unique=True, max_size=s.max_nodes + 3))
+    count = draw(st.integers(0, min(len(nodes), s.max_nodes)))
+    participants, rest = nodes[:count], nodes[count:]
+    complete = s.min_nodes <= count and draw(st.booleans())
+    split = draw(st.integers(0, len(rest)))
+    state = RendezvousState(
+        round=draw(st.integers(0, 3)),
+        complete=complete,
+        closed=draw(st.booleans()),
+        world_size=count if complete else 0,
+        participants=assign_ranks(participants) if complete else dict.fromkeys(participants, 0),
+        wait_list=frozenset(rest[:split]),
+        redundancy_list=frozenset(rest[split:]),
+        heartbeats={n: draw(st.integers(1, 9)) for n in nodes},
+    )
+    if not complete and count >= s.min_nodes:
+        state = state.evolve(last_call=1, last_call_seq=1)
+    return state
+
+
+@st.composite
+def sim_configs(draw: st.DrawFn, max_nodes: int = 16, duration: float = 120.0) -> SimConfig:
+    """Simulator runs with random faults, clock skew and drift."""
+    nodes = draw(st.integers(1, max_nodes))
+    high = draw(st.integers(1, nodes))
+    return SimConfig(
+        nodes=nodes,
+        min_nodes=draw(st.integers(1, high)),
+        max_nodes=high,
+        seed=draw(st.integers(0, 2**32 - 1)),
+        duration=duration,
+        crash_rate=draw(st.sampled_from([0.0, 0.05, 0.2])),
+        partition_rate=draw(st.sampled_from([0.0, 0.05])),
+        leave_rate=draw(st.sampled_from([0.0, 0.05])),
+        conflict_rate=draw(st.sampled_from([0.0, 0.1])),
+        clock_offset=draw(st.sampled_from([0.0, 300.0])),
+        drift=draw(st.sampled_from([0.0, 0.01])),
+    )
