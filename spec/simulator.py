@@ -358,6 +358,8 @@ class SimReport:
     false_deaths: int = 0
     timeouts: int = 0
     violations: list[SimViolation] = field(default_factory=list)
+    #: live, reachable nodes declared dead (a liveness fault, not a safety one)
+    false_death_log: list[SimViolation] = field(default_factory=list)
     wall_seconds: float = 0.0
 
     @property
@@ -420,7 +422,7 @@ class SimReport:
             f"  {r.round} {r.size} {r.opened:.6f} {r.completed:.6f} {r.duration:.6f}"
             for r in self.rounds
         ]
-        for v in self.violations:
+        for v in [*self.violations, *self.false_death_log]:
             lines.append(v.format())
         return "\n".join(lines)
 
@@ -880,7 +882,9 @@ class Simulator:
                 grace = self.settings.liveness_window + self.config.request_timeout * 2
                 if not node.partitioned and self.now - node.healed_at > grace:
                     self.report.false_deaths += 1
-                    self._violate([f"false death: {observer.desc} declared live {gone} dead"])
+                    trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
+                    problem = f"false death: {observer.desc} declared live {gone} dead"
+                    self.report.false_death_log.append(SimViolation(self.now, (problem,), trace))
 
     def _wait(self, node: _Node, ctx: Context) -> None:
         node.subscribed = True
@@ -927,14 +931,9 @@ class Simulator:
             node.phase = _TRAINING
             self._after(node, self.settings.keep_alive_interval, "heartbeat")
             return
-        if (
-            (action is Action.FINISH
-            and isinstance(op, CloseOp))
-            or action
-            in (
-                Action.ERROR_CLOSED,
-                Action.ERROR_GRACEFUL_EXIT,
-            )
+        if (action is Action.FINISH and isinstance(op, CloseOp)) or action in (
+            Action.ERROR_CLOSED,
+            Action.ERROR_GRACEFUL_EXIT,
         ):
             self.closed_by = self.closed_by or node.desc
             self._stop(node)
