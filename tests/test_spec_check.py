@@ -91,10 +91,8 @@ def test_config_errors_name_the_field() -> None:
 
 
 def test_cli_check_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    status = spec_main(
-        ["check", "--nodes", "2", "--min", "1", "--max", "2", "--max-round", "0", "--no-close"]
-        + ["--max-crashes", "0"]
-    )
+    args = "check --nodes 2 --min 1 --max 2 --max-round 0 --no-close --max-crashes 0"
+    status = spec_main(args.split())
     out = capsys.readouterr().out
     assert status == 0
     for figure in ("states explored", "transitions", "depth", "seconds", "no violation"):
