@@ -11,7 +11,8 @@ minus the wall-clock deadline and heartbeat times):
 ======================== ==================================================================
 action                   effect on the shared state
 ======================== ==================================================================
-KEEP_ALIVE               bump this node's heartbeat counter
+KEEP_ALIVE               bump this node's heartbeat counter (a new entry starts above
+                         every counter ever handed out: it never repeats a stale value)
 ADD_TO_PARTICIPANTS      leave the wait list, join the participants, heartbeat; arm the last
                          call when min_nodes is reached; complete at once at max_nodes
 ADD_TO_WAIT_LIST         leave the redundancy list, join the wait list, heartbeat
@@ -102,7 +103,12 @@ class Action(enum.Enum):
 
 
 def _keep_alive(state: RendezvousState, node: NodeDesc) -> RendezvousState:
-    return state.evolve(heartbeats=state.heartbeats.set(node, state.heartbeats.get(node, 0) + 1))
+    current = state.heartbeats.get(node)
+    counter = state.heartbeat_seq + 1 if current is None else current + 1
+    return state.evolve(
+        heartbeats=state.heartbeats.set(node, counter),
+        heartbeat_seq=max(state.heartbeat_seq, counter),
+    )
 
 
 def _remove_participant_epilogue(state: RendezvousState, settings: Settings) -> RendezvousState:

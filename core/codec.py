@@ -12,7 +12,8 @@ Format, version 1 (keys are short because the state is rewritten often)::
      "r": [[addr, pid, local_id], ...],           # redundancy list
      "hb": [[addr, pid, local_id, counter], ...], # heartbeat counters
      "lc": null | arming, "lcs": arming_seq,
-     "lr": [[addr, pid, local_id, rank], ...]}    # last ranks (stable-ranks option)
+     "lr": [[addr, pid, local_id, rank], ...],    # last ranks (stable-ranks option)
+     "hs": heartbeat_seq}
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ FORMAT_VERSION = 1
 MAX_STATE_BYTES = 16 * 1024 * 1024
 _MAX_ADDR_LEN = 1024
 _KEYS = frozenset(
-    {"v", "round", "complete", "closed", "world", "p", "w", "r", "hb", "lc", "lcs", "lr"}
+    {"v", "round", "complete", "closed", "world", "p", "w", "r", "hb", "lc", "lcs", "lr", "hs"}
 )
 
 
@@ -55,6 +56,7 @@ def encode_state(state: RendezvousState) -> bytes:
         "lc": state.last_call,
         "lcs": state.last_call_seq,
         "lr": [[*_node_fields(n), r] for n, r in sorted(state.last_ranks.items())],
+        "hs": state.heartbeat_seq,
     }
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
@@ -147,6 +149,7 @@ def decode_state(data: bytes) -> RendezvousState:
     last_call = None if doc["lc"] is None else _int(doc["lc"], "last call", 1)
     last_call_seq = _int(doc["lcs"], "last call sequence")
     last_ranks = _node_map(doc, "lr", "last ranks")
+    heartbeat_seq = _int(doc["hs"], "heartbeat sequence")
 
     if complete:
         ranks = list(participants.values())
@@ -182,4 +185,5 @@ def decode_state(data: bytes) -> RendezvousState:
         last_call=last_call,
         last_call_seq=last_call_seq,
         last_ranks=Map(last_ranks),
+        heartbeat_seq=heartbeat_seq,
     )

@@ -161,6 +161,10 @@ class RendezvousState:
             arming distinguishable from the previous one.
         last_ranks: ranks of the last completed round, kept only with the
             stable-ranks option.
+        heartbeat_seq: the largest heartbeat counter ever handed out. A node that
+            (re)gets a heartbeat entry starts above it, so its counter never repeats
+            a value an observer may still hold from an earlier membership (an
+            observer that missed the removal would otherwise see "no movement").
     """
 
     round: int = 0
@@ -174,6 +178,7 @@ class RendezvousState:
     last_call: int | None = None
     last_call_seq: int = 0
     last_ranks: Map[NodeDesc, int] = field(default_factory=Map)
+    heartbeat_seq: int = 0
 
     def __post_init__(self) -> None:
         # Accept plain dicts/sets from callers; store immutable, hashable forms.

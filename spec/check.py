@@ -308,9 +308,11 @@ class Checker:
             any(c != 1 for c in state.heartbeats.values())
             or state.last_call_seq != 1
             or state.last_call not in (None, 1)
+            or state.heartbeat_seq != 1
         ):
             state = state.evolve(
                 heartbeats=dict.fromkeys(state.heartbeats, 1),
+                heartbeat_seq=1,
                 last_call=None if state.last_call is None else 1,
                 last_call_seq=1,
             )

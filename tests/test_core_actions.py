@@ -48,10 +48,23 @@ def test_add_to_wait_list_and_redundancy_list():
     s = settings(2, 2)
     full = completed(2, s)
     redundant = step(full, node(7), Action.ADD_TO_REDUNDANCY_LIST, s)
-    assert redundant.redundancy_list == {node(7)} and redundant.heartbeats[node(7)] == 1
+    assert redundant.redundancy_list == {node(7)}
+    assert redundant.heartbeats[node(7)] == full.heartbeat_seq + 1 == redundant.heartbeat_seq
     waiting = step(redundant, node(7), Action.ADD_TO_WAIT_LIST, s)
     assert waiting.wait_list == {node(7)} and not waiting.redundancy_list
-    assert waiting.heartbeats[node(7)] == 2
+    assert waiting.heartbeats[node(7)] == redundant.heartbeats[node(7)] + 1
+
+
+def test_a_rejoining_node_never_repeats_a_heartbeat_counter():
+    """An observer that missed a leave and rejoin must still see the counter move."""
+    s = settings(1, 3, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    first = joined([node(0)], s)
+    stale = observe(Observations(), first, 0.0)  # then this observer is cut off
+    left = step(first, node(0), Action.REMOVE_FROM_PARTICIPANTS, s)
+    back = joined([node(0)], s, left)
+    assert back.heartbeats[node(0)] != first.heartbeats[node(0)]
+    fresh = observe(stale, back, 100.0)
+    assert not dead_nodes(back, fresh, s, 100.5)
 
 
 def test_remove_from_wait_and_redundancy_lists_drop_the_heartbeat():

@@ -67,9 +67,10 @@ def test_every_reachable_state_round_trips(run):
 
 
 def test_encoding_is_canonical_whatever_the_insertion_order():
-    s = settings(1, 4)
-    a = joined([node(0), node(1), node(2)], s)
-    b = joined([node(2), node(0), node(1)], s)
+    nodes = [node(0), node(1), node(2)]
+    a = RendezvousState(participants={n: 0 for n in nodes}, heartbeats={n: 1 for n in nodes})
+    rev = list(reversed(nodes))
+    b = RendezvousState(participants={n: 0 for n in rev}, heartbeats={n: 1 for n in rev})
     assert encode_state(a) == encode_state(b)
 
 
