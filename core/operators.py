@@ -248,8 +248,14 @@ def wake_at(ctx: Context, deadline: float | None = None) -> float | None:
     sighting = ctx.observations.last_call
     if sighting is not None and ctx.state.last_call is not None:
         times.append(sighting.since + s.last_call_timeout)
-    for node, seen in ctx.observations.heartbeats.items():
-        if node != ctx.node and node in ctx.state.heartbeats:
-            times.append(seen.since + s.liveness_window)
+    oldest = ctx.observations.oldest
+    if oldest is not None and oldest + s.liveness_window > ctx.now:
+        # No sighting has expired yet: the oldest one expires first. Waking for it
+        # when it is this node's own costs one early wake, not a per-peer walk.
+        times.append(oldest + s.liveness_window)
+    else:
+        for node, seen in ctx.observations.heartbeats.items():
+            if node != ctx.node and node in ctx.state.heartbeats:
+                times.append(seen.since + s.liveness_window)
     future = [t for t in times if t > ctx.now]
     return min(future) if future else None
