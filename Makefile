@@ -9,6 +9,9 @@ STAMP := $(VENV)/.rallypoint-installed
 .PHONY: install demo test lint bench
 
 $(STAMP): pyproject.toml Makefile
+	# The state diagram (rallypoint spec diagram) renders with graphviz's dot.
+	command -v dot >/dev/null || (apt-get update -q && apt-get install -y -q graphviz) \
+		|| echo "graphviz not installed: the diagram PNG test will be skipped"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: this version's CPU build is on local disk; a bare
 	# "torch" requirement would download a multi-GB CUDA build.
@@ -24,7 +27,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check core
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10
 
 bench: $(STAMP)
 	$(PY) bench/core_throughput.py
+	$(PY) bench/simulator_throughput.py
+	$(PY) bench/rendezvous_latency.py
+	$(PY) bench/recovery.py
