@@ -294,16 +294,14 @@ def observe(observations: Observations, state: RendezvousState, now: float) -> O
             changed = frozenset((n, c) for n, c in items if n not in seen or seen[n].counter != c)
         else:
             changed = items - observations.source_items
-        if changed:
-            with updated.mutate() as mutable:
+        if changed or len(seen) != len(counters):
+            with seen.mutate() as mutable:
                 for node, counter in changed:
                     mutable[node] = HeartbeatSighting(counter, now)
-                updated = mutable.finish()
-        if len(updated) != len(counters):
-            with updated.mutate() as mutable:
-                for node in seen:
-                    if node not in counters:
-                        del mutable[node]
+                if len(mutable) != len(counters):  # some nodes left the state
+                    for node in seen:
+                        if node not in counters:
+                            del mutable[node]
                 updated = mutable.finish()
         if updated is not seen:
             oldest = min(map(_SINCE, updated.values()), default=None)

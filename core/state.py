@@ -58,6 +58,11 @@ class NodeDesc(NamedTuple):
         return f"{self.addr}_{self.pid}_{self.local_id}"
 
 
+def _is_seconds(value: object) -> bool:
+    """A finite real number (bools are ints in Python, but never durations)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class Settings:
     """What every node of one rendezvous must agree on.
@@ -110,21 +115,9 @@ class Settings:
             "heartbeat_timeout",
             "keep_alive_interval",
         ):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value <= 0
-            ):
+            if not _is_seconds(value := getattr(self, name)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        rollback = self.rollback_period
-        if (
-            isinstance(rollback, bool)
-            or not isinstance(rollback, (int, float))
-            or not math.isfinite(rollback)
-            or rollback < 0
-        ):
+        if not _is_seconds(rollback := self.rollback_period) or rollback < 0:
             raise ValueError(f"rollback_period must be >= 0 seconds, got {rollback!r}")
         if not isinstance(self.stable_ranks, bool):
             raise ValueError(f"stable_ranks must be a bool, got {self.stable_ranks!r}")
