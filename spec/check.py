@@ -19,10 +19,14 @@ The state space is made finite and small the way TLA+ specs do it:
   its thresholds distinguish: a sighting of a peer is *fresh* or *expired* (older
   than the liveness window); the node's own sighting is *fresh*, *due* (a keep-alive
   interval old) or *expired*; a last call is *running* or *over*; an operation is
-  *before* its deadline, *timed out* within the rollback period, or *past* it. A
-  tick event moves one timer of one node one value on. Every order of expiries is
-  explored, so the search covers every clock offset and drift between nodes (it
+  *before* its deadline, *timed out* within the rollback period, or *past* it. Only
+  the node itself reads its timers, so each step chooses how far they ran since the
+  node last looked (a deadline only moves on). Every order of expiries is explored,
+  so the search covers every clock offset and drift between nodes (it
   over-approximates real time, which is sound for safety properties).
+* **Local events merged into steps.** Starting a join, exit or close changes only
+  the node's own local state, which commutes with every other node's events, so it
+  is taken together with the operation's first step.
 * **Counters as equalities.** Only whether a sighting equals the counter matters, so
   heartbeat counters and last-call armings are renumbered to a few canonical values
   that keep every equality the core can test.
@@ -30,8 +34,13 @@ The state space is made finite and small the way TLA+ specs do it:
   relabellings by node permutation (CockroachDB's TLA+ does the same). Ranks move
   with their nodes, so a stored state may be a rank-permutation of a reachable one;
   every property checked is invariant under that.
-* **Bounds.** Crashes are bounded, and a state whose round exceeds ``max_round`` is
-  checked but not expanded.
+* **Rounds as a relative number.** The core only increments the round and compares
+  rounds for equality, so states are stored with the round renumbered to 0 and
+  results of earlier rounds dropped (a new result is never compared with them).
+  Every round's states are then the same finite set, and the search covers every
+  round, not a prefix of them. ``max_round`` turns this off and bounds the rounds
+  instead.
+* **Bounds.** Crashes are bounded (a crash allows one restart).
 
 Visited states are kept as 64-bit fingerprints (as TLC does), with a parent pointer,
 so a violation is replayed from the initial state into a readable trace.
@@ -39,6 +48,7 @@ so a violation is replayed from the initial state into a readable trace.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import time
@@ -71,8 +81,11 @@ __all__ = [
     "Checker",
     "CheckerConfigError",
     "Event",
+    "Global",
+    "Timers",
     "Violation",
     "check",
+    "describe",
 ]
 
 
@@ -87,9 +100,12 @@ class CheckConfig:
     Attributes:
         nodes: cluster size (node slots; a restart reuses its slot with a new pid).
         min_nodes, max_nodes: the rendezvous settings.
-        max_round: states beyond this round are checked but not expanded.
+        max_round: None (the default) explores every round through the round
+            abstraction; a number keeps concrete round numbers and checks states
+            beyond that round without expanding them.
         max_crashes: crashes in one run (each crash allows one restart).
         allow_close: whether nodes may close the rendezvous.
+        stable_ranks: the settings' stable-ranks option (ranks kept across rounds).
         symmetry: store states modulo node permutations.
         max_states: stop after this many distinct states (None: explore all).
     """
@@ -97,9 +113,10 @@ class CheckConfig:
     nodes: int = 3
     min_nodes: int = 2
     max_nodes: int = 3
-    max_round: int = 1
+    max_round: int | None = None
     max_crashes: int = 1
     allow_close: bool = True
+    stable_ranks: bool = False
     symmetry: bool = True
     max_states: int | None = None
 
@@ -107,7 +124,7 @@ class CheckConfig:
         if self.nodes < 1:
             raise CheckerConfigError(f"nodes must be at least 1, got {self.nodes}")
         for name in ("max_round", "max_crashes"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise CheckerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_states is not None and self.max_states < 1:
             raise CheckerConfigError(f"max_states must be positive, got {self.max_states}")
@@ -130,6 +147,7 @@ class CheckConfig:
             keep_alive_interval=1.0,
             keep_alive_max_attempt=2,
             rollback_period=1.0,
+            stable_ranks=self.stable_ranks,
         )
 
 
@@ -148,6 +166,17 @@ class Local(NamedTuple):
     result: RoundResult | None
 
 
+class CoreStep(NamedTuple):
+    """What the core did in one step (see :meth:`Checker._core_step`)."""
+
+    sanitized: RendezvousState
+    dead: frozenset[NodeDesc]
+    action: Action
+    written: RendezvousState
+    #: the model's guards on the stepping node's view before its action
+    guards: Guards
+
+
 class Global(NamedTuple):
     """A state of the search: the shared state and every slot's local state."""
 
@@ -156,20 +185,32 @@ class Global(NamedTuple):
     crashes: int
 
 
+class Timers(NamedTuple):
+    """How much time a node's clock let pass since it last looked, as the few
+    values the core's thresholds tell apart (see :meth:`Checker.expand`)."""
+
+    #: peers whose heartbeat the node saw stand still longer than the liveness window
+    expired: frozenset[NodeDesc]
+    #: the node's own sighting: "fresh", "due" (a keep-alive interval old), "expired"
+    own: str
+    #: whether an armed last call is over
+    last_call_over: bool
+    #: the running operation's deadline (None for a keep-alive): before, timed out, past
+    deadline: float | None
+
+
 @dataclass(frozen=True)
 class Event:
     """One event of a search: what happens to which node slot.
 
-    ``timer`` names the timer a tick moves on (only ``deadline`` is stored; the
-    other timers are chosen when the node steps, see :meth:`Checker.expand`).
+    A step (and ``join``/``exit``/``close``, which start an operation and take its
+    first step at once) carries the ``timers`` the node sees; see
+    :meth:`Checker.expand`.
     """
 
     kind: str
     slot: int
-    timer: NodeDesc | str | None = None
-    #: for a step: (peers seen expired, own sighting "fresh"/"due"/"expired",
-    #: last call over) -- how much time the node's clock let pass since it looked
-    choice: tuple[frozenset[NodeDesc], str, bool] | None = None
+    timers: Timers | None = None
 
 
 @dataclass
@@ -213,8 +254,9 @@ class CheckResult:
         )
         lines = [
             f"config: nodes={c.nodes} min={c.min_nodes} max={c.max_nodes} "
-            f"max_round={c.max_round} max_crashes={c.max_crashes} close={c.allow_close} "
-            f"symmetry={c.symmetry}",
+            f"max_round={'all' if c.max_round is None else c.max_round} "
+            f"max_crashes={c.max_crashes} close={c.allow_close} "
+            f"stable_ranks={c.stable_ranks} symmetry={c.symmetry}",
             f"states explored: {self.states} ({scope})",
             f"transitions: {self.transitions}",
             f"depth: {self.depth}",
@@ -233,7 +275,17 @@ class _Found(Exception):
         self.problems = problems
 
 
+#: Memoized core steps kept at most (a bound on memory, not on the search).
+_CORE_STEP_CACHE = 500_000
 _TERMINAL_PHASES = frozenset({"closed", "failed", "crashed"})
+#: Events that run one iteration of the node's driving loop (see Checker.expand).
+_STEPPING_EVENTS = frozenset({"step", "heartbeat", "join", "exit", "close"})
+#: The operators behind the operations a node starts.
+_OPERATORS: dict[str, Callable[[], core_operators.Operator]] = {
+    "join": lambda: core_operators.JoinOp(),
+    "exit": lambda: core_operators.ExitOp(),
+    "close": lambda: core_operators.CloseOp(),
+}
 
 
 _NO_OBSERVATIONS = Observations()
@@ -265,6 +317,7 @@ def make_observations(
     return Observations(heartbeats=beats, last_call=last_call, **caches)  # type: ignore[arg-type]
 
 
+@functools.cache
 def node_of(slot: int, incarnation: int) -> NodeDesc:
     """The node of a slot's incarnation (a restart is a new process: a new pid)."""
     return NodeDesc(f"n{slot}", 100 + incarnation, 0)
@@ -287,7 +340,14 @@ class Checker:
         self._timed_out = -rollback if rollback > 0 else None
         self._past = -(rollback + 1.0)
         self._call_over = -(self.settings.last_call_timeout + 1.0)
+        #: the deadline's values in the order time moves them
+        self._deadlines = tuple(
+            d for d in (self._before, self._timed_out, self._past) if d is not None
+        )
         self.edges: set[tuple[str, str, str]] = set()
+        self._core_steps: dict[tuple[object, ...], CoreStep] = {}
+        #: whether steps describe themselves (only replay needs it)
+        self._narrate = False
         #: the problems of the last replayed violation, in the trace's node names
         self.last_problems: list[str] = []
 
@@ -299,36 +359,47 @@ class Checker:
         )
         return self._normalize(Global(RendezvousState(), locals_, 0))
 
-    def _normalize(self, g: Global) -> Global:
-        """Forget what no future step can tell apart: heartbeat counter values and
-        last-call arming numbers (the steps choose the ages of sightings afresh, see
-        :meth:`expand`), and the nodes' stored observations."""
+    def _normalize(self, g: Global, shift_rounds: bool = True) -> Global:
+        """Forget what no future step can tell apart.
+
+        * Heartbeat counter values and last-call arming numbers (the steps choose the
+          ages of sightings afresh, see :meth:`expand`), and the nodes' stored
+          observations.
+        * Results of rounds before the current one: a new result always belongs to
+          the current round, so an older one is never compared again.
+        * The round number (the round abstraction, when ``max_round`` is None): the
+          core only increments rounds and compares them for equality, so a state and
+          its copy with every round number shifted step alike. Rounds are renumbered
+          to start at 0, which makes every round's states the same finite set.
+          ``replay`` keeps concrete rounds (``shift_rounds=False``) for its trace.
+        """
         state = g.shared
+        shift = state.round if shift_rounds and self.config.max_round is None else 0
         if (
-            any(c != 1 for c in state.heartbeats.values())
+            shift
+            or any(c != 1 for c in state.heartbeats.values())
             or state.last_call_seq != 1
             or state.last_call not in (None, 1)
             or state.heartbeat_seq != 1
         ):
             state = state.evolve(
+                round=state.round - shift,
                 heartbeats=dict.fromkeys(state.heartbeats, 1),
                 heartbeat_seq=1,
                 last_call=None if state.last_call is None else 1,
                 last_call_seq=1,
             )
         empty = _NO_OBSERVATIONS
-        locals_ = tuple(
-            loc if loc.observations is empty else loc._replace(observations=empty)
-            for loc in g.locals
-        )
-        return Global(state, locals_, g.crashes)
-
-    def _tick(self, loc: Local) -> Local | None:
-        """``loc`` with its deadline moved one value on, or None when it cannot."""
-        nxt = {self._before: self._timed_out or self._past, self._timed_out: self._past}
-        if loc.deadline is None or loc.deadline not in nxt:
-            return None
-        return loc._replace(deadline=nxt[loc.deadline])
+        current = g.shared.round
+        locals_ = []
+        for loc in g.locals:
+            res = loc.result
+            if res is not None and (res.round != current or shift):
+                res = replace(res, round=res.round - shift) if res.round == current else None
+            if loc.observations is not empty or res is not loc.result:
+                loc = loc._replace(observations=empty, result=res)
+            locals_.append(loc)
+        return Global(state, tuple(locals_), g.crashes)
 
     def expand(self, g: Global, event: Event) -> Iterator[Event]:
         """The concrete events of ``event``: a step, for every way the node's timers
@@ -343,7 +414,7 @@ class Checker:
         safety property that holds here holds in every real run. Whether real
         clocks declare only really silent nodes dead is the simulator's question.
         """
-        if event.kind not in ("step", "heartbeat"):
+        if event.kind not in _STEPPING_EVENTS:
             yield event
             return
         loc = g.locals[event.slot]
@@ -355,14 +426,20 @@ class Checker:
         subsets = itertools.chain.from_iterable(
             itertools.combinations(peers, k) for k in range(len(peers) + 1)
         )
-        for expired, mine, lc in itertools.product(list(subsets), own, over):
-            yield replace(event, choice=(frozenset(expired), mine, lc))
+        # A deadline only moves on, and only its own node reads it; so it is chosen
+        # when that node steps, not interleaved as events of its own.
+        if event.kind == "heartbeat":
+            deadlines: tuple[float | None, ...] = (None,)
+        elif event.kind == "step":
+            deadlines = self._deadlines[self._deadlines.index(loc.deadline) :]
+        else:
+            deadlines = self._deadlines
+        for expired, mine, lc, dl in itertools.product(list(subsets), own, over, deadlines):
+            yield replace(event, timers=Timers(frozenset(expired), mine, lc, dl))
 
-    def _aged(
-        self, state: RendezvousState, node: NodeDesc, choice: tuple[frozenset[NodeDesc], str, bool]
-    ) -> Observations:
-        """Sightings of every member, aged as ``choice`` says."""
-        expired, mine, lc = choice
+    def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
+        """Sightings of every member, aged as ``timers`` says."""
+        expired, mine, lc, _ = timers
         own = {"fresh": self._fresh, "due": self._due, "expired": self._expired}[mine]
         beats = {
             n: HeartbeatSighting(c, own if n == node else self._expired if n in expired else 0.0)
@@ -398,6 +475,7 @@ class Checker:
             loc.op or "",
             -99 if loc.deadline is None else loc.deadline,
             role,
+            s.last_ranks.get(node, -1),
             s.heartbeats.get(node, 0),
             (own.counter, own.since) if own else (),
             len(loc.observations.heartbeats),
@@ -420,6 +498,7 @@ class Checker:
             tuple(sorted(lab(n) for n in s.redundancy_list)),
             tuple(sorted((lab(n), c) for n, c in s.heartbeats.items())),
             s.last_call or 0,
+            tuple(sorted((lab(n), r) for n, r in s.last_ranks.items())),
         )
         slots: list[tuple[object, ...]] = [()] * len(g.locals)
         for i, loc in enumerate(g.locals):
@@ -481,8 +560,6 @@ class Checker:
                 continue
             if loc.phase in _TERMINAL_PHASES:
                 continue
-            if self._tick(loc) is not None:
-                yield Event("tick", i, "deadline")
             if g.crashes < cfg.max_crashes:
                 yield Event("crash", i)
             if loc.op is not None:
@@ -508,7 +585,7 @@ class Checker:
             loc.phase, node_of(slot, loc.incarnation), g.shared if shared is None else shared
         )
 
-    def _expect(self, src: str, trigger: str, dst: str, guards: Guards, who: str) -> None:
+    def _expect(self, src: str, trigger: str, dst: str, guards: Guards, who: NodeDesc) -> None:
         if not self.model.allows(src, trigger, dst, guards):
             raise _Found(
                 [
@@ -527,72 +604,54 @@ class Checker:
         slot = event.slot
         loc = g.locals[slot]
         node = node_of(slot, loc.incarnation)
-        if event.kind == "tick":
-            ticked = self._tick(loc)
-            if ticked is None:
-                raise ValueError(f"the deadline of {node} cannot tick")
-            text = "deadline passed" if ticked.deadline == self._timed_out else "rollback over"
-            return _with(g, slot, ticked), [text]
         before = self._model_state(g, slot)
         guards = Guards.of(View(node, g.shared, self.settings, 0.0, loc.observations))
         if event.kind == "crash":
             new = loc._replace(phase="crashed", op=None, deadline=None, result=None)
-            self._expect(before, "crash", "crashed", guards, str(node))
+            self._expect(before, "crash", "crashed", guards, node)
             return _with(g, slot, new, crashes=g.crashes + 1), ["crashed"]
         if event.kind == "restart":
             new = Local(loc.incarnation + 1, "idle", None, None, _NO_OBSERVATIONS, None)
             return _with(g, slot, new), [f"restarted as {node_of(slot, loc.incarnation + 1)}"]
+        if event.kind not in _STEPPING_EVENTS:
+            raise ValueError(f"unknown event {event.kind!r}")
+        if event.timers is None:
+            raise ValueError(f"a {event.kind} event needs its timers (see expand)")
+        if event.kind == "heartbeat":
+            return self._step(g, slot, core_operators.KeepAliveOp(), event.timers)
+        if event.kind == "step":
+            return self._step(g, slot, _OPERATORS[loc.op or ""](), event.timers)
+        # Starting an operation changes only the node's own local state, which no
+        # other event reads, so it is taken together with the operation's first step
+        # (the start commutes with every event between the two).
         if event.kind == "join":
             new = loc._replace(phase="joining", op="join", deadline=self._before, result=None)
-            after = _with(g, slot, new)
-            self._expect(before, "join", self._model_state(after, slot), guards, str(node))
-            return after, ["starts join"]
-        if event.kind == "exit":
-            return _with(g, slot, loc._replace(op="exit", deadline=self._before)), ["starts exit"]
-        if event.kind == "close":
-            return _with(g, slot, loc._replace(op="close", deadline=self._before)), ["starts close"]
-        if event.choice is None:
-            raise ValueError(f"a {event.kind} event needs a choice (see expand)")
-        if event.kind == "heartbeat":
-            return self._step(g, slot, core_operators.KeepAliveOp(), self._before, event.choice)
-        if event.kind == "step":
-            op = {
-                "join": core_operators.JoinOp(),
-                "exit": core_operators.ExitOp(),
-                "close": core_operators.CloseOp(),
-            }[loc.op or ""]
-            return self._step(g, slot, op, loc.deadline, event.choice)
-        raise ValueError(f"unknown event {event.kind!r}")
+            started = _with(g, slot, new)
+            self._expect(before, "join", self._model_state(started, slot), guards, node)
+        else:
+            started = _with(g, slot, loc._replace(op=event.kind, deadline=self._before))
+        after, lines = self._step(started, slot, _OPERATORS[event.kind](), event.timers)
+        return after, [f"starts {event.kind}", *lines]
 
-    def _step(
+    def _core_step(
         self,
-        g: Global,
-        slot: int,
+        state: RendezvousState,
+        node: NodeDesc,
         op: core_operators.Operator,
+        timers: Timers,
         deadline: float | None,
-        choice: tuple[frozenset[NodeDesc], str, bool],
-    ) -> tuple[Global, list[str]]:
-        """One iteration of the driving loop, calling the real core."""
+    ) -> CoreStep:
+        """The core's part of a step: a pure function of its arguments, so it is
+        memoized (most states share their shared state and timers with others)."""
+        key = (state, node, type(op), timers, deadline)
+        hit = self._core_steps.get(key)
+        if hit is not None:
+            return hit
         settings = self.settings
-        loc = g.locals[slot]
-        node = node_of(slot, loc.incarnation)
-        state = g.shared
-        seen = core_actions.observe(self._aged(state, node, choice), state, 0.0)
+        seen = core_actions.observe(self._aged(state, node, timers), state, 0.0)
         sanitized, dead = core_actions.sanitize(state, seen, settings, 0.0)
         ctx = core_operators.Context(node, sanitized, settings, 0.0, seen)
-        obs = seen
-        dl = float(deadline) if deadline is not None else float("inf")
-        action = op(ctx, dl)
-        lines = []
-        expired, mine, lc = choice
-        if mine != "fresh":
-            lines.append(f"own heartbeat {mine}")
-        if lc:
-            lines.append("last call over")
-        if expired:
-            lines.append(f"sees {sorted(map(str, expired))} silent too long")
-        if dead:
-            lines.append(f"declares dead {sorted(map(str, dead))}")
+        action = op(ctx, float(deadline) if deadline is not None else float("inf"))
         if action.changes_state:
             try:
                 written = core_actions.apply(sanitized, action, ctx)
@@ -600,12 +659,54 @@ class Checker:
                 raise _Found(
                     [f"the core chose {action.name}, which it then rejected: {exc}"]
                 ) from None
-            obs = core_actions.observe(obs, written, 0.0)
         else:
             written = sanitized
-        lines.append(f"{type(op).__name__} -> {action.name}")
+        # Safety of the written state and of both halves of the step.
+        problems = check_state(written, settings)
+        problems += check_transition(state, sanitized)
+        problems += check_transition(sanitized, written)
+        if problems:
+            raise _Found(problems)
+        # The stepping node's own action is judged on its view before the action.
+        guards = Guards.of(View(node, sanitized, settings, 0.0, seen, deadline))
+        if len(self._core_steps) >= _CORE_STEP_CACHE:
+            self._core_steps.clear()
+        step = self._core_steps[key] = CoreStep(sanitized, dead, action, written, guards)
+        return step
 
-        phase, new_op, new_deadline, result = loc.phase, loc.op, loc.deadline, loc.result
+    def _step(
+        self,
+        g: Global,
+        slot: int,
+        op: core_operators.Operator,
+        timers: Timers,
+    ) -> tuple[Global, list[str]]:
+        """One iteration of the driving loop, calling the real core."""
+        loc = g.locals[slot]
+        node = node_of(slot, loc.incarnation)
+        # A keep-alive has no deadline of its own; it never times out.
+        deadline = self._before if loc.op is None else timers.deadline
+        sanitized, dead, action, written, guards = self._core_step(
+            g.shared, node, op, timers, deadline
+        )
+        lines = []
+        if self._narrate:
+            expired, mine, lc, _ = timers
+            if loc.op is not None and deadline != loc.deadline:
+                lines.append("deadline passed" if deadline == self._timed_out else "rollback over")
+            if mine != "fresh":
+                lines.append(f"own heartbeat {mine}")
+            if lc:
+                lines.append("last call over")
+            if expired:
+                lines.append(f"sees {sorted(map(str, expired))} silent too long")
+            if dead:
+                lines.append(f"declares dead {sorted(map(str, dead))}")
+            lines.append(f"{type(op).__name__} -> {action.name}")
+
+        # The time that passed stays passed: the chosen deadline value is kept.
+        new_deadline = loc.deadline if loc.op is None else deadline
+        phase, new_op, result = loc.phase, loc.op, loc.result
         if action is Action.FINISH:
             if loc.op == "join":
                 phase, new_op, new_deadline = "training", None, None
@@ -627,18 +728,10 @@ class Checker:
             phase, result = "exited", None
         if action.resets_deadline:
             new_deadline = self._before
-        new_loc = loc._replace(
-            phase=phase, op=new_op, deadline=new_deadline, observations=obs, result=result
-        )
+        # Observations are not kept: every step chooses its sightings afresh.
+        new_loc = loc._replace(phase=phase, op=new_op, deadline=new_deadline, result=result)
         after = _with(g, slot, new_loc, shared=written)
-
-        # Safety of the written state and of both halves of the step.
-        problems = check_state(written, settings)
-        problems += check_transition(state, sanitized)
-        problems += check_transition(sanitized, written)
-        if problems:
-            raise _Found(problems)
-        self._conform(g, slot, sanitized, after, action, op, deadline, seen)
+        self._conform(g, slot, sanitized, after, action, op, guards)
         return after, lines
 
     def _conform(
@@ -649,8 +742,7 @@ class Checker:
         after: Global,
         action: Action,
         op: core_operators.Operator,
-        deadline: float | None,
-        seen: Observations,
+        guards: Guards,
     ) -> None:
         """Every node's lifecycle change in this step must be an edge of the model."""
         loc = g.locals[slot]
@@ -660,21 +752,20 @@ class Checker:
         # Peers change lifecycle state only when removed (sanitize) or when the
         # round completes or advances; other nodes need no check.
         if sanitized is not state:
+            members, kept = state.members(), sanitized.members()
             for i in range(len(g.locals)):
-                if nodes[i] in state.members() and nodes[i] not in sanitized.members():
+                if nodes[i] in members and nodes[i] not in kept:
                     src = self._model_state(g, i)
                     dst = self._model_state(g, i, sanitized)
                     if src != dst:
-                        self._expect(src, "declared_dead", dst, _NO_GUARDS, str(nodes[i]))
+                        self._expect(src, "declared_dead", dst, _NO_GUARDS, nodes[i])
         middle = self._model_state(g, slot, sanitized)
         final = self._model_state(after, slot)
         trigger = _trigger(action, op)
         if action.changes_state or (trigger is not None and middle != final):
             if trigger is None:
                 raise _Found([f"conformance: {node} changed {middle} -> {final}"])
-            # The stepping node's own action, judged on its view before the action.
-            guards = Guards.of(View(node, sanitized, self.settings, 0.0, seen, deadline))
-            self._expect(middle, trigger, final, guards, str(node))
+            self._expect(middle, trigger, final, guards, node)
         elif middle != final:
             raise _Found([f"conformance: {node} went {middle} -> {final} on {action.name}"])
         written = after.shared
@@ -685,14 +776,19 @@ class Checker:
                 src = self._model_state(g, i, sanitized)
                 dst = self._model_state(after, i)
                 if src != dst:
-                    self._expect(src, "round_completed", dst, _NO_GUARDS, str(nodes[i]))
+                    self._expect(src, "round_completed", dst, _NO_GUARDS, nodes[i])
 
     # -- the search --------------------------------------------------------------
 
-    def run(self, progress: Callable[[CheckResult], None] | None = None) -> CheckResult:
+    def run(
+        self,
+        progress: Callable[[CheckResult], None] | None = None,
+        on_state: Callable[[Global, int], None] | None = None,
+    ) -> CheckResult:
         """Explore every reachable state (or up to ``max_states``).
 
-        ``progress`` is called with the running totals every 50,000 states.
+        ``progress`` is called with the running totals every 50,000 states, and
+        ``on_state`` with every newly stored state and its fingerprint.
         """
         start = time.perf_counter()
         result = CheckResult(self.config)
@@ -703,11 +799,13 @@ class Checker:
             result.violation = Violation(problems, ["initial state"])
             return result
         frontier: deque[tuple[Global, int, int]] = deque([(init, init_fp, 0)])
+        if on_state is not None:
+            on_state(init, init_fp)
         limit = self.config.max_states
         while frontier:
             g, fp, depth = frontier.popleft()
             result.depth = max(result.depth, depth)
-            if g.shared.round > self.config.max_round:
+            if self.config.max_round is not None and g.shared.round > self.config.max_round:
                 continue
             # Many timer choices of one step lead to the same state: canonicalize once.
             local_seen: set[Global] = set()
@@ -715,16 +813,9 @@ class Checker:
                 try:
                     succ, _ = self.successor(g, event)
                     succ = self._normalize(succ)
-                    slot = event.slot
-                    if succ.locals[slot].result is not None and g.locals[slot].result is None:
-                        results = {
-                            node_of(i, loc.incarnation): loc.result
-                            for i, loc in enumerate(succ.locals)
-                            if loc.result is not None
-                        }
-                        agreement = check_agreement(results)
-                        if agreement:
-                            raise _Found(agreement)
+                    agreement = _agreement(g, succ, event.slot)
+                    if agreement:
+                        raise _Found(agreement)
                 except _Found as found:
                     result.transitions += 1
                     parents_path = [*self._path(parents, fp), event]
@@ -743,7 +834,10 @@ class Checker:
                 if cfp in parents:
                     continue
                 parents[cfp] = (fp, event)
-                frontier.append((relabel(succ, perm), cfp, depth + 1))
+                stored = relabel(succ, perm)
+                frontier.append((stored, cfp, depth + 1))
+                if on_state is not None:
+                    on_state(stored, cfp)
                 if progress is not None and len(parents) % 50_000 == 0:
                     result.states = len(parents)
                     result.depth = depth + 1
@@ -776,6 +870,13 @@ class Checker:
         Node names stay stable along the trace although the search relabels nodes:
         ``names`` follows each canonical slot back to the slot it started as.
         """
+        self._narrate = True
+        try:
+            return self._replay(events)
+        finally:
+            self._narrate = False
+
+    def _replay(self, events: list[Event]) -> list[str]:
         g, perm, _ = self.canonical(self.initial())
         names = [""] * len(g.locals)
         for old, new in enumerate(perm):
@@ -791,8 +892,13 @@ class Checker:
                 text = "; ".join(renamed)
                 lines.append(f"{k:3}. {who} {event.kind}: VIOLATES {text}")
                 break
-            succ = self._normalize(succ)
+            succ = self._normalize(succ, shift_rounds=False)
             text = _rename("; ".join(what), names)
+            agreement = [_rename(p, names) for p in _agreement(g, succ, event.slot)]
+            if agreement:
+                self.last_problems = agreement
+                lines.append(f"{k:3}. {who} {event.kind}: {text}; VIOLATES {'; '.join(agreement)}")
+                break
             lines.append(f"{k:3}. {who} {event.kind}: {text}")
             g, perm, _ = self.canonical(succ)
             moved = [""] * len(names)
@@ -801,6 +907,19 @@ class Checker:
             names = moved
             lines.append(f"     -> {describe(g, names)}")
         return lines
+
+
+def _agreement(before: Global, after: Global, slot: int) -> list[str]:
+    """Agreement problems when ``slot`` has just returned from a join (else none)."""
+    returned = after.locals[slot].result
+    if returned is None or returned == before.locals[slot].result:
+        return []
+    results = {
+        node_of(i, loc.incarnation): loc.result
+        for i, loc in enumerate(after.locals)
+        if loc.result is not None
+    }
+    return check_agreement(results)
 
 
 def _true_guards(guards: Guards) -> str:

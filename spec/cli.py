@@ -30,9 +30,16 @@ def _spec_parser() -> argparse.ArgumentParser:
     check.add_argument("--nodes", type=int, default=3)
     check.add_argument("--min", dest="min_nodes", type=int, default=2)
     check.add_argument("--max", dest="max_nodes", type=int, default=3)
-    check.add_argument("--max-round", type=int, default=1, help="rounds explored (default 1)")
+    check.add_argument(
+        "--max-round",
+        type=int,
+        default=None,
+        help="keep concrete round numbers and stop expanding after this round "
+        "(default: every round, through the round abstraction)",
+    )
     check.add_argument("--max-crashes", type=int, default=1)
     check.add_argument("--no-close", action="store_true", help="nodes never close")
+    check.add_argument("--stable-ranks", action="store_true", help="check the stable-ranks option")
     check.add_argument("--no-symmetry", action="store_true", help="disable symmetry reduction")
     check.add_argument("--max-states", type=int, default=None, help="stop after this many")
     return parser
@@ -68,6 +75,7 @@ def spec_main(argv: list[str]) -> int:
             max_round=args.max_round,
             max_crashes=args.max_crashes,
             allow_close=not args.no_close,
+            stable_ranks=args.stable_ranks,
             symmetry=not args.no_symmetry,
             max_states=args.max_states,
         )

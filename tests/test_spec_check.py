@@ -8,14 +8,22 @@ import pytest
 
 from rallypoint.core import actions, operators
 from rallypoint.core.actions import Action
-from rallypoint.spec.check import CheckConfig, CheckerConfigError, check
+from rallypoint.spec.check import (
+    CheckConfig,
+    Checker,
+    CheckerConfigError,
+    Global,
+    check,
+    describe,
+)
 from rallypoint.spec.cli import spec_main
 
-SMALL = CheckConfig(nodes=3, max_crashes=0, max_round=0, allow_close=False, max_states=2500)
+#: Three nodes, every round, no crashes or close: the full space in seconds.
+SMALL = CheckConfig(nodes=3, max_crashes=0, allow_close=False)
 
 
 def test_two_nodes_full_state_space_has_no_violation() -> None:
-    result = check(CheckConfig(nodes=2, min_nodes=1, max_nodes=2, max_round=0))
+    result = check(CheckConfig(nodes=2, min_nodes=1, max_nodes=2))
     assert result.ok, result.summary()
     assert result.complete and result.states > 100 and result.depth > 5
     # The search drove nodes through most of the model's edges.
@@ -23,16 +31,61 @@ def test_two_nodes_full_state_space_has_no_violation() -> None:
     assert {"add_to_participants", "finish", "declared_dead", "crash", "closed"} <= triggers
 
 
-def test_three_nodes_bounded_has_no_violation() -> None:
+def test_three_nodes_every_round_full_state_space_has_no_violation() -> None:
     result = check(SMALL)
     assert result.ok, result.summary()
-    assert result.states >= 2500 and not result.complete
+    assert result.complete and result.states > 1000 and result.depth > 8
 
 
 def test_the_search_is_reproducible() -> None:
     config = dataclasses.replace(SMALL, max_states=800)
     a, b = check(config), check(config)
     assert (a.states, a.transitions, a.depth) == (b.states, b.transitions, b.depth)
+
+
+def test_the_round_abstraction_covers_every_concrete_round() -> None:
+    """Every state of a search with concrete round numbers (rounds 0..2), once
+    renumbered, is a state the abstract search stored: the abstraction loses no
+    behaviour of the real core there."""
+    base = CheckConfig(nodes=2, min_nodes=1, max_nodes=2, stable_ranks=True)
+    abstract = Checker(base)
+    stored: set[int] = set()
+    assert abstract.run(on_state=lambda g, fp: stored.add(fp)).complete
+
+    concrete = Checker(dataclasses.replace(base, max_round=1))
+    rounds: set[int] = set()
+    missing: list[Global] = []
+
+    def covered(g: Global, _: int) -> None:
+        rounds.add(g.shared.round)
+        _, fingerprint = abstract.fingerprint(abstract._normalize(g))
+        if fingerprint not in stored:
+            missing.append(g)
+
+    assert concrete.run(on_state=covered).ok
+    assert rounds == {0, 1, 2}
+    assert not missing, describe(missing[0])
+
+
+def _keep_previous_ranks_blindly(
+    participants: object, previous: dict[object, int] | None = None
+) -> dict[object, int]:
+    """A stable-ranks bug: keeps a previous rank even where a newcomer took it."""
+    ordered = sorted(participants)  # type: ignore[call-overload]
+    return {node: (previous or {}).get(node, i) for i, node in enumerate(ordered)}
+
+
+def test_a_bug_of_later_rounds_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug needs a second round to show: round 0 alone misses it, the round
+    abstraction finds it, and the trace shows the concrete round numbers."""
+    monkeypatch.setattr(actions, "assign_ranks", _keep_previous_ranks_blindly)
+    config = dataclasses.replace(SMALL, stable_ranks=True)
+    first_round = check(dataclasses.replace(config, max_round=0))
+    assert first_round.ok and first_round.complete
+    result = check(config)
+    assert result.violation is not None
+    assert any("complete round 1 has ranks" in p for p in result.violation.problems)
+    assert "round=1" in result.violation.format()
 
 
 def _replace_row(monkeypatch: pytest.MonkeyPatch, action: Action, guard: object) -> None:

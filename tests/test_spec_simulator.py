@@ -3,7 +3,6 @@ faults break no invariant (hypothesis stateful machines, one with 64 nodes)."""
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
