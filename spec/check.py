@@ -346,6 +346,9 @@ class Checker:
         )
         self.edges: set[tuple[str, str, str]] = set()
         self._core_steps: dict[tuple[object, ...], CoreStep] = {}
+        #: (id of a memoized core step, slot, op, phases and pids) already conformed
+        self._conformed: set[tuple[object, ...]] = set()
+        self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
         #: whether steps describe themselves (only replay needs it)
         self._narrate = False
         #: the problems of the last replayed violation, in the trace's node names
@@ -373,22 +376,8 @@ class Checker:
           to start at 0, which makes every round's states the same finite set.
           ``replay`` keeps concrete rounds (``shift_rounds=False``) for its trace.
         """
-        state = g.shared
-        shift = state.round if shift_rounds and self.config.max_round is None else 0
-        if (
-            shift
-            or any(c != 1 for c in state.heartbeats.values())
-            or state.last_call_seq != 1
-            or state.last_call not in (None, 1)
-            or state.heartbeat_seq != 1
-        ):
-            state = state.evolve(
-                round=state.round - shift,
-                heartbeats=dict.fromkeys(state.heartbeats, 1),
-                heartbeat_seq=1,
-                last_call=None if state.last_call is None else 1,
-                last_call_seq=1,
-            )
+        shift = g.shared.round if shift_rounds and self.config.max_round is None else 0
+        state = self._normal_shared(g.shared, shift)
         empty = _NO_OBSERVATIONS
         current = g.shared.round
         locals_ = []
@@ -400,6 +389,32 @@ class Checker:
                 loc = loc._replace(observations=empty, result=res)
             locals_.append(loc)
         return Global(state, tuple(locals_), g.crashes)
+
+    def _normal_shared(self, state: RendezvousState, shift: int) -> RendezvousState:
+        # Core steps are memoized, so the same written state comes back many times:
+        # remember its normal form by identity (the entry keeps it alive).
+        known = self._normal_forms.get(id(state))
+        if known is not None and known[0] is state and known[1] == shift:
+            return known[2]
+        normal = state
+        if (
+            shift
+            or any(c != 1 for c in state.heartbeats.values())
+            or state.last_call_seq != 1
+            or state.last_call not in (None, 1)
+            or state.heartbeat_seq != 1
+        ):
+            normal = state.evolve(
+                round=state.round - shift,
+                heartbeats=dict.fromkeys(state.heartbeats, 1),
+                heartbeat_seq=1,
+                last_call=None if state.last_call is None else 1,
+                last_call_seq=1,
+            )
+        if len(self._normal_forms) >= _CORE_STEP_CACHE:
+            self._normal_forms.clear()
+        self._normal_forms[id(state)] = (state, shift, normal)
+        return normal
 
     def expand(self, g: Global, event: Event) -> Iterator[Event]:
         """The concrete events of ``event``: a step, for every way the node's timers
@@ -434,8 +449,9 @@ class Checker:
             deadlines = self._deadlines[self._deadlines.index(loc.deadline) :]
         else:
             deadlines = self._deadlines
+        kind, slot = event.kind, event.slot
         for expired, mine, lc, dl in itertools.product(list(subsets), own, over, deadlines):
-            yield replace(event, timers=Timers(frozenset(expired), mine, lc, dl))
+            yield Event(kind, slot, Timers(frozenset(expired), mine, lc, dl))
 
     def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
         """Sightings of every member, aged as ``timers`` says."""
@@ -604,8 +620,9 @@ class Checker:
         slot = event.slot
         loc = g.locals[slot]
         node = node_of(slot, loc.incarnation)
-        before = self._model_state(g, slot)
-        guards = Guards.of(View(node, g.shared, self.settings, 0.0, loc.observations))
+        if event.kind in ("crash", "join"):
+            before = self._model_state(g, slot)
+            guards = Guards.of(View(node, g.shared, self.settings, 0.0, loc.observations))
         if event.kind == "crash":
             new = loc._replace(phase="crashed", op=None, deadline=None, result=None)
             self._expect(before, "crash", "crashed", guards, node)
@@ -670,7 +687,9 @@ class Checker:
         # The stepping node's own action is judged on its view before the action.
         guards = Guards.of(View(node, sanitized, settings, 0.0, seen, deadline))
         if len(self._core_steps) >= _CORE_STEP_CACHE:
+            # ids of dropped steps may be reused: forget what was keyed on them
             self._core_steps.clear()
+            self._conformed.clear()
         step = self._core_steps[key] = CoreStep(sanitized, dead, action, written, guards)
         return step
 
@@ -686,9 +705,8 @@ class Checker:
         node = node_of(slot, loc.incarnation)
         # A keep-alive has no deadline of its own; it never times out.
         deadline = self._before if loc.op is None else timers.deadline
-        sanitized, dead, action, written, guards = self._core_step(
-            g.shared, node, op, timers, deadline
-        )
+        core_step = self._core_step(g.shared, node, op, timers, deadline)
+        sanitized, dead, action, written, guards = core_step
         lines = []
         if self._narrate:
             expired, mine, lc, _ = timers
@@ -731,7 +749,12 @@ class Checker:
         # Observations are not kept: every step chooses its sightings afresh.
         new_loc = loc._replace(phase=phase, op=new_op, deadline=new_deadline, result=result)
         after = _with(g, slot, new_loc, shared=written)
-        self._conform(g, slot, sanitized, after, action, op, guards)
+        # Conformance depends on the core step and on every node's phase and pid;
+        # many states share both, so each combination is checked once.
+        conformed = (id(core_step), slot, loc.op, tuple((o.phase, o.incarnation) for o in g.locals))
+        if conformed not in self._conformed:
+            self._conform(g, slot, sanitized, after, action, op, guards)
+            self._conformed.add(conformed)
         return after, lines
 
     def _conform(
