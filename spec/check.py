@@ -40,7 +40,9 @@ The state space is made finite and small the way TLA+ specs do it:
   Every round's states are then the same finite set, and the search covers every
   round, not a prefix of them. ``max_round`` turns this off and bounds the rounds
   instead.
-* **Bounds.** Crashes are bounded (a crash allows one restart).
+* **Bounds.** Crashes are bounded. A crashed node restarts at once with a new pid:
+  the restart is local, so it commutes with everything between, and a node that
+  restarts and stays idle acts as one that never came back.
 
 Visited states are kept as 64-bit fingerprints (as TLC does), with a parent pointer,
 so a violation is replayed from the initial state into a readable trace.
@@ -571,9 +573,6 @@ class Checker:
         """Every event enabled in ``g``."""
         cfg = self.config
         for i, loc in enumerate(g.locals):
-            if loc.phase == "crashed":
-                yield Event("restart", i)
-                continue
             if loc.phase in _TERMINAL_PHASES:
                 continue
             if g.crashes < cfg.max_crashes:
@@ -624,12 +623,13 @@ class Checker:
             before = self._model_state(g, slot)
             guards = Guards.of(View(node, g.shared, self.settings, 0.0, loc.observations))
         if event.kind == "crash":
-            new = loc._replace(phase="crashed", op=None, deadline=None, result=None)
+            # The restart is taken at once: it changes only the slot's local state,
+            # which no other event reads, and a restarted node that stays idle acts
+            # as one that never came back.
             self._expect(before, "crash", "crashed", guards, node)
-            return _with(g, slot, new, crashes=g.crashes + 1), ["crashed"]
-        if event.kind == "restart":
             new = Local(loc.incarnation + 1, "idle", None, None, _NO_OBSERVATIONS, None)
-            return _with(g, slot, new), [f"restarted as {node_of(slot, loc.incarnation + 1)}"]
+            restarted = node_of(slot, loc.incarnation + 1)
+            return _with(g, slot, new, crashes=g.crashes + 1), [f"crashed, restarts as {restarted}"]
         if event.kind not in _STEPPING_EVENTS:
             raise ValueError(f"unknown event {event.kind!r}")
         if event.timers is None:
