@@ -154,7 +154,11 @@ class CheckConfig:
 
 
 class Local(NamedTuple):
-    """One node slot's local state (its clock's ``now`` is always 0)."""
+    """One node slot's local state (its clock's ``now`` is always 0).
+
+    Sightings are not kept: every step chooses their ages afresh (see
+    :meth:`Checker.expand`).
+    """
 
     incarnation: int
     #: idle, joining, training, exited, closed, failed, crashed (see lifecycle_state)
@@ -163,7 +167,6 @@ class Local(NamedTuple):
     op: str | None
     #: the operation's deadline relative to now: BEFORE, TIMED_OUT or PAST
     deadline: float | None
-    observations: Observations
     #: what the join returned, kept while the node trains
     result: RoundResult | None
 
@@ -303,7 +306,7 @@ def make_observations(
     """Observations holding exactly these sightings, as if ``observe`` had taken them
     from a state whose counters equal the sightings' counters.
 
-    The checker edits sightings (ages, renumbered counters, relabelled nodes); the
+    The checker makes sightings of its own (chosen ages, renumbered counters); the
     core's Observations may carry caches derived from the sightings, which must be
     rebuilt to match, or ``observe``/``dead_nodes`` would act on stale ones.
     """
@@ -359,17 +362,14 @@ class Checker:
     # -- states ------------------------------------------------------------------
 
     def initial(self) -> Global:
-        locals_ = tuple(
-            Local(0, "idle", None, None, _NO_OBSERVATIONS, None) for _ in range(self.config.nodes)
-        )
+        locals_ = tuple(Local(0, "idle", None, None, None) for _ in range(self.config.nodes))
         return self._normalize(Global(RendezvousState(), locals_, 0))
 
     def _normalize(self, g: Global, shift_rounds: bool = True) -> Global:
         """Forget what no future step can tell apart.
 
         * Heartbeat counter values and last-call arming numbers (the steps choose the
-          ages of sightings afresh, see :meth:`expand`), and the nodes' stored
-          observations.
+          ages of sightings afresh, see :meth:`expand`).
         * Results of rounds before the current one: a new result always belongs to
           the current round, so an older one is never compared again.
         * The round number (the round abstraction, when ``max_round`` is None): the
@@ -380,15 +380,14 @@ class Checker:
         """
         shift = g.shared.round if shift_rounds and self.config.max_round is None else 0
         state = self._normal_shared(g.shared, shift)
-        empty = _NO_OBSERVATIONS
         current = g.shared.round
         locals_ = []
         for loc in g.locals:
             res = loc.result
             if res is not None and (res.round != current or shift):
                 res = replace(res, round=res.round - shift) if res.round == current else None
-            if loc.observations is not empty or res is not loc.result:
-                loc = loc._replace(observations=empty, result=res)
+            if res is not loc.result:
+                loc = loc._replace(result=res)
             locals_.append(loc)
         return Global(state, tuple(locals_), g.crashes)
 
@@ -486,7 +485,6 @@ class Checker:
             if node in s.redundancy_list
             else ("-", 0)
         )
-        own = loc.observations.heartbeats.get(node)
         return (
             loc.incarnation,
             loc.phase,
@@ -495,8 +493,6 @@ class Checker:
             role,
             s.last_ranks.get(node, -1),
             s.heartbeats.get(node, 0),
-            (own.counter, own.since) if own else (),
-            len(loc.observations.heartbeats),
         )
 
     def _key(self, g: Global, perm: tuple[int, ...]) -> tuple[object, ...]:
@@ -520,16 +516,12 @@ class Checker:
         )
         slots: list[tuple[object, ...]] = [()] * len(g.locals)
         for i, loc in enumerate(g.locals):
-            obs = loc.observations
-            call = obs.last_call
             res = loc.result
             slots[perm[i]] = (
                 loc.incarnation,
                 loc.phase,
                 loc.op or "",
                 -99 if loc.deadline is None else loc.deadline,
-                tuple(sorted((lab(n), h.counter, h.since) for n, h in obs.heartbeats.items())),
-                (call.round, call.arming, call.since) if call else (),
                 (res.round, res.rank, res.world_size, tuple(sorted(map(lab, res.membership))))
                 if res
                 else (),
@@ -621,13 +613,13 @@ class Checker:
         node = node_of(slot, loc.incarnation)
         if event.kind in ("crash", "join"):
             before = self._model_state(g, slot)
-            guards = Guards.of(View(node, g.shared, self.settings, 0.0, loc.observations))
+            guards = Guards.of(View(node, g.shared, self.settings, 0.0, _NO_OBSERVATIONS))
         if event.kind == "crash":
             # The restart is taken at once: it changes only the slot's local state,
             # which no other event reads, and a restarted node that stays idle acts
             # as one that never came back.
             self._expect(before, "crash", "crashed", guards, node)
-            new = Local(loc.incarnation + 1, "idle", None, None, _NO_OBSERVATIONS, None)
+            new = Local(loc.incarnation + 1, "idle", None, None, None)
             restarted = node_of(slot, loc.incarnation + 1)
             return _with(g, slot, new, crashes=g.crashes + 1), [f"crashed, restarts as {restarted}"]
         if event.kind not in _STEPPING_EVENTS:
@@ -996,12 +988,8 @@ def relabel(g: Global, perm: tuple[int, ...]) -> Global:
     )
     locals_: list[Local] = [g.locals[0]] * len(g.locals)
     for i, loc in enumerate(g.locals):
-        obs = loc.observations
         res = loc.result
         locals_[perm[i]] = loc._replace(
-            observations=make_observations(
-                {lab(n): h for n, h in obs.heartbeats.items()}, obs.last_call
-            ),
             result=replace(res, membership=frozenset(map(lab, res.membership))) if res else None,
         )
     return Global(shared, tuple(locals_), g.crashes)
@@ -1025,10 +1013,9 @@ def _name(n: NodeDesc, names: list[str]) -> str:
 def describe(g: Global, names: list[str] | None = None) -> str:
     """One line per state for traces: the shared state, then every node.
 
-    A node shows its phase, its operation (``/join``), ``timed-out`` or
-    ``past-rollback`` for its deadline, ``due`` when its keep-alive is due,
-    ``lc-over`` when its last call ran out, and ``x{...}`` the peers whose
-    heartbeat it saw expire.
+    A node shows its phase, its operation (``/join``), and ``timed-out`` or
+    ``past-rollback`` for its deadline. What a node's timers showed at a step is
+    in that step's line of the trace.
     """
     names = names or [f"n{i}" for i in range(len(g.locals))]
     s = g.shared
@@ -1047,20 +1034,9 @@ def describe(g: Global, names: list[str] | None = None) -> str:
         parts.append("last-call armed")
     nodes = []
     for i, loc in enumerate(g.locals):
-        me = node_of(i, loc.incarnation)
         text = f"{_display(g, i, names)}={loc.phase}" + (f"/{loc.op}" if loc.op else "")
         if loc.deadline is not None and loc.deadline < 0:
             text += " timed-out" if loc.deadline == -1.0 else " past-rollback"
-        beats = loc.observations.heartbeats
-        own = beats.get(me)
-        if own is not None and own.since < 0:
-            text += " due" if own.since == -1.0 else " self-expired"
-        call = loc.observations.last_call
-        if call is not None and call.since < 0:
-            text += " lc-over"
-        gone = sorted(_name(n, names) for n, h in beats.items() if n != me and h.since < 0)
-        if gone:
-            text += " x{" + ",".join(gone) + "}"
         nodes.append(text)
     return " ".join(p for p in parts if p) + " | " + "; ".join(sorted(nodes))
 
