@@ -16,7 +16,7 @@ from .errors import (
 )
 from .factory import create_handler
 from .handler import RallypointHandler
-from .sync import StateSync, merge_heartbeats, split_heartbeats
+from .sync import StateSync
 
 __all__ = [
     "BACKENDS",
@@ -33,8 +33,6 @@ __all__ = [
     "StateSync",
     "Token",
     "create_handler",
-    "merge_heartbeats",
     "parse_endpoint",
     "parse_params",
-    "split_heartbeats",
 ]

@@ -3,10 +3,13 @@
 torch's interface (``next_rendezvous``, ``is_closed``, ``set_closed``,
 ``num_nodes_waiting``, ``get_run_id``, ``get_backend``, ``shutdown``,
 ``use_agent_store``), so torch's own elastic agent can drive it, plus what torch
-lacks: :meth:`RallypointHandler.dead_participants` (peers whose heartbeat stopped,
-timed on this node's monotonic clock), :meth:`RallypointHandler.wait_for_change`
-(react to a change at once instead of polling), the ``round`` and ``endpoint``
-properties, and the ``stable_ranks`` setting.
+lacks: :meth:`RallypointHandler.dead_participants` (participants of this node's
+round that left it or whose heartbeat stopped, timed on this node's monotonic
+clock), :meth:`RallypointHandler.leave` (leave the round now, so that the peers
+regroup at once), :meth:`RallypointHandler.wait_for_change` (react to a change at
+once instead of polling), the ``round`` and ``endpoint`` properties, and the
+``stable_ranks`` setting. Every decision behind them is the core driver's
+(:mod:`rallypoint.core.driver`); :class:`StateSync` carries it out.
 
 The store handed out by ``next_rendezvous`` is namespaced per run and round
 (``rallypoint/<run_id>/round/<round>``). The workers' bootstrap store
@@ -40,9 +43,10 @@ from rallypoint.core import (
     CloseOp,
     ExitOp,
     JoinOp,
+    KeepAliveOp,
+    Membership,
     NodeDesc,
     Settings,
-    sanitize,
 )
 from rallypoint.core import errors as core_errors
 
@@ -110,9 +114,7 @@ class RallypointHandler(RendezvousHandler):
             retry_window=retry_window,
         )
         self._round = -1
-        self._members: frozenset[NodeDesc] = frozenset()
-        self._peer_seen: dict[NodeDesc, tuple[int, float]] = {}
-        self._peer_lock = threading.Lock()
+        self._joined: Membership | None = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._boot_store = PrefixStore(f"rallypoint/{settings.run_id}/boot", store)
@@ -201,46 +203,32 @@ class RallypointHandler(RendezvousHandler):
         self._stop_heartbeats()
         self._publish_bootstrap()
         join_timeout = self._settings.join_timeout
-
-        def fresh_deadline() -> float:
-            return self._sync.now() + join_timeout
-
-        deadline = fresh_deadline()
+        deadline = self._sync.now() + join_timeout
         log.info("%s joins the next round of rendezvous %r", self.node, self._settings.run_id)
         while True:
-            self._raise_for(self._sync.run(ExitOp(), deadline), "leaving the round", join_timeout)
+            left = self._sync.run(ExitOp(), deadline)
+            self._raise_for(left.action, "leaving the round", join_timeout)
             # ExitOp has just read (or written) the state: JoinOp starts from it.
-            action = self._sync.run(JoinOp(), deadline, fresh_deadline, fresh=True)
-            self._raise_for(action, "joining the rendezvous", join_timeout)
-            state = self._sync.state
-            rank0 = next((node for node, r in state.participants.items() if r == 0), None)
-            if rank0 is not None:
+            done = self._sync.run(JoinOp(), deadline, fresh=True)
+            self._raise_for(done.action, "joining the rendezvous", join_timeout)
+            if not done.rejoin:
                 break
-            # The round completed, but its rank-0 node was declared dead before this
-            # node saw it: the round cannot bootstrap its workers, so leave it and
-            # join the next one (within the same deadline).
-            log.warning("%s: round %d lost its rank 0; rejoining", self.node, state.round)
-        rank = state.participants[self.node]
-        world_size = state.world_size
-        self._round = state.round
-        now = self._sync.now()
-        with self._peer_lock:
-            self._members = frozenset(state.participants)
-            side = self._sync.side_counters()
-            self._peer_seen = {n: (side.get(n, 0), now) for n in self._members}
-        self._sync.watched = self._members
+            log.warning("%s: round %d lost its rank 0; rejoining", self.node, done.state.round)
+        joined = done.joined
+        assert joined is not None
+        rank0 = next(node for node, r in done.state.participants.items() if r == 0)
+        self._round, self._joined = joined.round, joined
         self._start_heartbeats()
         log.info(
             "%s joined round %d of rendezvous %r as rank %d of %d",
             self.node,
-            self._round,
+            joined.round,
             self._settings.run_id,
-            rank,
-            world_size,
+            joined.rank,
+            joined.world_size,
         )
         store = PrefixStore(f"rallypoint/{self._settings.run_id}/round/{self._round}", self._store)
-        return RendezvousInfo(store, rank, world_size, self._bootstrap_of(rank0))
-
+        return RendezvousInfo(store, joined.rank, joined.world_size, self._bootstrap_of(rank0))
     def _publish_bootstrap(self) -> None:
         """Start this node's bootstrap server and publish its address (once)."""
         if self._bootstrap_info is not None:
@@ -292,36 +280,37 @@ class RallypointHandler(RendezvousHandler):
 
     def set_closed(self) -> None:
         timeout = self._settings.close_timeout
-        action = self._sync.run(CloseOp(), self._sync.now() + timeout)
-        self._raise_for(action, "closing the rendezvous", timeout)
+        done = self._sync.run(CloseOp(), self._sync.now() + timeout)
+        self._raise_for(done.action, "closing the rendezvous", timeout)
 
     def num_nodes_waiting(self) -> int:
-        """Nodes in the wait list (after removing the ones this node sees dead)."""
-        state = self._sync.refresh(self.cache_duration, heartbeats=True)
-        live, _ = sanitize(state, self._sync.observations, self._settings, self._sync.now())
-        return len(live.wait_list)
+        """Nodes in the wait list (after removing the ones this node sees dead).
+        Reads the backend at most every ``cache_duration`` seconds."""
+        return self._sync.monitor(self._joined, self.cache_duration).waiting
 
     def dead_participants(self) -> frozenset[NodeDesc]:
-        """Participants of the current round whose heartbeat counter this node has not
-        seen move for ``keep_alive_interval * keep_alive_max_attempt`` of its own
-        monotonic time. Reads the backend at most every ``cache_duration`` seconds."""
-        if not self._members:
+        """Participants of this node's current round that are gone: they left the
+        round, or this node (or a peer) saw their heartbeat counter stand still for
+        ``keep_alive_interval * keep_alive_max_attempt`` of its own monotonic time.
+        Contains this node itself when its peers removed it. Reads the backend at
+        most every ``cache_duration`` seconds."""
+        if self._joined is None:
             return frozenset()
-        self._sync.refresh(self.cache_duration, heartbeats=True)
-        side = self._sync.side_counters()
-        now = self._sync.now()
-        window = self._settings.liveness_window
-        with self._peer_lock:
-            for node in self._members:
-                counter = side.get(node, 0)
-                seen = self._peer_seen.get(node)
-                if seen is None or seen[0] != counter:
-                    self._peer_seen[node] = (counter, now)
-            return frozenset(
-                node
-                for node, (_, since) in self._peer_seen.items()
-                if node != self.node and now - since > window
-            )
+        return self._sync.monitor(self._joined, self.cache_duration).lost
+
+    def leave(self) -> None:
+        """Leave the current round now (an agent stopping on a signal or a
+        preemption notice): the peers see the state change and regroup at once,
+        instead of waiting out the liveness window. Does not close the rendezvous.
+
+        Raises:
+            RendezvousTimeoutError, RendezvousConnectionError, RendezvousStateError.
+        """
+        self._stop_heartbeats()
+        timeout = self._settings.close_timeout
+        done = self._sync.run(ExitOp(), self._sync.now() + timeout)
+        self._raise_for(done.action, "leaving the rendezvous", timeout)
+        self._joined = None
 
     def wait_for_change(self, timeout: float) -> None:
         """Block until the shared state changes or ``timeout`` seconds pass; the next
@@ -359,10 +348,13 @@ class RallypointHandler(RendezvousHandler):
         self._hb_thread.start()
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
-        interval = self._settings.keep_alive_interval
-        while not stop.wait(interval):
+        # The driver decides when a beat is due (an interval after this node's
+        # counter last moved): wake a little more often than that.
+        settings = self._settings
+        while not stop.wait(settings.keep_alive_interval / 4):
             try:
-                self._sync.beat()
+                deadline = self._sync.now() + settings.heartbeat_timeout
+                self._sync.run(KeepAliveOp(), deadline, fresh=True)
             except core_errors.RendezvousError as exc:
                 log.warning("heartbeat of %s failed: %s", self.node, exc)
 

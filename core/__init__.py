@@ -1,24 +1,46 @@
 """The pure rendezvous core: no sockets, threads, waiting, randomness or clock reads.
 
 Embed it in any scheduler or simulation: keep a :class:`RendezvousState` somewhere
-all nodes can compare-and-set, and drive each node with this loop::
+all nodes can compare-and-set, and drive each node with the driver
+(:mod:`rallypoint.core.driver`), carrying out its instructions::
 
-    obs = observe(obs, state, now)                  # what this node saw, when
-    state, dead = sanitize(state, obs, settings, now)
-    ctx = Context(node, state, settings, now, obs)
-    action = JoinOp()(ctx, deadline)                # or ExitOp, CloseOp, KeepAliveOp
-    if action.is_terminal: stop (FINISH) or raise (ERROR_*)
-    elif action is Action.SYNC: wait for a change or until wake_at(ctx, deadline)
-    else: new = apply(state, action, ctx); write it with compare-and-set;
-          on a lost race re-read and decide again; after a win, observe(new)
+    view = NodeView()
+    while True:
+        step = decide(view, node, settings, JoinOp(), deadline, now())
+        match step.instruction:
+            case Read(counters):  view = after_read(view, blob, counters or None, now())
+            case Write(state):    view = after_write(view, won, stored_blob, now())
+            case Beat():          view = after_beat(view, node, bumped_counter, now())
+            case Wait(until):     wait for a change or until; view = after_wait(view)
+            case Done(action):    break  # FINISH, or raise for ERROR_*
 
 Time (``now``, ``deadline``) is the node's own monotonic clock in seconds. The shared
 state never holds a clock value, so clock skew between hosts cannot kill live nodes.
+The decisions underneath (operators, :func:`apply`, :func:`observe`,
+:func:`sanitize`) are public for tests and embedders that study one decision.
 Store the state as :func:`encode_state` bytes; :func:`decode_state` validates.
 """
 
-from .actions import Action, apply, assign_ranks, dead_nodes, observe, sanitize
+from .actions import Action, apply, assign_ranks
 from .codec import FORMAT_VERSION, MAX_STATE_BYTES, decode_state, encode_state
+from .driver import (
+    Beat,
+    Decision,
+    Done,
+    Instruction,
+    Membership,
+    NodeView,
+    Read,
+    Verdict,
+    Wait,
+    Write,
+    after_beat,
+    after_read,
+    after_wait,
+    after_write,
+    decide,
+    monitor,
+)
 from .errors import (
     InvalidTransitionError,
     RendezvousClosedError,
@@ -28,10 +50,17 @@ from .errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
+from .liveness import (
+    SIDE_BITS,
+    dead_nodes,
+    merge_heartbeats,
+    observe,
+    sanitize,
+    split_heartbeats,
+)
 from .operators import (
     JOIN_TABLE,
     CloseOp,
-    Context,
     ExitOp,
     JoinOp,
     JoinRow,
@@ -43,6 +72,7 @@ from .operators import (
     wake_at,
 )
 from .state import (
+    Context,
     HeartbeatSighting,
     LastCallSighting,
     NodeDesc,
@@ -55,19 +85,27 @@ __all__ = [
     "FORMAT_VERSION",
     "JOIN_TABLE",
     "MAX_STATE_BYTES",
+    "SIDE_BITS",
     "Action",
+    "Beat",
     "CloseOp",
     "Context",
+    "Decision",
+    "Done",
     "ExitOp",
     "HeartbeatSighting",
+    "Instruction",
     "InvalidTransitionError",
     "JoinOp",
     "JoinRow",
     "KeepAliveOp",
     "LastCallSighting",
+    "Membership",
     "NodeDesc",
+    "NodeView",
     "Observations",
     "Operator",
+    "Read",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
@@ -76,15 +114,26 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "Settings",
+    "Verdict",
+    "Wait",
+    "Write",
+    "after_beat",
+    "after_read",
+    "after_wait",
+    "after_write",
     "apply",
     "assign_ranks",
     "dead_nodes",
+    "decide",
     "decode_state",
     "encode_state",
     "join_row",
     "keep_alive_due",
     "last_call_passed",
+    "merge_heartbeats",
+    "monitor",
     "observe",
     "sanitize",
+    "split_heartbeats",
     "wake_at",
 ]

@@ -1,9 +1,9 @@
 """Actions and their effects: every change to the shared state happens here.
 
 ``apply(state, action, ctx)`` is the only function that produces a new
-:class:`RendezvousState` from a decision; ``observe`` and ``sanitize`` are the only
-ones that use time. All three are pure: they return new values and never modify
-their inputs.
+:class:`RendezvousState` from a decision. It is pure: it returns a new value and
+never modifies its input. What time does to the state (observing heartbeats,
+removing silent nodes) lives in :mod:`rallypoint.core.liveness`.
 
 The effect of each action (torch's ``_DistributedRendezvousOpExecutor`` methods,
 minus the wall-clock deadline and heartbeat times):
@@ -32,26 +32,12 @@ round that drops below min_nodes disarms its last call.
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from .errors import InvalidTransitionError
-from .state import (
-    HeartbeatSighting,
-    LastCallSighting,
-    NodeDesc,
-    Observations,
-    RendezvousState,
-    Settings,
-)
+from .state import Context, NodeDesc, RendezvousState, Settings
 
-if TYPE_CHECKING:
-    from .operators import Context
-
-_SINCE = operator.itemgetter(1)  # HeartbeatSighting.since, read in C
-
-__all__ = ["Action", "apply", "assign_ranks", "observe", "sanitize"]
+__all__ = ["Action", "apply", "assign_ranks", "remove_participant_epilogue"]
 
 
 class Action(enum.Enum):
@@ -111,7 +97,8 @@ def _keep_alive(state: RendezvousState, node: NodeDesc) -> RendezvousState:
     )
 
 
-def _remove_participant_epilogue(state: RendezvousState, settings: Settings) -> RendezvousState:
+def remove_participant_epilogue(state: RendezvousState, settings: Settings) -> RendezvousState:
+    """What a participant's departure does to the round (see the module docstring)."""
     if state.complete:
         if not state.participants:
             return state.evolve(complete=False, world_size=0, round=state.round + 1)
@@ -200,7 +187,7 @@ def _remove_from_participants(
     state = state.evolve(
         participants=state.participants.delete(node), heartbeats=_without(state, node)
     )
-    return _remove_participant_epilogue(state, s)
+    return remove_participant_epilogue(state, s)
 
 
 def _remove_from_wait_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
@@ -273,96 +260,3 @@ def apply(state: RendezvousState, action: Action, ctx: Context) -> RendezvousSta
     if effect is None:
         raise InvalidTransitionError(f"{action.name} does not change the rendezvous state")
     return effect(state, ctx.node, ctx.settings)
-
-
-def observe(observations: Observations, state: RendezvousState, now: float) -> Observations:
-    """Record what a freshly read (or written) ``state`` shows, at local time ``now``.
-
-    A heartbeat counter that differs from the last value seen (or is new) restarts
-    its node's liveness timer; nodes no longer in the state are forgotten. A newly
-    armed last call starts this node's last-call timer.
-    """
-    seen = observations.heartbeats
-    updated = seen
-    counters = state.heartbeats
-    source = observations.source
-    items = observations.source_items
-    oldest = observations.oldest
-    if source is not counters and source != counters:
-        items = frozenset(counters.items())
-        if source is None:  # sightings not made by observe(): compare counter by counter
-            changed = frozenset((n, c) for n, c in items if n not in seen or seen[n].counter != c)
-        else:
-            changed = items - observations.source_items
-        if changed or len(seen) != len(counters):
-            with seen.mutate() as mutable:
-                for node, counter in changed:
-                    mutable[node] = HeartbeatSighting(counter, now)
-                if len(mutable) != len(counters):  # some nodes left the state
-                    for node in seen:
-                        if node not in counters:
-                            del mutable[node]
-                updated = mutable.finish()
-        if updated is not seen:
-            oldest = min(map(_SINCE, updated.values()), default=None)
-
-    last_call = observations.last_call
-    if state.last_call is None:
-        last_call = None
-    elif last_call is None or (last_call.round, last_call.arming) != (
-        state.round,
-        state.last_call,
-    ):
-        last_call = LastCallSighting(state.round, state.last_call, now)
-
-    if updated is seen and last_call is observations.last_call and source is counters:
-        return observations
-    return Observations(
-        heartbeats=updated, last_call=last_call, source=counters, source_items=items, oldest=oldest
-    )
-
-
-def dead_nodes(
-    state: RendezvousState, observations: Observations, settings: Settings, now: float
-) -> frozenset[NodeDesc]:
-    """Nodes whose heartbeat counter this observer has not seen move for the
-    liveness window (``keep_alive_interval * keep_alive_max_attempt``)."""
-    window = settings.liveness_window
-    oldest = observations.oldest
-    if oldest is None or now - oldest <= window:
-        return frozenset()
-    return frozenset(
-        node
-        for node in state.heartbeats
-        if (sighting := observations.heartbeats.get(node)) is not None
-        and now - sighting.since > window
-    )
-
-
-def sanitize(
-    state: RendezvousState, observations: Observations, settings: Settings, now: float
-) -> tuple[RendezvousState, frozenset[NodeDesc]]:
-    """Remove the nodes this observer considers dead; return the new state and them.
-
-    Call :func:`observe` first, so that every node has a sighting: a node never seen
-    is never declared dead.
-    """
-    dead = dead_nodes(state, observations, settings, now)
-    if not dead:
-        return state, dead
-    participant_removed = any(node in state.participants for node in dead)
-    participants = state.participants
-    heartbeats = state.heartbeats
-    for node in dead:
-        heartbeats = heartbeats.delete(node)
-        if node in participants:
-            participants = participants.delete(node)
-    state = state.evolve(
-        participants=participants,
-        heartbeats=heartbeats,
-        wait_list=state.wait_list - dead,
-        redundancy_list=state.redundancy_list - dead,
-    )
-    if participant_removed:
-        state = _remove_participant_epilogue(state, settings)
-    return state, dead

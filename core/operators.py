@@ -17,10 +17,10 @@ a clock.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .actions import Action
-from .state import NodeDesc, Observations, RendezvousState, Settings
+from .state import Context
 
 __all__ = [
     "JOIN_TABLE",
@@ -36,37 +36,6 @@ __all__ = [
     "last_call_passed",
     "wake_at",
 ]
-
-
-@dataclass(frozen=True)
-class Context:
-    """Everything one decision may depend on.
-
-    Attributes:
-        node: the deciding node.
-        state: the shared state as this node last read it (after :func:`sanitize`).
-        settings: the rendezvous settings.
-        now: the node's local monotonic time, in seconds.
-        observations: the node's local sightings (see :func:`observe`).
-    """
-
-    node: NodeDesc
-    state: RendezvousState
-    settings: Settings
-    now: float
-    observations: Observations = field(default_factory=Observations)
-
-    @property
-    def is_participant(self) -> bool:
-        return self.node in self.state.participants
-
-    @property
-    def is_waiting(self) -> bool:
-        return self.node in self.state.wait_list
-
-    @property
-    def is_redundant(self) -> bool:
-        return self.node in self.state.redundancy_list
 
 
 Operator = Callable[[Context, float], Action]

@@ -23,6 +23,7 @@ from typing import NamedTuple, TypeVar
 from immutables import Map
 
 __all__ = [
+    "Context",
     "HeartbeatSighting",
     "LastCallSighting",
     "NodeDesc",
@@ -252,3 +253,34 @@ class Observations:
         object.__setattr__(self, "heartbeats", _frozen_map(self.heartbeats))
         if self.oldest is None and self.heartbeats:
             object.__setattr__(self, "oldest", min(s.since for s in self.heartbeats.values()))
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything one decision may depend on.
+
+    Attributes:
+        node: the deciding node.
+        state: the shared state as this node last read it (after :func:`sanitize`).
+        settings: the rendezvous settings.
+        now: the node's local monotonic time, in seconds.
+        observations: the node's local sightings (see :func:`observe`).
+    """
+
+    node: NodeDesc
+    state: RendezvousState
+    settings: Settings
+    now: float
+    observations: Observations = field(default_factory=Observations)
+
+    @property
+    def is_participant(self) -> bool:
+        return self.node in self.state.participants
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.node in self.state.wait_list
+
+    @property
+    def is_redundant(self) -> bool:
+        return self.node in self.state.redundancy_list
