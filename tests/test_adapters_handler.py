@@ -146,6 +146,34 @@ def test_dead_participant_is_reported_and_survivors_regroup(
     assert all(h.dead_participants() == frozenset() for h in handlers[:2])
 
 
+def test_a_leaving_node_makes_its_peers_regroup_without_the_liveness_window(
+    cluster: tuple[MemoryBackend, Factory],
+) -> None:
+    """leave() (an agent stopping on SIGTERM) takes the node out of the shared
+    state at once; its peers see it gone long before a 60 s liveness window."""
+    _, make = cluster
+    slow = {"keep_alive_interval": 20.0, "keep_alive_max_attempt": 3}
+    handlers = [make(2, 3, **slow) for _ in range(3)]
+    _join_all(handlers)
+    leaver = handlers[2]
+    leaver.leave()
+    assert leaver.node not in handlers[0].sync.refresh().participants
+    assert _eventually(lambda: handlers[0].dead_participants() == {leaver.node}, timeout=5)
+    assert _eventually(lambda: handlers[1].dead_participants() == {leaver.node}, timeout=5)
+    infos = _join_all(handlers[:2])
+    assert {i.world_size for i in infos} == {2}
+    assert {h.round for h in handlers[:2]} == {1}
+    assert not handlers[0].is_closed()
+
+
+def test_leave_before_any_round_is_harmless(cluster: tuple[MemoryBackend, Factory]) -> None:
+    _, make = cluster
+    handler = make(1, 2)
+    handler.leave()
+    assert handler.dead_participants() == frozenset()
+    assert handler.next_rendezvous().world_size == 1
+
+
 @pytest.mark.parametrize("stable", [False, True])
 def test_stable_ranks_keep_survivors_in_place(
     cluster: tuple[MemoryBackend, Factory], stable: bool

@@ -1,0 +1,221 @@
+"""The driver: one node's loop as a pure function. Each of its rules, one test each."""
+
+from __future__ import annotations
+
+from core_scenarios import FAR, joined, node, settings, step
+from immutables import Map
+
+from rallypoint.core import (
+    SIDE_BITS,
+    Action,
+    Beat,
+    CloseOp,
+    Done,
+    ExitOp,
+    JoinOp,
+    KeepAliveOp,
+    NodeView,
+    Read,
+    RendezvousState,
+    Verdict,
+    Wait,
+    Write,
+    after_beat,
+    after_read,
+    after_wait,
+    after_write,
+    decide,
+    merge_heartbeats,
+    monitor,
+    split_heartbeats,
+)
+
+S = settings(2, 3)  # keep-alive 1 s, liveness window 3 s, last call 10 s
+
+
+def _counters(state: RendezvousState, value: int = 0) -> dict:
+    return dict.fromkeys(state.heartbeats, value)
+
+
+def _view(state: RendezvousState, now: float = 0.0, counters: dict | None = None) -> NodeView:
+    """A view that read ``state`` and its counters at ``now``."""
+    return after_read(NodeView(), state, _counters(state) if counters is None else counters, now)
+
+
+def test_a_new_view_reads_first_and_asks_for_the_counters() -> None:
+    d = decide(NodeView(), node(0), S, JoinOp(), FAR, 0.0)
+    assert d.instruction == Read(True)
+    assert d.action is None
+
+
+def test_after_a_wait_the_node_reads_again_and_counters_only_when_old() -> None:
+    view = _view(RendezvousState(), now=0.0)
+    waited = after_wait(view)
+    assert decide(waited, node(0), S, JoinOp(), FAR, 0.1).instruction == Read(False)
+    assert decide(waited, node(0), S, JoinOp(), FAR, 0.3).instruction == Read(True)
+
+
+def test_join_writes_the_core_action_in_blob_form() -> None:
+    d = decide(_view(RendezvousState()), node(0), S, JoinOp(), FAR, 0.0)
+    assert isinstance(d.instruction, Write)
+    assert d.instruction.action is Action.ADD_TO_PARTICIPANTS
+    blob = d.instruction.state
+    assert node(0) in blob.participants
+    # Blob counters are small: the side counter is not folded into them.
+    assert blob.heartbeats[node(0)] == blob.heartbeat_seq == 1
+
+
+def test_a_write_win_then_sync_waits_until_the_next_local_timer() -> None:
+    view = _view(RendezvousState(), now=0.0)
+    write = decide(view, node(0), S, JoinOp(), FAR, 0.0).instruction
+    assert isinstance(write, Write)
+    view = after_write(view, True, write.state, 0.0)
+    d = decide(view, node(0), S, JoinOp(), FAR, 0.0)
+    # Alone below min_nodes: wait for a change or the own keep-alive (1 s).
+    assert d.instruction == Wait(1.0)
+
+
+def test_a_due_keep_alive_of_a_member_beats_instead_of_rewriting_the_blob() -> None:
+    state = joined([node(0)], S)
+    view = _view(state, now=0.0)
+    assert decide(view, node(0), S, KeepAliveOp(), FAR, 0.5).instruction == Done(
+        Action.FINISH, view.merged
+    )
+    assert decide(view, node(0), S, KeepAliveOp(), FAR, 1.0).instruction == Beat()
+
+
+def test_a_beat_moves_the_merged_counter_and_restarts_the_own_timer() -> None:
+    state = joined([node(0)], S)
+    view = _view(state, now=0.0)
+    before = view.merged.heartbeats[node(0)]
+    beaten = after_beat(view, node(0), 1, 1.0)
+    assert beaten.merged.heartbeats[node(0)] == before + 1
+    assert beaten.observations.heartbeats[node(0)].since == 1.0
+    assert decide(beaten, node(0), S, KeepAliveOp(), FAR, 1.5).instruction.action is Action.FINISH
+
+
+def test_a_peer_is_never_declared_dead_on_cached_counters() -> None:
+    state = joined([node(0), node(1)], S)
+    view = _view(state, now=0.0)
+    # 5 s later node(1) looks silent, but the counters are 5 s old: read them first.
+    d = decide(view, node(0), S, JoinOp(), FAR, 5.0)
+    assert d.instruction == Read(True)
+    assert d.dead == frozenset()
+
+
+def test_a_peer_whose_counter_moved_meanwhile_is_alive() -> None:
+    state = joined([node(0), node(1)], S)
+    view = _view(state, now=0.0)
+    view = after_beat(view, node(0), 5, 4.9)  # our own beat keeps us fresh
+    fresh = after_read(view, state, {node(0): 5, node(1): 7}, 5.0)
+    d = decide(fresh, node(0), S, JoinOp(), FAR, 5.0)
+    assert d.dead == frozenset()
+    assert not isinstance(d.instruction, Write) or not d.instruction.dead
+
+
+def test_dead_peers_found_on_fresh_counters_are_published_even_when_the_op_waits() -> None:
+    state = joined([node(0), node(1)], S)
+    view = _view(state, now=0.0)
+    view = after_read(view, state, {node(0): 3, node(1): 0}, 5.0)  # node(0) moved at 5
+    d = decide(view, node(0), S, JoinOp(), FAR, 5.0)
+    assert d.action is Action.SYNC
+    assert isinstance(d.instruction, Write)
+    assert d.instruction.action is None and d.instruction.dead == {node(1)}
+    assert node(1) not in d.instruction.state.participants
+    assert node(1) not in d.instruction.state.heartbeats
+
+
+def test_dead_peers_are_published_before_a_terminal_answer() -> None:
+    state = joined([node(0), node(1)], S)
+    view = after_read(_view(state), state, {node(0): 3, node(1): 0}, 5.0)
+    d = decide(view, node(0), S, CloseOp(), 0.0, 5.0)  # close timed out
+    assert d.action is Action.ERROR_TIMEOUT
+    assert isinstance(d.instruction, Write) and d.instruction.dead == {node(1)}
+
+
+def test_split_keeps_untouched_counters_and_bumps_changed_ones_above_every_other() -> None:
+    blob = joined([node(0), node(1)], S)
+    merged = merge_heartbeats(blob, {node(0): 4, node(1): 9})
+    assert merged.heartbeats[node(1)] == (blob.heartbeats[node(1)] << SIDE_BITS) | 9
+    changed = merged.evolve(heartbeats=merged.heartbeats.set(node(0), 12345))
+    out = split_heartbeats(changed, merged, blob)
+    assert out.heartbeats[node(1)] == blob.heartbeats[node(1)]
+    assert out.heartbeats[node(0)] == blob.heartbeat_seq + 1 == out.heartbeat_seq
+
+
+def test_a_rejoining_node_never_repeats_a_merged_counter() -> None:
+    """Leave and rejoin without beating in between: an observer that missed both
+    must still see the counter move (the side counter did not)."""
+    first = joined([node(0), node(1)], S)
+    seen = merge_heartbeats(first, {node(1): 2}).heartbeats[node(1)]
+    view = _view(first, counters={node(0): 0, node(1): 2})
+    exit_write = decide(view, node(1), S, ExitOp(), FAR, 0.0).instruction
+    assert isinstance(exit_write, Write)
+    left = after_write(view, True, exit_write.state, 0.0)
+    join_write = decide(left, node(1), S, JoinOp(), FAR, 0.0).instruction
+    assert isinstance(join_write, Write)
+    back = merge_heartbeats(join_write.state, {node(1): 2}).heartbeats[node(1)]
+    assert back != seen
+
+
+def test_a_finished_join_reports_its_membership() -> None:
+    state = joined([node(0), node(1), node(2)], S)  # max_nodes reached: complete
+    d = decide(_view(state), node(1), S, JoinOp(), FAR, 0.0)
+    assert isinstance(d.instruction, Done)
+    assert d.instruction.action is Action.FINISH and not d.instruction.rejoin
+    membership = d.instruction.joined
+    assert membership is not None
+    assert (membership.round, membership.rank, membership.world_size) == (0, 1, 3)
+    assert membership.members == {node(0), node(1), node(2)}
+
+
+def test_a_round_that_lost_its_rank_0_is_rejoined() -> None:
+    state = joined([node(0), node(1), node(2)], S)
+    without_rank0 = step(state, node(0), Action.REMOVE_FROM_PARTICIPANTS, S)
+    d = decide(_view(without_rank0), node(1), S, JoinOp(), FAR, 0.0)
+    assert isinstance(d.instruction, Done) and d.instruction.rejoin
+
+
+def test_a_redundant_node_that_becomes_a_joiner_gets_a_fresh_deadline() -> None:
+    s = settings(1, 1, join_timeout=50.0)
+    state = joined([node(0)], s)
+    state = step(state, node(1), Action.ADD_TO_REDUNDANCY_LIST, s)
+    state = step(state, node(0), Action.REMOVE_FROM_PARTICIPANTS, s)  # room again
+    d = decide(_view(state, now=7.0), node(1), s, JoinOp(), 9.0, 7.0)
+    assert isinstance(d.instruction, Write)
+    assert d.instruction.action is Action.REMOVE_FROM_REDUNDANCY_LIST
+    assert d.instruction.deadline == 57.0
+
+
+def test_monitor_reports_waiting_nodes_and_lost_participants() -> None:
+    state = joined([node(0), node(1), node(2)], S)
+    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).instruction.joined
+    assert monitor(_view(state), node(0), S, membership, 0.0).instruction == Verdict(
+        0, frozenset()
+    )
+    left = step(state, node(2), Action.REMOVE_FROM_PARTICIPANTS, S)
+    waiting = step(left, node(3), Action.ADD_TO_WAIT_LIST, S)
+    verdict = monitor(_view(waiting), node(0), S, membership, 0.0).instruction
+    assert verdict == Verdict(1, frozenset({node(2)}))
+
+
+def test_monitor_publishes_a_dead_participant_then_reports_it_lost() -> None:
+    state = joined([node(0), node(1), node(2)], S)
+    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).instruction.joined
+    assert membership is not None
+    # node(0) and node(2) moved at t=5, node(1) stood still since t=0.
+    view = after_read(_view(state), state, {node(0): 3, node(1): 0, node(2): 4}, 5.0)
+    d = monitor(view, node(0), S, membership, 5.0)
+    assert isinstance(d.instruction, Write) and d.instruction.dead == {node(1)}
+    after = after_write(view, True, d.instruction.state, 5.0)
+    verdict = monitor(after, node(0), S, membership, 5.0).instruction
+    assert verdict == Verdict(0, frozenset({node(1)}))
+
+
+def test_monitor_of_a_round_that_moved_on_loses_everyone() -> None:
+    state = joined([node(0), node(1), node(2)], S)
+    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).instruction.joined
+    later = state.evolve(round=1, complete=False, world_size=0, participants=Map())
+    later = later.evolve(heartbeats=Map({node(0): 1}))
+    verdict = monitor(_view(later), node(0), S, membership, 0.0).instruction
+    assert verdict == Verdict(0, membership.members)
