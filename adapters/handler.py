@@ -307,10 +307,10 @@ class RallypointHandler(RendezvousHandler):
             RendezvousTimeoutError, RendezvousConnectionError, RendezvousStateError.
         """
         self._stop_heartbeats()
+        self._joined = None
         timeout = self._settings.close_timeout
         done = self._sync.run(ExitOp(), self._sync.now() + timeout)
         self._raise_for(done.action, "leaving the rendezvous", timeout)
-        self._joined = None
 
     def wait_for_change(self, timeout: float) -> None:
         """Block until the shared state changes or ``timeout`` seconds pass; the next

@@ -6,7 +6,7 @@ One :class:`ElasticAgent` runs on each node. Its loop::
     -> start workers -> monitor:
          all workers exited 0        -> exit barrier, close the rendezvous, done
          a worker failed             -> restart (spends one of max_restarts) or give up
-         nodes waiting / a dead peer -> restart into a new round (budget untouched)
+         nodes waiting / a peer gone -> restart into a new round (budget untouched)
          rendezvous closed elsewhere -> stop
 
 A restart stops every local worker (SIGTERM, a short grace, SIGKILL) and joins the
@@ -332,7 +332,8 @@ class ElasticAgent:
             return f"{waiting} node(s) waiting to join"
         dead = self.view.dead_participants()
         if dead:
-            return "peer(s) stopped heartbeating: " + ", ".join(sorted(map(str, dead)))
+            names = ", ".join(sorted(map(str, dead)))
+            return f"peer(s) left the round or stopped heartbeating: {names}"
         return ""
 
     def _closed_elsewhere(self) -> bool:
@@ -439,8 +440,8 @@ class ElasticAgent:
         """``store.get`` that gives up when a peer dies instead of blocking for minutes.
 
         Raises:
-            _RoundAbandoned: a peer of the round stopped heartbeating, the store
-                failed, or the key did not appear in time.
+            _RoundAbandoned: a peer left the round or stopped heartbeating, the
+                store failed, or the key did not appear in time.
         """
         deadline = time.monotonic() + _STORE_GET_TIMEOUT
         pause = 0.002
@@ -451,7 +452,10 @@ class ElasticAgent:
                 dead = self.view.dead_participants()
                 if dead:
                     names = ", ".join(sorted(map(str, dead)))
-                    raise _RoundAbandoned(f"peer(s) {names} died while ranks were assigned")
+                    raise _RoundAbandoned(
+                        f"peer(s) {names} left the round or stopped heartbeating "
+                        "while ranks were assigned"
+                    )
                 time.sleep(pause)
                 pause = min(pause * 2, 0.01)
             return bytes(store.get(key))
@@ -607,7 +611,7 @@ class ElasticAgent:
         dead = self.view.dead_participants()
         if dead:
             logger.warning(
-                "%s: peer(s) %s stopped heartbeating; not waiting for them",
+                "%s: peer(s) %s left the round or stopped heartbeating; not waiting for them",
                 where,
                 ", ".join(sorted(map(str, dead))),
             )

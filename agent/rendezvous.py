@@ -157,7 +157,7 @@ class HandlerView:
 
     @property
     def detects_dead_peers(self) -> bool:
-        """Whether the handler reports participants that stopped heartbeating."""
+        """Whether the handler reports participants that left or stopped heartbeating."""
         return self._dead is not None
 
     def dead_participants(self) -> frozenset[Any]:

@@ -146,9 +146,12 @@ class Procs:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def wait_records(
-        self, predicate: Callable[[list[dict[str, Any]]], bool], what: str
+        self,
+        predicate: Callable[[list[dict[str, Any]]], bool],
+        what: str,
+        timeout: float = WAIT,
     ) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + WAIT
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             records = self.records()
             if predicate(records):
@@ -159,7 +162,10 @@ class Procs:
                         f"agent {i} exited {p.returncode} while waiting for {what}\n{self.logs()}"
                     )
             time.sleep(0.05)
-        pytest.fail(f"timed out waiting for {what}; records: {self.records()}\n{self.logs()}")
+        pytest.fail(
+            f"timed out after {timeout:g} s waiting for {what}; "
+            f"records: {self.records()}\n{self.logs()}"
+        )
 
     def finish(self) -> None:
         (self.dir / "finish").touch()
@@ -339,6 +345,57 @@ def test_scale_up_then_dead_peer_regroups(procs: Procs, free_port: Callable[[], 
     procs.wait_records(alone, "a round of the last agent alone")
     procs.finish()
     assert procs.wait(0) == 0, procs.logs()
+
+
+# A liveness window (30 s x 3 = 90 s) no test waits out: any regroup seen within
+# LEAVE_WAIT comes from the leaving node's own exit from the shared state.
+SLOW_LIVENESS_CONF = "keep_alive_interval=30,keep_alive_max_attempt=3,last_call_timeout=0.3"
+LEAVE_WAIT = 20.0
+
+
+def test_sigterm_agent_leaves_and_peers_regroup_at_once(
+    procs: Procs, free_port: Callable[[], int]
+) -> None:
+    """3 agents (--nnodes 2:3) with a 90 s liveness window; SIGTERM one: it exits
+    128+15 after leaving the rendezvous, and the two survivors run a new round well
+    within the window (heartbeat-based detection cannot fire in LEAVE_WAIT)."""
+    port = free_port()
+    args = _c10d_args(port, "leave", "2:3", 1, "--max-restarts", "0")
+    cmd = [str(procs.worker), str(procs.dir), "wait"]
+    for name, host in (("a", "true"), ("b", "false"), ("c", "false")):
+        procs.start(*args, "--rdzv-conf", f"{SLOW_LIVENESS_CONF},is_host={host}", *cmd, name=name)
+    three = _full_round(
+        procs.wait_records(lambda rs: bool(_full_round(rs, 3, 1)), "a round of 3 agents"), 3, 1
+    )
+    _check_ranks(three, 3, 1)
+    round3 = int(three[0]["RALLYPOINT_ROUND"])
+
+    c_pid = procs.popen(2).pid
+    c_worker = next(int(r["pid"]) for r in three if int(r["agent_pid"]) == c_pid)
+    procs.killed.add(2)
+    procs.popen(2).send_signal(signal.SIGTERM)
+    assert procs.wait(2, timeout=LEAVE_WAIT) == 128 + signal.SIGTERM, procs.logs()
+    # The leaving agent stopped its worker with SIGTERM before it left.
+    assert (procs.dir / f"terminated.{c_worker}").exists()
+
+    def regrouped(rs: list[dict[str, Any]]) -> bool:
+        recs = _full_round(rs, 2, 1)
+        return bool(recs) and int(recs[0]["RALLYPOINT_ROUND"]) > round3
+
+    two = _full_round(
+        procs.wait_records(regrouped, "the survivors' new round", timeout=LEAVE_WAIT), 2, 1
+    )
+    _check_ranks(two, 2, 1)
+    assert c_pid not in {int(r["agent_pid"]) for r in two}
+    # A peer leaving never spends the restart budget (max-restarts is 0).
+    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in two} == {"0"}
+    # The survivors saw the leaver gone from their round (not a waiting node).
+    for survivor in (0, 1):
+        assert "left the round or stopped heartbeating" in procs.log(survivor), procs.logs()
+
+    procs.finish()
+    assert procs.wait(0) == 0, procs.logs()
+    assert procs.wait(1) == 0, procs.logs()
 
 
 def test_max_restarts_exhausted_prints_failure_table(procs: Procs) -> None:
