@@ -1,16 +1,31 @@
-"""An explicit-state model checker of the real core.
+"""An explicit-state model checker of the real core, run by its driver.
 
 Breadth-first search over every interleaving of node events in a small cluster:
-nodes step their operators (each step is one compare-and-set round trip of the
-driving loop in :mod:`rallypoint.core`, taken atomically, which is what a winning
-CAS means), their timers run out, they crash, restart, join, exit, close and
-heartbeat, and silent peers expire. Every step calls the core itself
-(``observe``, ``sanitize``, the operators, ``apply``), looked up through its modules
-at call time so that a test can plant a bug in it.
+nodes step their operations, their timers run out, they crash, restart, join, exit,
+close and heartbeat, and silent peers expire. A step is one iteration of the
+driving loop, carried out atomically: the node's view is the shared state and its
+heartbeat counters read at that instant; :func:`rallypoint.core.driver.decide` (the
+same driver StateSync and the simulator execute, looked up at call time so that a
+test can plant a bug in it or in the core it calls) names the instruction, and the
+checker carries it out:
+
+* ``Write`` wins its compare-and-set: its state is the new shared state. A lost
+  one changes nothing shared, and its node decides again on what beat it: that is
+  another step of the search.
+* ``Beat`` bumps the node's side heartbeat counter, ``Wait`` waits: neither
+  changes the shared state. Side counters are not modelled: every step chooses the
+  ages of the node's sightings afresh, which covers every way they could move.
+* ``Done`` ends the operation (a join's result is recorded for agreement). A join
+  done with ``rejoin`` (its round lost rank 0) also finishes into training: the
+  handler then exits that round and joins the next, which a trained node's exit and
+  join events explore with every deadline.
+* ``Read`` on a view read at this instant is a violation: an executor would read
+  the same view and be told to read again, forever.
 
 In every reachable state the checker verifies :mod:`rallypoint.spec.invariants`
-(state, step and agreement properties) and that every node's lifecycle change is an
-edge of the :mod:`rallypoint.spec.model` whose guards hold (conformance).
+(state, step, removal and agreement properties) and that every node's lifecycle
+change is an edge of the :mod:`rallypoint.spec.model` whose guards hold
+(conformance).
 
 The state space is made finite and small the way TLA+ specs do it:
 
@@ -28,8 +43,9 @@ The state space is made finite and small the way TLA+ specs do it:
   the node's own local state, which commutes with every other node's events, so it
   is taken together with the operation's first step.
 * **Counters as equalities.** Only whether a sighting equals the counter matters, so
-  heartbeat counters and last-call armings are renumbered to a few canonical values
-  that keep every equality the core can test.
+  heartbeat counters, ``heartbeat_seq`` and last-call armings are renumbered to a
+  few canonical values that keep every equality the core can test (a step's
+  sightings are made over the counters it reads, so no older value is compared).
 * **Symmetry.** Nodes are interchangeable: a state is stored under the least of its
   relabellings by node permutation (CockroachDB's TLA+ does the same). Ranks move
   with their nodes, so a stored state may be a rank-permutation of a reachable one;
@@ -62,19 +78,36 @@ from typing import NamedTuple
 from immutables import Map
 
 from rallypoint.core import (
+    Beat,
+    CloseOp,
+    Decision,
+    Done,
+    ExitOp,
     HeartbeatSighting,
+    JoinOp,
+    KeepAliveOp,
     LastCallSighting,
     NodeDesc,
+    NodeView,
     Observations,
+    Operator,
+    Read,
     RendezvousState,
     Settings,
+    Wait,
+    Write,
 )
-from rallypoint.core import actions as core_actions
-from rallypoint.core import operators as core_operators
+from rallypoint.core import driver as core_driver
 from rallypoint.core.actions import Action
 from rallypoint.core.errors import InvalidTransitionError
 
-from .invariants import RoundResult, check_agreement, check_state, check_transition
+from .invariants import (
+    RoundResult,
+    check_agreement,
+    check_removal_published,
+    check_state,
+    check_transition,
+)
 from .model import Guards, LifecycleModel, View, lifecycle_state
 
 __all__ = [
@@ -172,11 +205,14 @@ class Local(NamedTuple):
 
 
 class CoreStep(NamedTuple):
-    """What the core did in one step (see :meth:`Checker._core_step`)."""
+    """What the driver decided in one step, and what carrying it out did (see
+    :meth:`Checker._core_step`)."""
 
-    sanitized: RendezvousState
-    dead: frozenset[NodeDesc]
-    action: Action
+    decision: Decision
+    #: the action the node carried out: the Write's (None for a Write that only
+    #: publishes removals), Beat's KEEP_ALIVE, Wait's SYNC, Done's
+    performed: Action | None
+    #: the shared state after the step (the Write's state; else the state before)
     written: RendezvousState
     #: the model's guards on the stepping node's view before its action
     guards: Guards
@@ -275,9 +311,13 @@ class CheckResult:
 
 
 class _Found(Exception):
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], decision: Decision | None = None) -> None:
         super().__init__("; ".join(problems))
         self.problems = problems
+        #: the driver's decision in the violating step, if it made one
+        self.decision = decision
+        #: what the violating step did, for the trace
+        self.lines: list[str] = []
 
 
 #: Memoized core steps kept at most (a bound on memory, not on the search).
@@ -286,10 +326,10 @@ _TERMINAL_PHASES = frozenset({"closed", "failed", "crashed"})
 #: Events that run one iteration of the node's driving loop (see Checker.expand).
 _STEPPING_EVENTS = frozenset({"step", "heartbeat", "join", "exit", "close"})
 #: The operators behind the operations a node starts.
-_OPERATORS: dict[str, Callable[[], core_operators.Operator]] = {
-    "join": lambda: core_operators.JoinOp(),
-    "exit": lambda: core_operators.ExitOp(),
-    "close": lambda: core_operators.CloseOp(),
+_OPERATORS: dict[str, Callable[[], Operator]] = {
+    "join": JoinOp,
+    "exit": ExitOp,
+    "close": CloseOp,
 }
 
 
@@ -454,18 +494,20 @@ class Checker:
         for expired, mine, lc, dl in itertools.product(list(subsets), own, over, deadlines):
             yield Event(kind, slot, Timers(frozenset(expired), mine, lc, dl))
 
-    def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
-        """Sightings of every member, aged as ``timers`` says."""
+    def _aged(self, merged: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
+        """Sightings of every member of ``merged`` (the state with the side counters
+        merged in, whose counters the driver compares them with), aged as ``timers``
+        says."""
         expired, mine, lc, _ = timers
         own = {"fresh": self._fresh, "due": self._due, "expired": self._expired}[mine]
         beats = {
             n: HeartbeatSighting(c, own if n == node else self._expired if n in expired else 0.0)
-            for n, c in state.heartbeats.items()
+            for n, c in merged.heartbeats.items()
         }
         call = None
-        if state.last_call is not None:
+        if merged.last_call is not None:
             since = self._call_over if lc else 0.0
-            call = LastCallSighting(state.round, state.last_call, since)
+            call = LastCallSighting(merged.round, merged.last_call, since)
         return make_observations(beats, call)
 
     # -- symmetry ----------------------------------------------------------------
@@ -627,7 +669,7 @@ class Checker:
         if event.timers is None:
             raise ValueError(f"a {event.kind} event needs its timers (see expand)")
         if event.kind == "heartbeat":
-            return self._step(g, slot, core_operators.KeepAliveOp(), event.timers)
+            return self._step(g, slot, KeepAliveOp(), event.timers)
         if event.kind == "step":
             return self._step(g, slot, _OPERATORS[loc.op or ""](), event.timers)
         # Starting an operation changes only the node's own local state, which no
@@ -639,105 +681,147 @@ class Checker:
             self._expect(before, "join", self._model_state(started, slot), guards, node)
         else:
             started = _with(g, slot, loc._replace(op=event.kind, deadline=self._before))
-        after, lines = self._step(started, slot, _OPERATORS[event.kind](), event.timers)
+        try:
+            after, lines = self._step(started, slot, _OPERATORS[event.kind](), event.timers)
+        except _Found as found:
+            found.lines = [f"starts {event.kind}", *found.lines]
+            raise
         return after, [f"starts {event.kind}", *lines]
+
+    def _view(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> NodeView:
+        """The node's view at this step: ``state`` and every member's side counter
+        read at this instant (so never too old to judge liveness on), with its
+        sightings aged as ``timers`` says.
+
+        The side counters are all 0: only whether a sighting equals the counter
+        matters, and every step chooses the sightings' ages afresh.
+        """
+        counters = Map({n: 0 for n in state.heartbeats})
+        read = core_driver.after_read(NodeView(), state, counters, 0.0)
+        return read._replace(observations=self._aged(read.merged, node, timers))
 
     def _core_step(
         self,
         state: RendezvousState,
         node: NodeDesc,
-        op: core_operators.Operator,
+        op: Operator,
         timers: Timers,
         deadline: float | None,
     ) -> CoreStep:
-        """The core's part of a step: a pure function of its arguments, so it is
-        memoized (most states share their shared state and timers with others)."""
+        """The driver's part of a step, carried out atomically: a pure function of
+        its arguments, so it is memoized (most states share their shared state and
+        timers with others)."""
         key = (state, node, type(op), timers, deadline)
         hit = self._core_steps.get(key)
         if hit is not None:
             return hit
         settings = self.settings
-        seen = core_actions.observe(self._aged(state, node, timers), state, 0.0)
-        sanitized, dead = core_actions.sanitize(state, seen, settings, 0.0)
-        ctx = core_operators.Context(node, sanitized, settings, 0.0, seen)
-        action = op(ctx, float(deadline) if deadline is not None else float("inf"))
-        if action.changes_state:
-            try:
-                written = core_actions.apply(sanitized, action, ctx)
-            except InvalidTransitionError as exc:
-                raise _Found(
-                    [f"the core chose {action.name}, which it then rejected: {exc}"]
-                ) from None
+        view = self._view(state, node, timers)
+        limit = float(deadline) if deadline is not None else float("inf")
+        try:
+            decision = core_driver.decide(view, node, settings, op, limit, 0.0)
+        except InvalidTransitionError as exc:
+            raise _Found([f"the core chose an action it then rejected: {exc}"]) from None
+        instruction, sanitized = decision.instruction, decision.state
+        # Carry the instruction out. The view is as fresh as a view can be.
+        if isinstance(instruction, Write):
+            # A winning compare-and-set (a lost one changes nothing shared, and the
+            # node decides again on what beat it: another step of the search).
+            written, performed = instruction.state, instruction.action
+        elif isinstance(instruction, Beat | Wait):
+            # A beat moves only the node's side counter, which no step reads (each
+            # chooses its sightings afresh); a wait changes nothing.
+            written, performed = state, decision.action
+        elif isinstance(instruction, Done):
+            written, performed = state, instruction.action
+        elif isinstance(instruction, Read):
+            raise _Found(
+                [
+                    f"the driver re-read a fresh view (Read(counters={instruction.counters}) "
+                    "on a blob and counters read at this instant): an executor would read "
+                    "and ask again forever"
+                ],
+                decision,
+            )
         else:
-            written = sanitized
-        # Safety of the written state and of both halves of the step.
-        problems = check_state(written, settings)
+            raise _Found([f"the driver answered {instruction!r} to an operation"], decision)
+        # Safety: a node that finds members silent publishes their removal at once;
+        # the written state and both halves of the step (read -> the operator's view
+        # -> written; nothing is written but by a Write).
+        silent = timers.expired | ({node} if timers.own == "expired" else frozenset())
+        problems = check_removal_published(node, state, silent, decision.dead, written)
+        problems += check_state(written, settings)
         problems += check_transition(state, sanitized)
-        problems += check_transition(sanitized, written)
+        if isinstance(instruction, Write):
+            problems += check_transition(sanitized, written)
         if problems:
-            raise _Found(problems)
+            raise _Found(problems, decision)
         # The stepping node's own action is judged on its view before the action.
-        guards = Guards.of(View(node, sanitized, settings, 0.0, seen, deadline))
+        guards = Guards.of(View(node, sanitized, settings, 0.0, view.observations, deadline))
         if len(self._core_steps) >= _CORE_STEP_CACHE:
             # ids of dropped steps may be reused: forget what was keyed on them
             self._core_steps.clear()
             self._conformed.clear()
-        step = self._core_steps[key] = CoreStep(sanitized, dead, action, written, guards)
+        step = self._core_steps[key] = CoreStep(decision, performed, written, guards)
         return step
 
     def _step(
         self,
         g: Global,
         slot: int,
-        op: core_operators.Operator,
+        op: Operator,
         timers: Timers,
     ) -> tuple[Global, list[str]]:
-        """One iteration of the driving loop, calling the real core."""
+        """One iteration of the driving loop: the real driver decides on the node's
+        view, and the instruction is carried out atomically."""
         loc = g.locals[slot]
         node = node_of(slot, loc.incarnation)
         # A keep-alive has no deadline of its own; it never times out.
         deadline = self._before if loc.op is None else timers.deadline
-        core_step = self._core_step(g.shared, node, op, timers, deadline)
-        sanitized, dead, action, written, guards = core_step
+        try:
+            core_step = self._core_step(g.shared, node, op, timers, deadline)
+        except _Found as found:
+            if self._narrate and found.decision is not None:
+                found.lines = self._narration(loc, timers, deadline, op, found.decision)
+            raise
+        decision, performed, written, guards = core_step
+        instruction, sanitized, dead = decision.instruction, decision.state, decision.dead
         lines = []
         if self._narrate:
-            expired, mine, lc, _ = timers
-            if loc.op is not None and deadline != loc.deadline:
-                lines.append("deadline passed" if deadline == self._timed_out else "rollback over")
-            if mine != "fresh":
-                lines.append(f"own heartbeat {mine}")
-            if lc:
-                lines.append("last call over")
-            if expired:
-                lines.append(f"sees {sorted(map(str, expired))} silent too long")
-            if dead:
-                lines.append(f"declares dead {sorted(map(str, dead))}")
-            lines.append(f"{type(op).__name__} -> {action.name}")
+            lines = self._narration(loc, timers, deadline, op, decision)
 
         # The time that passed stays passed: the chosen deadline value is kept.
         new_deadline = loc.deadline if loc.op is None else deadline
         phase, new_op, result = loc.phase, loc.op, loc.result
-        if action is Action.FINISH:
-            if loc.op == "join":
-                phase, new_op, new_deadline = "training", None, None
-                result = RoundResult(
-                    round=written.round,
-                    rank=written.participants[node],
-                    world_size=written.world_size,
-                    membership=frozenset(written.participants),
-                )
-            elif loc.op == "exit":
-                phase, new_op, new_deadline, result = "exited", None, None, None
-            elif loc.op == "close":
+        if isinstance(instruction, Done):
+            action = instruction.action
+            if action is Action.FINISH:
+                joined = instruction.joined
+                if loc.op == "join" and joined is not None:
+                    # Done.rejoin (the round lost its rank 0) finishes here too: the
+                    # handler then exits the round and joins the next one, which a
+                    # trained node's exit and join events explore.
+                    phase, new_op, new_deadline = "training", None, None
+                    result = RoundResult(
+                        round=joined.round,
+                        rank=joined.rank,
+                        world_size=joined.world_size,
+                        membership=joined.members,
+                    )
+                elif loc.op == "exit":
+                    phase, new_op, new_deadline, result = "exited", None, None, None
+                elif loc.op == "close":
+                    phase, new_op, new_deadline, result = "closed", None, None, None
+            elif action in (Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT):
                 phase, new_op, new_deadline, result = "closed", None, None, None
-        elif action in (Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT):
-            phase, new_op, new_deadline, result = "closed", None, None, None
-        elif action is Action.ERROR_TIMEOUT:
-            phase, new_op, new_deadline, result = "failed", None, None, None
-        elif action is Action.REMOVE_FROM_PARTICIPANTS and loc.op == "exit":
-            phase, result = "exited", None
-        if action.resets_deadline:
-            new_deadline = self._before
+            elif action is Action.ERROR_TIMEOUT:
+                phase, new_op, new_deadline, result = "failed", None, None, None
+        elif isinstance(instruction, Write):
+            if instruction.action is Action.REMOVE_FROM_PARTICIPANTS and loc.op == "exit":
+                phase, result = "exited", None
+            if instruction.deadline is not None:
+                # a fresh deadline, as far from now as the one an operation starts with
+                new_deadline = self._before
         # Observations are not kept: every step chooses its sightings afresh.
         new_loc = loc._replace(phase=phase, op=new_op, deadline=new_deadline, result=result)
         after = _with(g, slot, new_loc, shared=written)
@@ -745,28 +829,64 @@ class Checker:
         # many states share both, so each combination is checked once.
         conformed = (id(core_step), slot, loc.op, tuple((o.phase, o.incarnation) for o in g.locals))
         if conformed not in self._conformed:
-            self._conform(g, slot, sanitized, after, action, op, guards)
+            self._conform(g, slot, sanitized, dead, after, performed, op, guards)
             self._conformed.add(conformed)
         return after, lines
+
+    def _narration(
+        self,
+        loc: Local,
+        timers: Timers,
+        deadline: float | None,
+        op: Operator,
+        decision: Decision,
+    ) -> list[str]:
+        """What a step did, for traces."""
+        lines = []
+        expired, mine, lc, _ = timers
+        if loc.op is not None and deadline != loc.deadline:
+            lines.append("deadline passed" if deadline == self._timed_out else "rollback over")
+        if mine != "fresh":
+            lines.append(f"own heartbeat {mine}")
+        if lc:
+            lines.append("last call over")
+        if expired:
+            lines.append(f"sees {sorted(map(str, expired))} silent too long")
+        if decision.dead:
+            lines.append(f"declares dead {sorted(map(str, decision.dead))}")
+        action = "nothing" if decision.action is None else decision.action.name
+        instruction = decision.instruction
+        if isinstance(instruction, Write) and instruction.action is None:
+            what = "publishes the removal first"
+        elif isinstance(instruction, Done) and instruction.rejoin:
+            what = "done, but the round lost its rank 0: rejoin"
+        else:
+            what = type(instruction).__name__.lower()
+        lines.append(f"{type(op).__name__} -> {action} ({what})")
+        return lines
 
     def _conform(
         self,
         g: Global,
         slot: int,
         sanitized: RendezvousState,
+        dead: frozenset[NodeDesc],
         after: Global,
-        action: Action,
-        op: core_operators.Operator,
+        action: Action | None,
+        op: Operator,
         guards: Guards,
     ) -> None:
-        """Every node's lifecycle change in this step must be an edge of the model."""
+        """Every node's lifecycle change in this step must be an edge of the model.
+
+        ``action`` is what the node carried out (None: it only published removals).
+        """
         loc = g.locals[slot]
         node = node_of(slot, loc.incarnation)
         state = g.shared
         nodes = [node_of(i, other.incarnation) for i, other in enumerate(g.locals)]
         # Peers change lifecycle state only when removed (sanitize) or when the
         # round completes or advances; other nodes need no check.
-        if sanitized is not state:
+        if dead:
             members, kept = state.members(), sanitized.members()
             for i in range(len(g.locals)):
                 if nodes[i] in members and nodes[i] not in kept:
@@ -777,12 +897,15 @@ class Checker:
         middle = self._model_state(g, slot, sanitized)
         final = self._model_state(after, slot)
         trigger = _trigger(action, op)
-        if action.changes_state or (trigger is not None and middle != final):
+        if (action is not None and action.changes_state) or (
+            trigger is not None and middle != final
+        ):
             if trigger is None:
                 raise _Found([f"conformance: {node} changed {middle} -> {final}"])
             self._expect(middle, trigger, final, guards, node)
         elif middle != final:
-            raise _Found([f"conformance: {node} went {middle} -> {final} on {action.name}"])
+            done = "only publishing removals" if action is None else action.name
+            raise _Found([f"conformance: {node} went {middle} -> {final} on {done}"])
         written = after.shared
         if written.complete != sanitized.complete or written.round != sanitized.round:
             for i in range(len(g.locals)):
@@ -905,7 +1028,8 @@ class Checker:
                 renamed = [_rename(p, names) for p in found.problems]
                 self.last_problems = renamed
                 text = "; ".join(renamed)
-                lines.append(f"{k:3}. {who} {event.kind}: VIOLATES {text}")
+                did = "".join(f"{_rename(line, names)}; " for line in found.lines)
+                lines.append(f"{k:3}. {who} {event.kind}: {did}VIOLATES {text}")
                 break
             succ = self._normalize(succ, shift_rounds=False)
             text = _rename("; ".join(what), names)
@@ -942,11 +1066,13 @@ def _true_guards(guards: Guards) -> str:
     return ", ".join(held) or "none"
 
 
-def _trigger(action: Action, op: core_operators.Operator) -> str | None:
+def _trigger(action: Action | None, op: Operator) -> str | None:
+    if action is None:
+        return None
     if action.changes_state:
         return action.value
     if action is Action.FINISH:
-        return "closed" if isinstance(op, core_operators.CloseOp) else "finish"
+        return "closed" if isinstance(op, CloseOp) else "finish"
     if action in (Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT):
         return "closed"
     if action is Action.ERROR_TIMEOUT:

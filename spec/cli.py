@@ -2,7 +2,7 @@
 
 * ``rallypoint spec diagram [--output PATH] [--source]`` writes the lifecycle diagram
   (PNG via graphviz's ``dot``) and its ``.dot`` and mermaid sources.
-* ``rallypoint spec check --nodes 3`` runs the model checker.
+* ``rallypoint spec check --nodes 3`` runs the model checker (nodes run by the core's driver).
 * ``rallypoint simulate --nodes 1000 --crash-rate 0.01 --seed 7 [--plot out.png]``
   runs the simulator and prints a summary table.
 """
@@ -26,7 +26,7 @@ def _spec_parser() -> argparse.ArgumentParser:
     diagram.add_argument(
         "--source", action="store_true", help="only write the .dot and .mmd sources (no graphviz)"
     )
-    check = sub.add_parser("check", help="model-check the core exhaustively")
+    check = sub.add_parser("check", help="model-check the core, run by its driver, exhaustively")
     check.add_argument("--nodes", type=int, default=3)
     check.add_argument("--min", dest="min_nodes", type=int, default=2)
     check.add_argument("--max", dest="max_nodes", type=int, default=3)

@@ -7,7 +7,7 @@ property holds), so a checker can print every broken property of a state at once
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from rallypoint.core import NodeDesc, RendezvousState, Settings
@@ -16,6 +16,7 @@ __all__ = [
     "AgreementTracker",
     "RoundResult",
     "check_agreement",
+    "check_removal_published",
     "check_state",
     "check_transition",
 ]
@@ -78,6 +79,57 @@ def check_transition(before: RendezvousState, after: RendezvousState) -> list[st
                 problems.append(f"rank of {node} changed within complete round {after.round}")
             if node not in before.participants:
                 problems.append(f"{node} joined complete round {after.round}")
+    return problems
+
+
+def check_removal_published(
+    node: NodeDesc,
+    before: RendezvousState,
+    silent: Iterable[NodeDesc],
+    declared: Iterable[NodeDesc],
+    written: RendezvousState,
+) -> list[str]:
+    """A node that finds members dead publishes their removal in the same step.
+
+    ``node`` stepped on the shared state ``before``, its view showing the members
+    ``silent`` (its own sighting included) silent for longer than the liveness
+    window, on heartbeat counters read at that instant; ``declared`` is what its
+    step declared dead, ``written`` the shared state after the step. Then:
+
+    * exactly the silent members are declared dead (no live one, none left over);
+    * none of them is still in ``written``: the removal is published at once, even
+      when the node's own operation would only wait or return, so every node
+      converges on it instead of each waiting out the window. The node itself may
+      be back as a new entry (its heartbeat counter moved): it removed its stale
+      entry and joined again in one write.
+    """
+    members = before.heartbeats
+    silent = frozenset(n for n in silent if n in members)
+    declared = frozenset(declared)
+    if not silent and not declared:
+        return []
+    problems: list[str] = []
+    if silent - declared:
+        problems.append(
+            f"{node} saw {sorted(map(str, silent - declared))} silent too long "
+            "but did not declare them dead"
+        )
+    if declared - silent:
+        problems.append(
+            f"{node} declared {sorted(map(str, declared - silent))} dead, "
+            "whose heartbeats it saw move"
+        )
+    still = written.members().union(written.heartbeats)
+    kept = sorted(
+        str(n)
+        for n in silent
+        if n in still and not (n == node and written.heartbeats.get(n) not in (None, members[n]))
+    )
+    if kept:
+        problems.append(
+            f"{node} found {kept} dead but did not publish their removal: "
+            "the state after its step still holds them"
+        )
     return problems
 
 

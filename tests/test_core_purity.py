@@ -107,16 +107,12 @@ def _decision_calls(tree: ast.AST) -> list[str]:
     module_aliases: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rallypoint.core"):
-            submodule = (node.module or "").removeprefix("rallypoint.core").lstrip(".")
-            if submodule in DECISION_MODULES:
-                names = {a.name for a in node.names}
-                hits += [f"imports {n} from {node.module}" for n in names & DECISION_NAMES]
             for alias in node.names:
                 if alias.name in DECISION_NAMES:
                     hits.append(f"imports {alias.name} from {node.module}")
                 if alias.name in DECISION_MODULES:
                     hits.append(f"imports the module rallypoint.core.{alias.name}")
-                if alias.name == "core" or node.module == "rallypoint" and alias.name == "core":
+                if node.module == "rallypoint" and alias.name == "core":
                     module_aliases.add(alias.asname or alias.name)
         elif isinstance(node, ast.Import):
             for alias in node.names:

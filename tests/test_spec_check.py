@@ -6,7 +6,17 @@ import dataclasses
 
 import pytest
 
-from rallypoint.core import actions, operators
+from rallypoint.core import (
+    Decision,
+    NodeDesc,
+    Read,
+    RendezvousState,
+    Wait,
+    Write,
+    actions,
+    driver,
+    operators,
+)
 from rallypoint.core.actions import Action
 from rallypoint.spec.check import (
     CheckConfig,
@@ -17,6 +27,7 @@ from rallypoint.spec.check import (
     describe,
 )
 from rallypoint.spec.cli import spec_main
+from rallypoint.spec.invariants import check_removal_published
 
 #: Three nodes, every round, no crashes or close: the full space in seconds.
 SMALL = CheckConfig(nodes=3, max_crashes=0, allow_close=False)
@@ -150,3 +161,92 @@ def test_cli_check_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> Non
     assert status == 0
     for figure in ("states explored", "transitions", "depth", "seconds", "no violation"):
         assert figure in out
+
+
+# -- the checker runs the driver ----------------------------------------------------
+
+
+def _without_publishing(real: object) -> object:
+    """A driver bug: a node that finds peers dead but whose operator would only wait
+    or return does so, without publishing their removal (each peer would wait out
+    the liveness window on its own)."""
+
+    def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
+        decision: Decision = real(view, node, settings, op, deadline, now)  # type: ignore[operator]
+        instruction = decision.instruction
+        if isinstance(instruction, Write) and instruction.action is None:
+            action = decision.action
+            if action is Action.SYNC:
+                return decision._replace(instruction=Wait(None))
+            if action is not None and action.is_terminal:
+                done = driver._done(node, op, action, decision.state)
+                return decision._replace(instruction=done)
+        return decision
+
+    return decide
+
+
+def test_a_driver_that_does_not_publish_a_removal_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(driver, "decide", _without_publishing(driver.decide))
+    result = check(SMALL)
+    assert result.violation is not None
+    (problem,) = result.violation.problems
+    assert "did not publish their removal" in problem
+    text = result.violation.format()
+    assert "0. initial" in text and "silent too long" in text and "declares dead" in text
+    assert "(wait)" in text or "(done" in text
+    assert "VIOLATES" in text
+
+
+def test_a_driver_that_rereads_a_fresh_view_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker's view is read at the instant of the step: a Read then would be
+    answered with the same view, and asked for again, forever."""
+    real = driver.decide
+
+    def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
+        decision = real(view, node, settings, op, deadline, now)
+        if isinstance(decision.instruction, Wait):
+            return decision._replace(instruction=Read(True))
+        return decision
+
+    monkeypatch.setattr(driver, "decide", decide)
+    result = check(SMALL)
+    assert result.violation is not None
+    assert any("re-read a fresh view" in p for p in result.violation.problems)
+
+
+def test_the_removal_property_reads_the_timers_not_only_the_driver() -> None:
+    a, b, c = (NodeDesc(f"n{i}", 100, 0) for i in range(3))
+    before = RendezvousState().evolve(
+        participants={a: 0, b: 0, c: 0}, heartbeats={a: 1, b: 1, c: 1}, heartbeat_seq=1
+    )
+    removed = before.evolve(participants={a: 0, c: 0}, heartbeats={a: 1, c: 1})
+    assert check_removal_published(a, before, {b}, {b}, removed) == []
+    # b silent, but the driver declared nothing and wrote nothing
+    problems = check_removal_published(a, before, {b}, set(), before)
+    assert any("did not declare them dead" in p for p in problems)
+    assert any("did not publish their removal" in p for p in problems)
+    # c's heartbeat moved: declaring it dead is a false death
+    problems = check_removal_published(a, before, {b}, {b, c}, removed)
+    assert any("whose heartbeats it saw move" in p for p in problems)
+    # the node found itself dead and joined again as a new entry in the same write
+    again = before.evolve(participants={a: 0, b: 0, c: 0}, heartbeats={a: 2, b: 1, c: 1})
+    assert check_removal_published(a, before, {a}, {a}, again) == []
+    assert check_removal_published(a, before, {a}, {a}, before) != []
+
+
+def test_the_checker_decides_through_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step asks rallypoint.core.driver.decide, looked up at call time."""
+    real, calls = driver.decide, []
+
+    def decide(*args: object) -> Decision:
+        calls.append(args)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(driver, "decide", decide)
+    result = check(dataclasses.replace(SMALL, max_states=200))
+    assert result.ok and calls
+    view = calls[0][0]
+    assert not view.stale and view.counters_fresh and view.counters_at == 0.0  # type: ignore[attr-defined]
