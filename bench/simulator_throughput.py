@@ -1,9 +1,12 @@
 """Simulator throughput: node-steps per second at 64, 256 and 1,000 nodes.
 
-One line per size: nodes, simulated seconds, node-steps, wall seconds, node-steps/s,
-and backend writes and bytes per write (incremental size, see spec/simulator.py).
-The run covers the first rendezvous (every node joins) and steady heartbeating; a
-size that needs more than --wall-limit seconds stops early and says how far it got.
+One line per size: nodes, simulated seconds, node-steps (driver decisions), wall
+seconds, node-steps/s, rounds, and backend traffic: blob writes, bytes per blob write
+(incremental size, see spec/simulator.py), reads and heartbeat beats per node. The
+simulated nodes run the core's driver (the production code path), so the figures
+include what a real node's decisions cost. The run covers the first rendezvous
+(every node joins) and steady heartbeating; a size that needs more than --wall-limit
+seconds stops early and says how far it got (simulated=...).
 Usage: python bench/simulator_throughput.py [--sizes 64,256,1000] [--duration 20]
 """
 
@@ -33,7 +36,8 @@ def main() -> None:
             f"nodes={n} simulated={report.simulated:.0f}s node_steps={report.node_steps} "
             f"wall={report.wall_seconds:.2f}s node_steps_per_s={report.steps_per_second:,.0f} "
             f"rounds={len(report.rounds)} writes={t.writes} "
-            f"bytes_per_write={t.bytes_written / max(1, t.writes):,.0f}",
+            f"bytes_per_write={(t.bytes_written - t.beat_bytes) / max(1, t.writes):,.0f} "
+            f"reads_per_node={t.reads / n:.1f} beats_per_node={t.beats / n:.1f}",
             flush=True,
         )
 

@@ -1,42 +1,78 @@
 """A deterministic discrete-event simulator of many rendezvous nodes.
 
 TigerBeetle's VOPR is the model: the clock, the network and the backend are stubs,
-every fault is an option with a probability, and a seed replays a run exactly. No
-threads, no sockets, no real time: one event heap (``heapq``) ordered by simulated
-time and a sequence number, and one ``random.Random(seed)`` for every choice.
+every fault is an option with a probability, a seed replays a run exactly, and the
+simulator runs the production code path. No threads, no sockets, no real time: one
+event heap (``heapq``) ordered by simulated time and a sequence number, and one
+``random.Random(seed)`` for every choice.
 
 What is simulated:
 
-* **Nodes** drive the real core exactly as an adapter does (see
-  :mod:`rallypoint.core`): read the state, ``observe``, ``sanitize``, ask an
-  operator, ``apply``, compare-and-set; on a lost race decide again on the state
-  the backend returned; after a SYNC wait for a watch notification or until
-  ``wake_at``. A node whose join returned trains: it heartbeats every keep-alive
-  interval and checks every ``monitor_interval`` whether nodes are waiting or a peer
-  was lost, and then re-rendezvous (exit, then join), as the elastic agent does.
-* **Clocks**: each node's monotonic clock is ``offset + (1 + drift) * t``; the core
-  only ever sees the node's own clock.
-* **Backend**: one in-memory compare-and-set register with a version, request and
-  response latency (``latency`` +- ``jitter`` each way), spurious CAS conflicts
-  (``conflict_rate``) and watch notifications to waiting nodes (coalesced: a node
-  with a notification in flight is not sent another).
+* **Nodes** run the core's driver (:mod:`rallypoint.core.driver`) exactly as the
+  production executor (:class:`rallypoint.adapters.sync.StateSync`, driven by the
+  handler and the agent) does; the simulator decides nothing itself. It asks
+  ``driver.decide`` (or ``driver.monitor``) for the next instruction, carries it
+  out against the simulated backend, and feeds the result back with the
+  ``after_*`` functions::
+
+      Read(counters) -> a read request; the blob (and the side counters of its
+                        heartbeat members) -> after_read
+      Write(state)   -> a compare-and-set request on the blob's version ->
+                        after_write; a lost one decides again after a jittered
+                        exponential backoff; a won one with ``deadline`` moves the
+                        operation's deadline
+      Beat()         -> a request that bumps the node's side counter -> after_beat
+      Wait(until)    -> a watch on the version read, and a wake at local ``until``
+                        (just past it) or after ``poll_interval``, whichever comes
+                        first -> after_wait, then decide again (which reads)
+      Done / Verdict -> what the handler and the agent do with them
+
+  A new process registers its heartbeat key with one beat before its first
+  decision (as StateSync does). Every operation starts on a stale view (it reads
+  first), except a join right after an exit, which decides on the exit's view (the
+  handler's ``next_rendezvous``: exit, then join; again when ``Done.rejoin``).
+  A node whose join returned trains, as the handler and the agent do: every
+  ``keep_alive_interval / 4`` of its own clock it runs the keep-alive operator on
+  its current view without re-reading (usually Done or a Beat at once), and every
+  ``monitor_interval`` it reads the state with the counters and runs
+  ``driver.monitor`` until a Verdict; waiting nodes or lost participants make it
+  re-rendezvous (exit, then join). A node has one request in flight at a time: a
+  tick that finds it busy is queued until the current task ends.
+* **Clocks**: each node's monotonic clock is ``offset + (1 + drift) * t``; the
+  driver only ever sees the node's own clock.
+* **Backend**: the state blob (a :class:`RendezvousState` whose heartbeat
+  counters are in blob form, see :mod:`rallypoint.core.liveness`) in a
+  compare-and-set register with a version, plus one side heartbeat counter per
+  node; request and response latency (``latency`` +- ``jitter`` each way),
+  spurious CAS conflicts (``conflict_rate``) and watch notifications (a node is
+  notified once per wait; it then re-reads, as StateSync does after
+  ``wait_for_change``).
 * **Faults**: crashes (``crash_rate`` per node per minute) with a restart after
   ``restart_delay`` as a new process (new pid); partitions from the backend
   (``partition_rate`` per node per minute, ``partition_duration``): requests are
-  lost and time out after ``request_timeout``; graceful leaves (``leave_rate``)
-  with a rejoin after ``restart_delay``.
+  lost and time out after ``request_timeout``, after which an operation (join,
+  exit, close) re-reads and goes on while a heartbeat or monitor pass gives up
+  until its next tick; graceful leaves (``leave_rate``: exit, then the process
+  stays down for ``restart_delay``).
 
 Every committed write is checked with :func:`check_state` and
 :func:`check_transition`; every returned join with an :class:`AgreementTracker`
 (the incremental form of :func:`check_agreement`). A *false death* is a node
-removed by a peer's sanitize while it was alive, reachable and heartbeating.
+removed by a peer's write while it was alive, reachable and heartbeating.
 Violations carry the last events as a trace.
 
-Bytes are counted as the size of the state's encoded form (:func:`encode_state`)
-on every read and write. Encoding 1,000 nodes' state takes milliseconds, so the
-size is kept incrementally instead: per entry, from the codec's own entry layout,
-updated only for the entries a write touched (:class:`EncodedSize`); a test checks
-it against ``len(encode_state(state))``.
+Tests can inject writes and beats of nodes that are not simulated
+(:meth:`Simulator.inject_write`, :meth:`Simulator.inject_beat`) and record every
+instruction a node carries out (``on_instruction``): the driver conformance test
+runs one scripted scenario through StateSync and through a simulated node and
+compares the two instruction sequences.
+
+Bytes are counted as the size of the blob's encoded form (:func:`encode_state`)
+on every read and write, plus 8 bytes and the key per side counter read or
+beaten. Encoding 1,000 nodes' state takes milliseconds, so the size is kept
+incrementally instead: per entry, from the codec's own entry layout, updated only
+for the entries a write touched (:class:`EncodedSize`); a test checks it against
+``len(encode_state(state))``.
 """
 
 from __future__ import annotations
@@ -52,22 +88,26 @@ from typing import Any
 
 from rallypoint.core import (
     Action,
+    Beat,
     CloseOp,
-    Context,
+    Done,
     ExitOp,
+    Instruction,
     JoinOp,
     KeepAliveOp,
+    Membership,
     NodeDesc,
-    Observations,
+    NodeView,
     Operator,
+    Read,
     RendezvousState,
     Settings,
-    apply,
+    Verdict,
+    Wait,
+    Write,
     encode_state,
-    observe,
-    sanitize,
-    wake_at,
 )
+from rallypoint.core import driver as core_driver
 
 from .invariants import AgreementTracker, RoundResult, check_state, check_transition
 
@@ -116,6 +156,9 @@ class SimConfig:
     request_timeout: float = 1.0
     #: a waiting node re-reads at least this often even without a notification
     poll_interval: float = 5.0
+    #: a Wait(until) wakes this long (local seconds) past ``until``: a decision
+    #: flips strictly after it (StateSync's timer margin)
+    wake_epsilon: float = 0.002
     #: a training node checks for waiting nodes and lost peers this often
     monitor_interval: float = 5.0
     # Clocks: offsets uniform in [-clock_offset, clock_offset] seconds, rates in
@@ -151,6 +194,7 @@ class SimConfig:
             "conflict_rate",
             "restart_delay",
             "partition_duration",
+            "wake_epsilon",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -269,7 +313,7 @@ class EncodedSize:
         """The size of ``new``, a state written over the previous one by a step
         that touched only ``touched`` (plus what ranking or a new round changes)."""
         old = self._state
-        touched = tuple(touched)
+        touched = tuple(dict.fromkeys(touched))  # a node may be named twice
         for name in self._NAMES:
             if self._source(old, name) is self._source(new, name):
                 continue
@@ -306,8 +350,12 @@ class NodeStats:
     conflicts: int = 0
     notifications: int = 0
     timeouts: int = 0
+    #: side heartbeat counter bumps (keep-alives of members, and registrations)
+    beats: int = 0
     bytes_read: int = 0
+    #: blob writes and beats (the beats' share is ``beat_bytes``)
     bytes_written: int = 0
+    beat_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -407,10 +455,11 @@ class SimReport:
             ("backend reads per node", f"{t.reads / n:.1f}"),
             ("backend writes per node", f"{t.writes / n:.1f}"),
             ("CAS conflicts per node", f"{t.conflicts / n:.1f}"),
+            ("heartbeat beats per node", f"{t.beats / n:.1f}"),
             ("watch notifications per node", f"{t.notifications / n:.1f}"),
             ("bytes read per node", f"{t.bytes_read / n:,.0f}"),
             ("bytes written per node", f"{t.bytes_written / n:,.0f}"),
-            ("bytes per write", f"{t.bytes_written / max(1, t.writes):,.0f}"),
+            ("bytes per write", f"{(t.bytes_written - t.beat_bytes) / max(1, t.writes):,.0f}"),
             ("invariant violations", str(len(self.violations))),
         ]
 
@@ -437,6 +486,26 @@ _DOWN, _JOINING, _TRAINING, _EXITING, _CLOSING, _CLOSED = (
     "closing",
     "closed",
 )
+#: What a node is driving: an operation (join, exit, close), a keep-alive, or the
+#: agent's monitor pass.
+_OP, _BEAT, _MONITOR = "op", "beat", "monitor"
+#: Events that belong to one request or wait of a node (checked against node.req);
+#: "tick" is checked against node.ticks; every other event is not tied to a token.
+_REQUEST_EVENTS = frozenset(
+    {
+        "backend_read",
+        "backend_cas",
+        "backend_beat",
+        "backend_watch",
+        "response",
+        "notify",
+        "wake",
+        "retry",
+        "request_timeout",
+    }
+)
+#: The largest backoff after lost compare-and-sets (StateSync's _MAX_BACKOFF).
+_MAX_BACKOFF = 0.05
 
 
 class _Node:
@@ -445,23 +514,29 @@ class _Node:
     __slots__ = (
         "after_exit",
         "alive",
-        "cached",
         "deadline",
         "desc",
         "drift",
         "healed_at",
         "incarnation",
-        "inflight",
-        "notify_pending",
-        "obs",
+        "joined",
+        "losses",
+        "next_beat",
+        "next_monitor",
         "offset",
         "op",
         "partitioned",
         "phase",
-        "result",
+        "queued_beat",
+        "queued_monitor",
+        "registered",
+        "req",
         "slot",
-        "subscribed",
-        "token",
+        "task",
+        "ticks",
+        "version",
+        "view",
+        "waiting",
     )
 
     def __init__(self, slot: int, offset: float, drift: float) -> None:
@@ -474,15 +549,30 @@ class _Node:
         self.partitioned = False
         self.healed_at = -math.inf
         self.phase = _DOWN
+        #: what this node knows (the driver's view) and the blob version it last
+        #: read or wrote (its compare-and-set and watch token; 0: nothing read)
+        self.view = NodeView()
+        self.version = 0
+        #: the task being driven (_OP, _BEAT, _MONITOR or None), its operator and
+        #: its deadline (local time)
+        self.task: str | None = None
         self.op: Operator | None = None
         self.deadline = math.inf
-        self.obs = Observations()
-        self.cached: tuple[int, RendezvousState] | None = None
-        self.inflight = False
-        self.subscribed = False
-        self.notify_pending = False
-        self.token = 0
-        self.result: RoundResult | None = None
+        #: the token of the request, wait or backoff in flight (events of older
+        #: ones are dropped), whether it is a wait, the CAS losses in a row, and
+        #: whether this process has created its heartbeat key
+        self.req = 0
+        self.waiting = False
+        self.losses = 0
+        self.registered = False
+        #: training: the round joined, the timers (local times) and queued ticks
+        self.joined: Membership | None = None
+        self.ticks = 0
+        self.next_beat = math.inf
+        self.next_monitor = math.inf
+        self.queued_beat = False
+        self.queued_monitor = False
+        #: after an exit: "join" (re-rendezvous) or "leave" (stay down a while)
         self.after_exit = "join"
 
     def local(self, t: float) -> float:
@@ -492,12 +582,27 @@ class _Node:
         return (local - self.offset) / (1.0 + self.drift)
 
 
+def _key_bytes(node: NodeDesc) -> int:
+    """Bytes of one side counter on the wire: its key and an 8-byte value."""
+    return len(str(node)) + 8
+
+
 class Simulator:
     """One deterministic run. Drive it with :meth:`run`, or step by step with
-    :meth:`run_until` and the fault methods (the hypothesis machines do)."""
+    :meth:`run_until` and the fault methods (the hypothesis machines do).
+
+    Args:
+        config: the run's options and seed.
+        on_violation: called with every violation as it is found.
+        on_instruction: called with ``(slot, instruction)`` for every instruction
+            a node is about to carry out (Done and Verdict included), in order.
+    """
 
     def __init__(
-        self, config: SimConfig, on_violation: Callable[[SimViolation], None] | None = None
+        self,
+        config: SimConfig,
+        on_violation: Callable[[SimViolation], None] | None = None,
+        on_instruction: Callable[[int, Instruction], None] | None = None,
     ) -> None:
         self.config = config
         self.settings = config.settings()
@@ -505,13 +610,18 @@ class Simulator:
         self.now = 0.0
         self._heap: list[tuple[float, int, str, int, int, Any]] = []
         self._seq = 0
+        #: the backend: the blob, its version, and the side counter of every node
         self.version = 0
         self.state = RendezvousState()
+        self.side: dict[NodeDesc, int] = {}
         self.size = EncodedSize(self.state)
+        #: bytes of the side counters of the blob's heartbeat members
+        self.counter_bytes = 0
         self.report = SimReport(config, stats=[NodeStats() for _ in range(config.nodes)])
         self.agreement = AgreementTracker()
         self._trace: deque[tuple[float, int, str]] = deque(maxlen=config.trace_length)
         self._on_violation = on_violation
+        self._on_instruction = on_instruction
         self._watchers: set[int] = set()
         self._round_opened: dict[int, float] = {}
         self._round_pending: dict[int, set[NodeDesc]] = {}
@@ -539,12 +649,6 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, slot, token, data))
 
-    def _after(self, node: _Node, local_delay: float, kind: str, data: Any = None) -> None:
-        """Schedule ``kind`` after ``local_delay`` seconds of the node's own clock."""
-        self._at(
-            node.global_time(node.local(self.now) + local_delay), kind, node.slot, node.token, data
-        )
-
     def _delay(self) -> float:
         c = self.config
         return c.latency + self.rng.uniform(-c.jitter, c.jitter) if c.latency else 0.0
@@ -563,8 +667,8 @@ class Simulator:
             if delay < c.duration:
                 self._at(self.now + delay, f"fault_{kind}", node.slot)
 
-    def _log(self, node: _Node, text: str) -> None:
-        self._trace.append((self.now, node.slot, text))
+    def _log(self, node: _Node | None, text: str) -> None:
+        self._trace.append((self.now, -1 if node is None else node.slot, text))
 
     def _violate(self, problems: list[str]) -> None:
         trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
@@ -588,13 +692,14 @@ class Simulator:
         """Process every event up to simulated time ``t``."""
         heap = self._heap
         limit = self.config.max_steps
+        requests = _REQUEST_EVENTS
         while heap and heap[0][0] <= t:
             when, _, kind, slot, token, data = heapq.heappop(heap)
             self.now = when
             self.report.events += 1
             node = self.nodes[slot]
-            if token >= 0 and token != node.token:
-                continue  # a timer or response of an earlier incarnation or operation
+            if token >= 0 and token != (node.req if kind in requests else node.ticks):
+                continue  # of an earlier request, wait, incarnation or training session
             self._handlers[kind](node, data)
             if limit is not None and self.report.node_steps > limit:
                 self._violate([f"more than {limit} node-steps: livelock?"])
@@ -635,34 +740,75 @@ class Simulator:
             self._log(node, "reconnected")
 
     def leave(self, slot: int) -> None:
-        """Node ``slot`` leaves gracefully (exit), and rejoins after ``restart_delay``."""
+        """Node ``slot`` leaves gracefully (the handler's ``leave()``: stop the
+        heartbeats, exit) and its process stays down for ``restart_delay``."""
         node = self.nodes[slot]
         if not node.alive or node.phase not in (_TRAINING, _JOINING):
             return
         self.report.leaves += 1
         self._log(node, "leaves")
+        deadline = node.local(self.now) + self.settings.close_timeout
+        self._begin(node, ExitOp(), deadline, _EXITING, fresh=False)
         node.after_exit = "leave"
-        self._start(node, ExitOp(), self.settings.close_timeout, _EXITING)
+        self._drive(node)
 
     def arrive(self, slot: int) -> None:
         """Start node ``slot`` now if it is down (a new process joins)."""
         self._on_arrive(self.nodes[slot], None)
 
     def close(self, slot: int) -> None:
-        """Node ``slot`` closes the rendezvous (the job is over)."""
+        """Node ``slot`` closes the rendezvous (the handler's ``shutdown()``)."""
         node = self.nodes[slot]
         if node.alive and node.phase in (_TRAINING, _JOINING):
-            self._start(node, CloseOp(), self.settings.close_timeout, _CLOSING)
+            deadline = node.local(self.now) + self.settings.close_timeout
+            self._begin(node, CloseOp(), deadline, _CLOSING, fresh=False)
+            self._drive(node)
+
+    # -- injection (the conformance tests) ---------------------------------------
+
+    def inject_write(
+        self, at: float, change: Callable[[RendezvousState], RendezvousState | None]
+    ) -> None:
+        """At simulated time ``at``, a writer that is not simulated replaces the
+        stored blob with ``change(blob)`` (None: writes nothing). The write is
+        committed like a node's: checked, versioned, and the watchers notified."""
+        self._at(at, "inject", 0, -1, ("write", change))
+
+    def inject_beat(self, at: float, node: NodeDesc) -> None:
+        """At simulated time ``at``, bump the side heartbeat counter of ``node``
+        (a node that is not simulated beats)."""
+        self._at(at, "inject", 0, -1, ("beat", node))
+
+    def _on_inject(self, _: _Node, data: Any) -> None:
+        what, payload = data
+        if what == "beat":
+            self.side[payload] = self.side.get(payload, 0) + 1
+            self._log(None, f"injected beat of {payload}")
+            return
+        old = self.state
+        new = payload(old)
+        if new is None:
+            return
+        touched = old.members() | new.members() | set(old.heartbeats) | set(new.heartbeats)
+        self._log(None, "injected write")
+        self._commit(None, new, tuple(touched))
+
+    # -- lifecycle ---------------------------------------------------------------
 
     def _stop(self, node: _Node) -> None:
         node.alive = False
         node.phase = _DOWN
-        node.token += 1
+        self._cancel(node)
+        node.ticks += 1
+        node.task = None
         node.op = None
-        node.inflight = False
-        node.subscribed = False
-        node.notify_pending = False
-        node.result = None
+        node.joined = None
+        node.queued_beat = node.queued_monitor = False
+
+    def _cancel(self, node: _Node) -> None:
+        """Forget the request, wait or backoff in flight (its events are dropped)."""
+        node.req += 1
+        node.waiting = False
         self._watchers.discard(node.slot)
 
     def _on_fault_crash(self, node: _Node, data: Any) -> None:
@@ -690,122 +836,195 @@ class Simulator:
         if node.alive or node.phase == _CLOSED:
             return
         node.alive = True
-        node.token += 1
         if node.incarnation:
             node.desc = NodeDesc(node.desc.addr, 1000 + node.incarnation, 0)
         node.incarnation += 1
-        node.obs = Observations()
-        node.cached = None
+        node.view = NodeView()
+        node.version = 0
+        node.registered = False
         self._log(node, f"starts as {node.desc}")
-        self._start(node, JoinOp(), self.settings.join_timeout, _JOINING)
+        self._regroup(node)
+        self._drive(node)
 
-    # -- the driving loop ------------------------------------------------------
-
-    def _start(self, node: _Node, op: Operator, timeout: float, phase: str) -> None:
-        """Begin an operation: read the state first (a sync), then step."""
-        node.token += 1
+    def _begin(self, node: _Node, op: Operator, deadline: float, phase: str, fresh: bool) -> None:
+        """Start an operation (StateSync.run): stop the heartbeats and whatever the
+        node was doing; unless ``fresh``, the first decision reads."""
+        self._cancel(node)
+        node.ticks += 1
+        node.queued_beat = node.queued_monitor = False
+        node.task = _OP
         node.op = op
+        node.deadline = deadline
         node.phase = phase
-        node.deadline = node.local(self.now) + timeout
-        node.inflight = False
-        node.subscribed = False
-        self._watchers.discard(node.slot)
-        self._read(node)
+        node.losses = 0
+        node.after_exit = "join"
+        if not fresh:
+            node.view = core_driver.after_wait(node.view)
 
-    def _send(self, node: _Node, kind: str, data: Any = None) -> None:
-        node.inflight = True
+    def _regroup(self, node: _Node) -> None:
+        """The handler's next_rendezvous: exit the current round, then join."""
+        deadline = node.local(self.now) + self.settings.join_timeout
+        self._begin(node, ExitOp(), deadline, _JOINING, fresh=False)
+
+    # -- carrying out instructions ---------------------------------------------------
+
+    def _drive(self, node: _Node) -> None:
+        """Decide and carry out instructions until one needs the backend or time
+        (StateSync._drive, with the IO turned into events)."""
+        settings = self.settings
+        report = self.report
+        stats = report.stats[node.slot]
+        while node.task is not None:
+            if not node.registered:
+                # StateSync creates the node's heartbeat key before its first decision.
+                self._request(node, "backend_beat")
+                return
+            now = node.local(self.now)
+            if node.task == _MONITOR:
+                decision = core_driver.monitor(node.view, node.desc, settings, node.joined, now)
+            else:
+                assert node.op is not None
+                decision = core_driver.decide(
+                    node.view, node.desc, settings, node.op, node.deadline, now
+                )
+            report.node_steps += 1
+            stats.steps += 1
+            instruction = decision.instruction
+            if self._on_instruction is not None:
+                self._on_instruction(node.slot, instruction)
+            if isinstance(instruction, Read):
+                self._request(node, "backend_read", instruction.counters)
+                return
+            if isinstance(instruction, Write):
+                if instruction.action is not None or instruction.dead:
+                    what = "publish" if instruction.action is None else instruction.action.name
+                    self._log(node, f"{self._task_name(node)} -> {what}")
+                self._request(node, "backend_cas", (node.version, instruction))
+                return
+            if isinstance(instruction, Beat):
+                self._request(node, "backend_beat")
+                return
+            if isinstance(instruction, Wait):
+                self._wait(node, instruction.until, now)
+                return
+            if isinstance(instruction, Done):
+                if not self._done(node, instruction):
+                    return
+                continue
+            assert isinstance(instruction, Verdict)
+            if not self._verdict(node, instruction):
+                return
+
+    @staticmethod
+    def _task_name(node: _Node) -> str:
+        return "monitor" if node.task == _MONITOR else type(node.op).__name__
+
+    def _request(self, node: _Node, kind: str, data: Any = None) -> None:
+        node.req += 1
         if node.partitioned:
-            self._after(node, self.config.request_timeout, "request_timeout")
+            self._at(self.now + self.config.request_timeout, "request_timeout", node.slot, node.req)
             return
-        self._at(self.now + self._delay(), kind, node.slot, node.token, data)
+        self._at(self.now + self._delay(), kind, node.slot, node.req, data)
 
-    def _read(self, node: _Node) -> None:
-        self._send(node, "backend_read")
+    def _reply(self, node: _Node, data: Any) -> None:
+        self._at(self.now + self._delay(), "response", node.slot, node.req, data)
 
-    def _on_backend_read(self, node: _Node, data: Any) -> None:
-        self._at(
-            self.now + self._delay(),
-            "response",
-            node.slot,
-            node.token,
-            ("read", self.version, self.state, self.size.value),
-        )
+    def _wait(self, node: _Node, until: float | None, now: float) -> None:
+        """StateSync._wait: a watch on the version read, and a wake at ``until``
+        (just past it) or after poll_interval, whichever comes first."""
+        timeout = self.config.poll_interval
+        if until is not None:
+            timeout = min(timeout, max(0.0, until - now) + self.config.wake_epsilon)
+        node.req += 1
+        node.waiting = True
+        self._at(node.global_time(now + timeout), "wake", node.slot, node.req)
+        if not node.partitioned:
+            self._at(self.now + self._delay(), "backend_watch", node.slot, node.req, node.version)
 
-    def _on_backend_cas(self, node: _Node, data: Any) -> None:
-        expected, new, dead = data
+    def _end_wait(self, node: _Node) -> None:
+        node.waiting = False
+        node.req += 1  # drop the other of notification and wake
+        self._watchers.discard(node.slot)
+        node.view = core_driver.after_wait(node.view)
+
+    # -- the backend -------------------------------------------------------------------
+
+    def _on_backend_read(self, node: _Node, counters: bool) -> None:
+        stats = self.report.stats[node.slot]
+        blob = self.state
+        size = self.size.value
+        side = None
+        if counters:
+            values = self.side
+            side = {n: values.get(n, 0) for n in blob.heartbeats}
+            size += self.counter_bytes
+        stats.reads += 1
+        stats.bytes_read += size
+        self._reply(node, ("read", blob, self.version, side))
+
+    def _on_backend_cas(self, node: _Node, data: tuple[int, Write]) -> None:
+        expected, write = data
         if expected != self.version or (
             self.config.conflict_rate and self.rng.random() < self.config.conflict_rate
         ):
-            reply = ("conflict", self.version, self.state, self.size.value)
-        else:
-            for gone in dead:
-                self._judge_death(node, gone)
-            self._commit(node, new, (node.desc, *dead))
-            reply = ("ok", self.version, self.state, self.size.value)
-        self._at(self.now + self._delay(), "response", node.slot, node.token, reply)
-
-    def _on_request_timeout(self, node: _Node, data: Any) -> None:
-        node.inflight = False
-        self.report.stats[node.slot].timeouts += 1
-        self._log(node, "request timed out")
-        self._read(node)
-
-    def _on_response(self, node: _Node, data: Any) -> None:
-        what, version, state, size = data
-        node.inflight = False
-        stats = self.report.stats[node.slot]
-        if what == "read":
-            stats.reads += 1
-            stats.bytes_read += size
-        elif what == "conflict":
+            stats = self.report.stats[node.slot]
             stats.conflicts += 1
-            stats.bytes_read += size
-        node.cached = (version, state)
-        if what == "ok":
-            node.obs = observe(node.obs, state, node.local(self.now))
-        if node.phase == _TRAINING:
-            self._monitor(node)
-        else:
-            self._step(node)
-
-    def _on_notify(self, node: _Node, data: Any) -> None:
-        node.notify_pending = False
-        if not node.subscribed or node.inflight:
+            stats.bytes_read += self.size.value
+            self._reply(node, ("cas", False, self.state, self.version, write))
             return
+        for gone in sorted(write.dead):  # sorted: the report is independent of hashing
+            self._judge_death(node, gone)
+        # The writer may be among the dead (its own counter stood still, e.g. while
+        # it was partitioned): name each touched node once.
+        touched = (node.desc, *(gone for gone in write.dead if gone != node.desc))
+        self._commit(node, write.state, touched)
+        self._reply(node, ("cas", True, self.state, self.version, write))
+
+    def _on_backend_beat(self, node: _Node, data: Any) -> None:
+        value = self.side.get(node.desc, 0) + 1
+        self.side[node.desc] = value
         stats = self.report.stats[node.slot]
-        stats.notifications += 1
-        stats.bytes_read += self.size.value
-        node.subscribed = False
-        self._watchers.discard(node.slot)
-        node.cached = (self.version, self.state)
-        self._step(node)
+        size = _key_bytes(node.desc)
+        stats.beats += 1
+        stats.bytes_written += size
+        stats.beat_bytes += size
+        self._reply(node, ("beat", value))
 
-    def _on_wake(self, node: _Node, data: Any) -> None:
-        if not node.subscribed or node.inflight:
-            return
-        node.subscribed = False
-        self._watchers.discard(node.slot)
-        if data == "poll":
-            self._read(node)
+    def _on_backend_watch(self, node: _Node, seen: int) -> None:
+        if self.version != seen:
+            self._at(self.now + self._delay(), "notify", node.slot, node.req)
         else:
-            self._step(node)
+            self._watchers.add(node.slot)
 
-    def _commit(self, writer: _Node, new: RendezvousState, touched: tuple[NodeDesc, ...]) -> None:
+    def _commit(
+        self, writer: _Node | None, new: RendezvousState, touched: tuple[NodeDesc, ...]
+    ) -> None:
         old = self.state
         problems = check_state(new, self.settings) + check_transition(old, new)
         self.version += 1
         self.state = new
         size = self.size.update(new, touched)
-        if self.config.verify_bytes and size != len(encode_state(new)):
-            problems.append(f"incremental size {size} != encoded size {len(encode_state(new))}")
-        stats = self.report.stats[writer.slot]
-        stats.writes += 1
-        stats.bytes_written += size
+        for desc in touched:
+            if desc in old.heartbeats:
+                self.counter_bytes -= _key_bytes(desc)
+            if desc in new.heartbeats:
+                self.counter_bytes += _key_bytes(desc)
+        if self.config.verify_bytes:
+            encoded = len(encode_state(new))
+            if size != encoded:
+                problems.append(f"incremental size {size} != encoded size {encoded}")
+            counted = sum(map(_key_bytes, new.heartbeats))
+            if self.counter_bytes != counted:
+                problems.append(f"counter bytes {self.counter_bytes} != {counted}")
+        if writer is not None:
+            stats = self.report.stats[writer.slot]
+            stats.writes += 1
+            stats.bytes_written += size
         self._account_round(old, new)
         if problems:
             self._violate(problems)
-        # Wake the waiting nodes (a watch). A node with a notification in flight is
-        # not in the set: it reads the latest state when that one arrives.
+        # Wake the waiting nodes (a watch); each is notified once per wait. A
+        # partitioned one is notified after it reconnects (if it still waits).
         watchers = self._watchers
         if watchers:
             cut = []
@@ -814,8 +1033,7 @@ class Simulator:
                 if node.partitioned:
                     cut.append(slot)
                     continue
-                node.notify_pending = True
-                self._at(self.now + self._delay(), "notify", slot, node.token)
+                self._at(self.now + self._delay(), "notify", slot, node.req)
             watchers.clear()
             watchers.update(cut)
 
@@ -838,42 +1056,8 @@ class Simulator:
             opened = self._round_opened.get(round_, self.now)
             self.report.rounds.append(RoundStat(round_, self._round_size[round_], opened, self.now))
 
-    def _step(self, node: _Node) -> None:
-        """One iteration of the driving loop on the node's cached state."""
-        assert node.cached is not None and node.op is not None
-        report = self.report
-        report.node_steps += 1
-        self.report.stats[node.slot].steps += 1
-        version, state = node.cached
-        now = node.local(self.now)
-        settings = self.settings
-        node.obs = obs = observe(node.obs, state, now)
-        sanitized, dead = sanitize(state, obs, settings, now)
-        ctx = Context(node.desc, sanitized, settings, now, obs)
-        action = node.op(ctx, node.deadline)
-        if action.changes_state:
-            new = apply(sanitized, action, ctx)
-            if action.resets_deadline:
-                node.deadline = now + settings.join_timeout
-            self._log(node, f"{type(node.op).__name__} -> {action.name}")
-            self._write(node, version, new, dead)
-            return
-        if dead:
-            self._write(node, version, sanitized, dead)
-            return
-        if action is Action.SYNC:
-            self._wait(node, ctx)
-        else:
-            self._log(node, f"{type(node.op).__name__} -> {action.name}")
-            self._finish(node, action, sanitized)
-
-    def _write(
-        self, node: _Node, version: int, new: RendezvousState, dead: frozenset[NodeDesc]
-    ) -> None:
-        self._send(node, "backend_cas", (version, new, dead))
-
     def _judge_death(self, observer: _Node, gone: NodeDesc) -> None:
-        """Count a removal by sanitize; a false one if the node was alive, reachable
+        """Count a removal by a peer; a false one if the node was alive, reachable
         and heartbeating on schedule (DESIGN.md decision 2)."""
         self.report.deaths += 1
         self._log(observer, f"declares {gone} dead")
@@ -886,51 +1070,84 @@ class Simulator:
                     problem = f"false death: {observer.desc} declared live {gone} dead"
                     self.report.false_death_log.append(SimViolation(self.now, (problem,), trace))
 
-    def _wait(self, node: _Node, ctx: Context) -> None:
-        node.subscribed = True
-        if not node.notify_pending:
-            self._watchers.add(node.slot)
-        local_now = ctx.now
-        wake = wake_at(ctx, node.deadline)
-        poll = local_now + self.config.poll_interval
-        if wake is not None and wake < poll:
-            # Decisions flip strictly after wake_at: wake just past it.
-            self._at(node.global_time(wake) + 1e-6, "wake", node.slot, node.token, "step")
-        else:
-            self._at(node.global_time(poll), "wake", node.slot, node.token, "poll")
+    # -- results coming back -------------------------------------------------------------
 
-    def _finish(self, node: _Node, action: Action, state: RendezvousState) -> None:
-        op = node.op
-        node.op = None
-        if action is Action.FINISH and isinstance(op, JoinOp):
-            rank = state.participants[node.desc]
-            result = RoundResult(state.round, rank, state.world_size, frozenset(state.participants))
-            node.result = result
-            problems = self.agreement.add(node.desc, result)
-            if problems:
-                self._violate(problems)
-            pending = self._round_pending.get(state.round)
-            if pending is not None:
-                pending.discard(node.desc)
-                self._round_done(state.round)
-            node.phase = _TRAINING
-            node.token += 1
-            self._after(node, self.settings.keep_alive_interval, "heartbeat")
-            self._after(node, self.config.monitor_interval, "monitor_tick")
+    def _on_response(self, node: _Node, data: Any) -> None:
+        now = node.local(self.now)
+        what = data[0]
+        if what == "read":
+            _, blob, version, side = data
+            node.version = version
+            node.view = core_driver.after_read(node.view, blob, side, now)
+        elif what == "cas":
+            _, won, stored, version, write = data
+            node.version = version
+            node.view = core_driver.after_write(node.view, won, stored, now)
+            if not won:
+                node.losses += 1
+                # StateSync's jittered, capped exponential backoff before deciding again.
+                cap = min(_MAX_BACKOFF, 0.001 * 2 ** min(node.losses, 16))
+                self._at(self.now + self.rng.uniform(0, cap), "retry", node.slot, node.req)
+                return
+            node.losses = 0
+            if write.deadline is not None and node.task == _OP:
+                node.deadline = write.deadline
+        else:  # a beat
+            node.registered = True
+            node.view = core_driver.after_beat(node.view, node.desc, data[1], now)
+        self._drive(node)
+
+    def _on_retry(self, node: _Node, data: Any) -> None:
+        self._drive(node)
+
+    def _on_notify(self, node: _Node, data: Any) -> None:
+        if not node.waiting:
             return
-        if action is Action.FINISH and isinstance(op, ExitOp):
-            node.result = None
+        self.report.stats[node.slot].notifications += 1
+        self._end_wait(node)
+        self._drive(node)
+
+    def _on_wake(self, node: _Node, data: Any) -> None:
+        if not node.waiting:
+            return
+        self._end_wait(node)
+        self._drive(node)
+
+    def _on_request_timeout(self, node: _Node, data: Any) -> None:
+        self.report.stats[node.slot].timeouts += 1
+        self._log(node, "request timed out")
+        if node.task == _OP:
+            # An operation retries (StateSync within its retry window): read again.
+            node.view = core_driver.after_wait(node.view)
+            self._drive(node)
+        elif self._idle(node):
+            # A heartbeat or monitor pass gives up until its next tick.
+            self._drive(node)
+
+    # -- what the handler and the agent do with Done and Verdict -----------------------
+
+    def _done(self, node: _Node, done: Done) -> bool:
+        """Act on an operation's end; True: the node drives on (a next operation)."""
+        if node.task == _BEAT:
+            return self._idle(node)  # a failed keep-alive is only logged
+        op, action = node.op, done.action
+        if isinstance(op, ExitOp) and action is Action.FINISH:
             if node.after_exit == "leave":
-                node.after_exit = "join"
                 self._stop(node)
                 self._at(self.now + self.config.restart_delay, "arrive", node.slot)
-            else:
-                self._start(node, JoinOp(), self.settings.join_timeout, _JOINING)
-            return
-        if action is Action.FINISH and isinstance(op, KeepAliveOp):
-            node.phase = _TRAINING
-            self._after(node, self.settings.keep_alive_interval, "heartbeat")
-            return
+                return False
+            # next_rendezvous: the join decides on the exit's view (fresh).
+            self._begin(node, JoinOp(), node.deadline, _JOINING, fresh=True)
+            return True
+        if isinstance(op, JoinOp) and action is Action.FINISH:
+            if done.rejoin:
+                self._log(node, f"round {done.state.round} lost its rank 0: rejoins")
+                self._begin(node, ExitOp(), node.deadline, _JOINING, fresh=False)
+                return True
+            assert done.joined is not None
+            self._joined(node, done.joined)
+            return False
+        self._log(node, f"{type(op).__name__} -> {action.name}")
         if (action is Action.FINISH and isinstance(op, CloseOp)) or action in (
             Action.ERROR_CLOSED,
             Action.ERROR_GRACEFUL_EXIT,
@@ -938,57 +1155,80 @@ class Simulator:
             self.closed_by = self.closed_by or node.desc
             self._stop(node)
             node.phase = _CLOSED
-            return
+            return False
         # ERROR_TIMEOUT: the agent gives up on this attempt and starts over.
         self.report.timeouts += 1
         self._stop(node)
         self._at(self.now + self.config.restart_delay, "arrive", node.slot)
+        return False
+
+    def _joined(self, node: _Node, joined: Membership) -> None:
+        """The join returned: check agreement, then train (heartbeats and monitor)."""
+        self._log(node, f"joined round {joined.round} as rank {joined.rank}")
+        result = RoundResult(joined.round, joined.rank, joined.world_size, joined.members)
+        problems = self.agreement.add(node.desc, result)
+        if problems:
+            self._violate(problems)
+        pending = self._round_pending.get(joined.round)
+        if pending is not None:
+            pending.discard(node.desc)
+            self._round_done(joined.round)
+        node.phase = _TRAINING
+        node.joined = joined
+        node.task = None
+        node.op = None
+        node.ticks += 1
+        now = node.local(self.now)
+        node.next_beat = now + self.settings.keep_alive_interval / 4
+        node.next_monitor = now + self.config.monitor_interval
+        self._schedule_tick(node)
+
+    def _verdict(self, node: _Node, verdict: Verdict) -> bool:
+        """The agent's monitor: regroup on waiting nodes or lost participants."""
+        if verdict.waiting or verdict.lost:
+            reason = "peer lost" if verdict.lost else "nodes waiting"
+            self._log(node, f"re-rendezvous: {reason}")
+            self._regroup(node)
+            return True
+        return self._idle(node)
 
     # -- training: heartbeats and the agent's monitor -----------------------------
 
-    def _on_heartbeat(self, node: _Node, data: Any) -> None:
-        if node.phase != _TRAINING:
-            return
-        if node.inflight or node.op is not None:
-            # Busy with the monitor's read: beat right after it, not an interval late.
-            self._after(node, 4 * self.config.latency + 1e-3, "heartbeat")
-            return
-        node.op = KeepAliveOp()
-        node.deadline = node.local(self.now) + self.settings.heartbeat_timeout
-        node.phase = _TRAINING
-        self._read(node)
+    def _schedule_tick(self, node: _Node) -> None:
+        due = min(node.next_beat, node.next_monitor)
+        self._at(node.global_time(due), "tick", node.slot, node.ticks, due)
 
-    def _on_monitor_tick(self, node: _Node, data: Any) -> None:
-        if node.phase == _TRAINING and not node.inflight and node.op is None:
-            self._read(node)
-        self._after(node, self.config.monitor_interval, "monitor_tick")
+    def _on_tick(self, node: _Node, due: float) -> None:
+        if node.next_beat <= due:
+            node.queued_beat = True
+            node.next_beat += self.settings.keep_alive_interval / 4
+        if node.next_monitor <= due:
+            node.queued_monitor = True
+            node.next_monitor += self.config.monitor_interval
+        self._schedule_tick(node)
+        if node.task is None and self._idle(node):
+            self._drive(node)
 
-    def _monitor(self, node: _Node) -> None:
-        """A training node read the state: keep alive if asked, else check whether
-        it must re-rendezvous (nodes waiting, or a peer of its round gone)."""
-        if node.op is not None:
-            self._step(node)
-            return
-        assert node.cached is not None and node.result is not None
-        self.report.node_steps += 1
-        self.report.stats[node.slot].steps += 1
-        version, state = node.cached
-        now = node.local(self.now)
-        node.obs = observe(node.obs, state, now)
-        sanitized, dead = sanitize(state, node.obs, self.settings, now)
-        if dead:
-            self._send(node, "backend_cas", (version, sanitized, dead))
-            return
-        mine = node.result
-        lost = (
-            node.desc not in sanitized.participants
-            or sanitized.round != mine.round
-            or len(sanitized.participants) < mine.world_size
-        )
-        if sanitized.wait_list or lost:
-            self._log(node, "re-rendezvous: " + ("peer lost" if lost else "nodes waiting"))
-            node.after_exit = "join"
-            self._start(node, ExitOp(), self.settings.close_timeout, _EXITING)
+    def _idle(self, node: _Node) -> bool:
+        """A training node's task ended: start a queued one. True: drive it now."""
+        node.task = None
+        node.op = None
+        if node.queued_beat:
+            # The handler's heartbeat loop: KeepAliveOp on the current view (fresh).
+            node.queued_beat = False
+            node.task = _BEAT
+            node.op = KeepAliveOp()
+            node.deadline = node.local(self.now) + self.settings.heartbeat_timeout
+            node.losses = 0
+            return True
+        if node.queued_monitor:
+            # The agent's num_nodes_waiting / dead_participants: a read with the
+            # counters (the sync engine's refresh), then the driver's monitor.
+            node.queued_monitor = False
+            node.task = _MONITOR
+            node.losses = 0
+            self._request(node, "backend_read", True)
+        return False
 
 
 def simulate(config: SimConfig) -> SimReport:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from rallypoint.core import NodeDesc, RendezvousState, Settings, assign_ranks
+from rallypoint.core import NodeDesc, RendezvousState, Settings
 
 from .simulator import SimConfig
 
@@ -51,22 +51,29 @@ def rendezvous_settings(draw: st.DrawFn, max_nodes: int = 8) -> Settings:
 
 @st.composite
 def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> RendezvousState:
-    """Shared states that satisfy :func:`rallypoint.spec.invariants.check_state`."""
+    """Shared states, as stored (blob heartbeat counters, see
+    :func:`rallypoint.core.split_heartbeats`), that satisfy
+    :func:`rallypoint.spec.invariants.check_state`. A complete round's ranks are
+    any permutation of 0..n-1 (the stable-ranks option can give any)."""
     s = settings or draw(rendezvous_settings())
     nodes = draw(st.lists(node_descs(), unique=True, max_size=s.max_nodes + 3))
     count = draw(st.integers(0, min(len(nodes), s.max_nodes)))
     participants, rest = nodes[:count], nodes[count:]
     complete = s.min_nodes <= count and draw(st.booleans())
+    ranks = draw(st.permutations(range(count))) if complete else [0] * count
     split = draw(st.integers(0, len(rest)))
+    heartbeats = {n: draw(st.integers(1, 9)) for n in nodes}
     state = RendezvousState(
         round=draw(st.integers(0, 3)),
         complete=complete,
         closed=draw(st.booleans()),
         world_size=count if complete else 0,
-        participants=assign_ranks(participants) if complete else dict.fromkeys(participants, 0),
+        participants=dict(zip(participants, ranks, strict=True)),
         wait_list=frozenset(rest[:split]),
         redundancy_list=frozenset(rest[split:]),
-        heartbeats={n: draw(st.integers(1, 9)) for n in nodes},
+        heartbeats=heartbeats,
+        # the largest counter ever handed out: at least every current one
+        heartbeat_seq=max(heartbeats.values(), default=0) + draw(st.integers(0, 3)),
     )
     if not complete and count >= s.min_nodes:
         state = state.evolve(last_call=1, last_call_seq=1)

@@ -1,13 +1,16 @@
 """The simulator: skew and drift cause no false death, a seed replays a run,
-faults break no invariant (hypothesis stateful machines, one with 64 nodes)."""
+faults break no invariant (hypothesis stateful machines, one with 64 nodes), and
+bugs planted in the core's driver are caught (the simulator runs the driver)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rallypoint.core import encode_state
+import rallypoint.core.driver
+from rallypoint.core import RendezvousState, encode_state
 from rallypoint.spec.cli import simulate_main
 from rallypoint.spec.invariants import check_state
 from rallypoint.spec.simulator import EncodedSize, SimConfig, SimConfigError, Simulator, simulate
@@ -87,6 +90,59 @@ def test_no_false_death_after_an_observer_misses_an_exit_and_rejoin() -> None:
     The core now starts every new counter above all counters ever handed out."""
     report = simulate(FAULTY)
     assert report.false_deaths == 0, report.false_death_log[0].format()
+
+
+def test_keep_alives_are_beats_not_blob_writes() -> None:
+    """A training member keeps alive by bumping its side counter (O(1) bytes); the
+    blob is written only to join."""
+    report = simulate(SimConfig(nodes=8, min_nodes=8, duration=120.0, seed=2))
+    assert report.ok, report.format()
+    assert len(report.rounds) == 1
+    totals = report.totals()
+    assert totals.writes == 8
+    # Every keep_alive_interval (+ up to a quarter interval of tick granularity).
+    assert totals.beats >= 8 * (120 // 6.25)
+    assert totals.beat_bytes == totals.beats * (len("10.0.0.1_1000_0") + 8)
+
+
+# -- planted bugs: the simulator executes the core's driver, so it catches them ----
+
+#: Training nodes whose monitor passes (fresh reads) are further apart than the
+#: liveness window: their keep-alive ticks decide on cached counters.
+CACHED_COUNTERS = SimConfig(
+    nodes=8,
+    min_nodes=4,
+    duration=120.0,
+    monitor_interval=30.0,
+    clock_offset=60.0,
+    drift=0.01,
+    seed=1,
+)
+STEADY = SimConfig(nodes=8, min_nodes=4, duration=60.0, clock_offset=60.0, drift=0.01, seed=1)
+
+
+def test_a_peer_declared_dead_on_cached_counters_is_a_false_death(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    correct = simulate(CACHED_COUNTERS)
+    assert correct.ok and correct.deaths == 0, correct.format()
+    monkeypatch.setattr(rallypoint.core.driver, "_must_reread", lambda *a, **k: False)
+    planted = simulate(CACHED_COUNTERS)
+    assert planted.false_deaths > 0, planted.format()
+
+
+def test_a_keep_alive_that_does_not_move_the_merged_counter_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    correct = simulate(STEADY)
+    assert correct.ok and correct.deaths == 0, correct.format()
+
+    def blob_counters_only(blob: RendezvousState, side: object) -> RendezvousState:
+        return blob  # ignores the side counters that keep-alives bump
+
+    monkeypatch.setattr(rallypoint.core.driver, "merge_heartbeats", blob_counters_only)
+    planted = simulate(STEADY)
+    assert planted.false_deaths > 0, planted.format()
 
 
 @settings(max_examples=40, deadline=None)
