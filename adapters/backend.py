@@ -15,6 +15,22 @@ every implementation):
 * ``wait_for_change(token, timeout)`` blocks until the state differs from the one
   ``token`` names, or ``timeout`` seconds pass; returns True if it saw a change.
   It may return early (spuriously); callers re-read either way.
+* ``set_state(blob, token, phase=p)`` also moves the rendezvous to *phase* ``p`` (a
+  non-negative number that only grows, chosen by the caller; the core bumps it by
+  exactly 1 whenever something a waiting node cares about changes). After a won
+  write the backend publishes ``p``; a lost write publishes nothing.
+  ``wait_for_phase(q, timeout)`` blocks until a phase greater than ``q`` was
+  published, or ``timeout`` seconds pass; True if one was. Like
+  ``wait_for_change`` it may return early. Waiters wait for the phase instead of
+  any write, so a write that changes nothing they care about wakes nobody (DESIGN
+  decision 8: cost per node flat in n).
+* ``announce(round, entry)`` appends ``entry`` (opaque bytes without ``b"\\n"``)
+  to the intent log of ``round``: one operation, O(len(entry)) bytes, the state is
+  not rewritten; when it returns, every later ``intents(round)`` (by any client)
+  includes the entry. ``intents(round)`` returns the log in append order (every
+  entry, duplicates included; ``[]`` for a round nobody announced in), in one
+  operation that never blocks. A joiner announces itself, and whoever wins the next state
+  write admits every intent logged so far: admissions come in batches.
 * ``beat(node)`` bumps ``node``'s heartbeat counter and returns the new value:
   O(1) bytes, independent of the number of nodes (the blob is not rewritten).
   ``get_heartbeats(nodes)`` reads the counters (0 for a node that never beat).
@@ -33,7 +49,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["BackendStats", "MemoryBackend", "RendezvousBackend", "Token"]
+__all__ = ["BackendStats", "MemoryBackend", "RendezvousBackend", "Token", "check_intent_entry"]
 
 #: An opaque fencing token: a version, a revision, or the stored bytes themselves.
 Token = Any
@@ -56,6 +72,15 @@ class BackendStats:
     def as_dict(self) -> dict[str, int]:
         """A plain copy of the figures."""
         return asdict(self)
+
+
+def check_intent_entry(entry: bytes) -> bytes:
+    """``entry`` as bytes, or ValueError if it cannot go in an intent log (shared by
+    the backends: the logs are newline-separated on c10d)."""
+    entry = bytes(entry)
+    if b"\n" in entry:
+        raise ValueError(f"an intent entry must not contain a newline byte: {entry[:60]!r}")
+    return entry
 
 
 @runtime_checkable
@@ -81,13 +106,30 @@ class RendezvousBackend(Protocol):
         """The stored blob and its token, or None if none was written."""
         ...
 
-    def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None, phase: int | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         """Compare-and-set; see the module docstring. None: nothing is stored and
-        the write lost (the caller re-reads)."""
+        the write lost (the caller re-reads). With ``phase``, a won write publishes
+        that phase number (see :meth:`wait_for_phase`)."""
         ...
 
     def wait_for_change(self, token: Token | None, timeout: float) -> bool:
         """Block until the state moves past ``token`` or ``timeout`` seconds pass."""
+        ...
+
+    def wait_for_phase(self, phase: int, timeout: float) -> bool:
+        """Block until a phase greater than ``phase`` was published (True) or
+        ``timeout`` seconds pass (False). May return early; callers re-read."""
+        ...
+
+    def announce(self, round: int, entry: bytes) -> None:
+        """Append ``entry`` to the intent log of ``round`` (ValueError if it
+        contains a newline)."""
+        ...
+
+    def intents(self, round: int) -> list[bytes]:
+        """The intent log of ``round`` in append order (``[]`` if empty)."""
         ...
 
     def beat(self, node: str) -> int:
@@ -107,16 +149,23 @@ class MemoryBackend:
     """An in-process backend: a dict behind a condition variable.
 
     Share one instance between the handlers of a test or simulation (threads). The
-    token is a version number that every successful write increments.
+    token is a version number that every successful write increments; the phase
+    and the intent logs live beside the blob, under the same condition variable.
     """
 
     def __init__(self, run_id: str = "memory", endpoint: str = "memory") -> None:
         self._run_id = run_id
         self._endpoint = endpoint
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # Phase waiters sleep on a condition of their own (same lock), which only
+        # a write that raises the phase (or close) notifies.
+        self._phase_cond = threading.Condition(lock)
         self._blob: bytes | None = None
         self._version = 0
         self._heartbeats: dict[str, int] = {}
+        self._phase = -1  # the highest published phase; -1: none yet
+        self._intents: dict[int, list[bytes]] = {}
         self._stats = BackendStats()
         self._closed = False
 
@@ -140,7 +189,11 @@ class MemoryBackend:
             self._stats.bytes_read += len(self._blob)
             return self._blob, self._version
 
-    def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None, phase: int | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        if phase is not None and phase < 0:
+            raise ValueError(f"phase must be a non-negative integer, got {phase}")
         with self._cond:
             self._stats.ops += 1
             expected = 0 if token is None else token
@@ -152,6 +205,12 @@ class MemoryBackend:
             self._blob = bytes(state)
             self._version += 1
             self._stats.bytes_written += len(state)
+            if phase is not None:
+                # What a networked store would send for the phase key.
+                self._stats.bytes_written += 8
+                if phase > self._phase:
+                    self._phase = phase
+                    self._phase_cond.notify_all()
             self._cond.notify_all()
             return self._blob, self._version, True
 
@@ -166,6 +225,31 @@ class MemoryBackend:
                     return False
                 self._cond.wait(left)
             return self._version != seen
+
+    def wait_for_phase(self, phase: int, timeout: float) -> bool:
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            self._stats.ops += 1
+            while self._phase <= phase and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._phase_cond.wait(left)
+            return self._phase > phase
+
+    def announce(self, round: int, entry: bytes) -> None:
+        entry = check_intent_entry(entry)
+        with self._cond:
+            self._stats.ops += 1
+            self._stats.bytes_written += len(entry) + 8
+            self._intents.setdefault(round, []).append(entry)
+
+    def intents(self, round: int) -> list[bytes]:
+        with self._cond:
+            self._stats.ops += 1
+            log = list(self._intents.get(round, ()))
+            self._stats.bytes_read += sum(len(e) + 1 for e in log)
+            return log
 
     def beat(self, node: str) -> int:
         with self._cond:
@@ -189,3 +273,4 @@ class MemoryBackend:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            self._phase_cond.notify_all()

@@ -3,16 +3,18 @@
 Every decision is the core's (:mod:`rallypoint.core.driver`); this module only
 executes them, with IO, clocks, threads and backoff::
 
-    Read(counters) -> get_state() (+ get_heartbeats() of every member) -> after_read
-    Write(state)   -> set_state(encode(state), token) -> after_write; a lost CAS
-                      decides again after a short jittered backoff
-    Beat()         -> beat(node) (one small key, the blob is not rewritten) -> after_beat
-    Wait(until)    -> wait_for_change(token, until - now, at most poll_interval)
+    Read(counters, intents) -> get_state() (+ get_heartbeats() of every member)
+                      (+ intents(round)) -> after_read
+    Write(state)   -> set_state(encode(state), token, phase) -> after_write; a lost
+                      CAS decides again after a short jittered backoff
+    Beat()         -> beat(node) (one small key, the state is not rewritten) -> after_beat
+    Announce(round) -> announce(round, node) (one small append) -> after_announce
+    Wait(until, phase) -> wait_for_phase(phase, until - now, at most poll_interval)
                       -> after_wait
     Done / Verdict -> returned to the caller
 
-The backend keeps, per member, the blob's heartbeat counter and a side counter
-under the node's own key; the driver merges them (see
+The backend keeps, per member, the state's heartbeat counter and a side counter
+under the node's own key; the driver watches both (see
 :mod:`rallypoint.core.liveness`).
 """
 
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from rallypoint.core import (
+    Announce,
     Beat,
     Decision,
     Done,
@@ -118,8 +121,8 @@ class StateSync:
 
     @property
     def state(self) -> RendezvousState:
-        """The last read or written state, heartbeats merged (what the core sees)."""
-        return self.view.merged
+        """The last read or written state."""
+        return self.view.state
 
     @property
     def token(self) -> Token | None:
@@ -145,20 +148,45 @@ class StateSync:
 
     # -- carrying out instructions ----------------------------------------------------
 
-    def _read(self, counters: bool) -> None:
-        result = self.backend.get_state()
-        blob = None if result is None else self._decode(result[0])
+    def _read(self, counters: bool, intents: bool = False, state: bool = True) -> None:
+        if state:
+            result = self.backend.get_state()
+            blob = None if result is None else self._decode(result[0])
+        else:
+            with self._lock:
+                token, blob = self._token, self._view.state
+            result = None if token is None else (b"", token)
         side = None
         if counters and blob is not None and blob.heartbeats:
             raw = self.backend.get_heartbeats([str(n) for n in blob.heartbeats])
             side = {n: raw.get(str(n), 0) for n in blob.heartbeats}
         elif counters:
             side = {}
+        log = None
+        if intents:
+            log = self._intents(0 if blob is None else blob.round)
         now = self._clock()
         with self._lock:
             self._token = None if result is None else result[1]
             self._read_at = now
-            self._view = driver.after_read(self._view, blob, side, now)
+            self._view = driver.after_read(self._view, self.node, blob, side, now, log)
+
+    def _intents(self, round_: int) -> list[NodeDesc]:
+        entries = []
+        for raw in self.backend.intents(round_):
+            try:
+                entries.append(NodeDesc.parse(bytes(raw).decode("ascii")))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise RendezvousStateError(
+                    describe(
+                        f"the intent log of round {round_} holds an entry that is not a "
+                        f"node ({exc})",
+                        run_id=self.settings.run_id,
+                        endpoint=self.backend.endpoint,
+                        check="that nothing else writes to this run id",
+                    )
+                ) from exc
+        return entries
 
     def _write(self, write: Write, base: NodeView) -> bool:
         with self._lock:
@@ -166,14 +194,14 @@ class StateSync:
                 return False  # another thread changed the view: decide again
             token = self._token
         self.cas_attempts += 1
-        result = self.backend.set_state(encode_state(write.state), token)
+        result = self.backend.set_state(encode_state(write.state), token, phase=write.phase)
         won = result is not None and result[2]
         stored = None if result is None else self._decode(result[0])
         now = self._clock()
         with self._lock:
             self._token = None if result is None else result[1]
             self._read_at = now
-            self._view = driver.after_write(self._view, won, stored, now)
+            self._view = driver.after_write(self._view, self.node, won, stored, now)
         if not won:
             self.cas_losses += 1
         return won
@@ -186,11 +214,16 @@ class StateSync:
             self._registered = True
             self._view = driver.after_beat(self._view, self.node, value, now)
 
-    def _wait(self, until: float | None) -> None:
+    def _announce(self, round_: int) -> None:
+        self.backend.announce(round_, str(self.node).encode("ascii"))
+        with self._lock:
+            self._view = driver.after_announce(self._view, round_)
+
+    def _wait(self, until: float | None, phase: int) -> None:
         timeout = self._poll_interval
         if until is not None:
             timeout = min(timeout, max(0.0, until - self._clock()) + _WAKE_EPSILON)
-        self.backend.wait_for_change(self.token, timeout)
+        self.backend.wait_for_phase(phase, timeout)
         with self._lock:
             self._view = driver.after_wait(self._view)
 
@@ -206,13 +239,15 @@ class StateSync:
         if self._on_instruction is not None:
             self._on_instruction(instruction)
         if isinstance(instruction, Read):
-            self._read(instruction.counters)
+            self._read(instruction.counters, instruction.intents, instruction.state)
         elif isinstance(instruction, Write):
             return instruction, self._write(instruction, view)
         elif isinstance(instruction, Beat):
             self.beat()
+        elif isinstance(instruction, Announce):
+            self._announce(instruction.round)
         elif isinstance(instruction, Wait):
-            self._wait(instruction.until)
+            self._wait(instruction.until, instruction.phase)
         return instruction, True
 
     def _drive(
@@ -314,14 +349,17 @@ class StateSync:
         (and, with ``counters``, its counters were read with it); return it merged."""
         with self._lock:
             view, read_at = self._view, self._read_at
-        fresh = not view.stale and read_at is not None and self._clock() - read_at <= max_age
-        if not fresh or (counters and not view.counters_fresh):
+        now = self._clock()
+        fresh = not view.stale and read_at is not None and now - read_at <= max_age
+        counters_fresh = view.counters_at is not None and now - view.counters_at <= max_age
+        if not fresh or (counters and not counters_fresh):
             self._read(counters)
         return self.state
 
     def wait_for_change(self, timeout: float) -> bool:
-        """Block until the state moves past the view's token (or ``timeout``); the
-        next decision reads afresh."""
-        changed = self.backend.wait_for_change(self.token, timeout)
+        """Block until a phase above the view's is published (anything a waiting or
+        monitoring node decides on changed) or ``timeout`` passes; the next
+        decision reads afresh."""
+        changed = self.backend.wait_for_phase(self.view.state.phase, timeout)
         self.invalidate()
         return changed

@@ -8,10 +8,16 @@ all nodes can compare-and-set, and drive each node with the driver
     while True:
         step = decide(view, node, settings, JoinOp(), deadline, now())
         match step.instruction:
-            case Read(counters):  view = after_read(view, blob, counters or None, now())
-            case Write(state):    view = after_write(view, won, stored_blob, now())
+            case Read(counters, intents):
+                view = after_read(view, node, state, side_counters_or_None, now(), log_or_None)
+            case Write(state, phase=phase):
+                compare-and-set, publish phase if set
+                view = after_write(view, node, won, stored_state, now())
             case Beat():          view = after_beat(view, node, bumped_counter, now())
-            case Wait(until):     wait for a change or until; view = after_wait(view)
+            case Announce(round): append node to the round's intent log
+                                  view = after_announce(view, round)
+            case Wait(until, phase):
+                wait for a phase above ``phase`` or until; view = after_wait(view)
             case Done(action):    break  # FINISH, or raise for ERROR_*
 
 Time (``now``, ``deadline``) is the node's own monotonic clock in seconds. The shared
@@ -24,6 +30,7 @@ Store the state as :func:`encode_state` bytes; :func:`decode_state` validates.
 from .actions import Action, apply, assign_ranks
 from .codec import FORMAT_VERSION, MAX_STATE_BYTES, decode_state, encode_state
 from .driver import (
+    Announce,
     Beat,
     Decision,
     Done,
@@ -34,12 +41,14 @@ from .driver import (
     Verdict,
     Wait,
     Write,
+    after_announce,
     after_beat,
     after_read,
     after_wait,
     after_write,
     decide,
     monitor,
+    phase_of,
 )
 from .errors import (
     InvalidTransitionError,
@@ -53,10 +62,10 @@ from .errors import (
 from .liveness import (
     SIDE_BITS,
     dead_nodes,
-    merge_heartbeats,
+    heartbeat_of,
     observe,
+    observe_own,
     sanitize,
-    split_heartbeats,
 )
 from .operators import (
     JOIN_TABLE,
@@ -87,6 +96,7 @@ __all__ = [
     "MAX_STATE_BYTES",
     "SIDE_BITS",
     "Action",
+    "Announce",
     "Beat",
     "CloseOp",
     "Context",
@@ -117,6 +127,7 @@ __all__ = [
     "Verdict",
     "Wait",
     "Write",
+    "after_announce",
     "after_beat",
     "after_read",
     "after_wait",
@@ -127,13 +138,14 @@ __all__ = [
     "decide",
     "decode_state",
     "encode_state",
+    "heartbeat_of",
     "join_row",
     "keep_alive_due",
     "last_call_passed",
-    "merge_heartbeats",
     "monitor",
     "observe",
+    "observe_own",
+    "phase_of",
     "sanitize",
-    "split_heartbeats",
     "wake_at",
 ]

@@ -101,7 +101,10 @@ def remove_participant_epilogue(state: RendezvousState, settings: Settings) -> R
     """What a participant's departure does to the round (see the module docstring)."""
     if state.complete:
         if not state.participants:
-            return state.evolve(complete=False, world_size=0, round=state.round + 1)
+            # A new round has a new (empty) intent log.
+            return state.evolve(
+                complete=False, world_size=0, round=state.round + 1, intent_cursor=0
+            )
         return state
     if len(state.participants) < settings.min_nodes and state.last_call is not None:
         return state.evolve(last_call=None)

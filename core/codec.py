@@ -4,7 +4,7 @@ Plain data only (DESIGN.md decision 3): the backend is shared by every node and 
 can write to it; decoding it must never execute code, and anything malformed must
 raise :class:`RendezvousStateError` with a message that says what is wrong.
 
-Format, version 1 (keys are short because the state is rewritten often)::
+Format, version 2 (keys are short because the state is rewritten often)::
 
     {"v": 1, "round": 0, "complete": false, "closed": false, "world": 0,
      "p": [[addr, pid, local_id, rank], ...],     # participants
@@ -13,7 +13,8 @@ Format, version 1 (keys are short because the state is rewritten often)::
      "hb": [[addr, pid, local_id, counter], ...], # heartbeat counters
      "lc": null | arming, "lcs": arming_seq,
      "lr": [[addr, pid, local_id, rank], ...],    # last ranks (stable-ranks option)
-     "hs": heartbeat_seq}
+     "hs": heartbeat_seq,
+     "ph": phase, "ic": intent_cursor}                # version 2 added these two
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from .state import NodeDesc, RendezvousState
 
 __all__ = ["FORMAT_VERSION", "MAX_STATE_BYTES", "decode_state", "encode_state"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Larger input is rejected before parsing (about 100k nodes' worth of state).
 MAX_STATE_BYTES = 16 * 1024 * 1024
 _MAX_ADDR_LEN = 1024
 _KEYS = frozenset(
     {"v", "round", "complete", "closed", "world", "p", "w", "r", "hb", "lc", "lcs", "lr", "hs"}
+    | {"ph", "ic"}
 )
 
 
@@ -57,6 +59,8 @@ def encode_state(state: RendezvousState) -> bytes:
         "lcs": state.last_call_seq,
         "lr": [[*_node_fields(n), r] for n, r in sorted(state.last_ranks.items())],
         "hs": state.heartbeat_seq,
+        "ph": state.phase,
+        "ic": state.intent_cursor,
     }
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
@@ -89,16 +93,37 @@ def _node(entry: Any, what: str, extra: int) -> tuple[NodeDesc, list[Any]]:
     return node, entry[3:]
 
 
+def _valid_node(entry: Any, size: int) -> bool:
+    """The fast check of one entry (the common case); :func:`_node` says what is
+    wrong with one that fails it. ``type(x) is int`` rejects bools too."""
+    if type(entry) is not list or len(entry) != size:
+        return False
+    addr, pid, local_id = entry[0], entry[1], entry[2]
+    return (
+        type(addr) is str
+        and 0 < len(addr) <= _MAX_ADDR_LEN
+        and type(pid) is int
+        and pid >= 0
+        and type(local_id) is int
+        and local_id >= 0
+    )
+
+
 def _node_map(doc: dict[str, Any], key: str, what: str) -> dict[NodeDesc, int]:
     entries = doc[key]
     if not isinstance(entries, list):
         raise _fail(f"{what} must be a list")
     result: dict[NodeDesc, int] = {}
     for entry in entries:
-        node, (value,) = _node(entry, what, 1)
+        if _valid_node(entry, 4) and type(entry[3]) is int and entry[3] >= 0:
+            node = NodeDesc(entry[0], entry[1], entry[2])
+            value = entry[3]
+        else:
+            node, (raw,) = _node(entry, what, 1)
+            value = _int(raw, f"the value of {node} in {what}")
         if node in result:
             raise _fail(f"node {node} appears twice in {what}")
-        result[node] = _int(value, f"the value of {node} in {what}")
+        result[node] = value
     return result
 
 
@@ -106,7 +131,10 @@ def _node_set(doc: dict[str, Any], key: str, what: str) -> frozenset[NodeDesc]:
     entries = doc[key]
     if not isinstance(entries, list):
         raise _fail(f"{what} must be a list")
-    nodes = [_node(entry, what, 0)[0] for entry in entries]
+    nodes = [
+        NodeDesc(e[0], e[1], e[2]) if _valid_node(e, 3) else _node(e, what, 0)[0]
+        for e in entries
+    ]
     if len(set(nodes)) != len(nodes):
         raise _fail(f"a node appears twice in {what}")
     return frozenset(nodes)
@@ -150,6 +178,8 @@ def decode_state(data: bytes) -> RendezvousState:
     last_call_seq = _int(doc["lcs"], "last call sequence")
     last_ranks = _node_map(doc, "lr", "last ranks")
     heartbeat_seq = _int(doc["hs"], "heartbeat sequence")
+    phase = _int(doc["ph"], "phase")
+    intent_cursor = _int(doc["ic"], "intent cursor")
 
     if complete:
         ranks = list(participants.values())
@@ -186,4 +216,6 @@ def decode_state(data: bytes) -> RendezvousState:
         last_call_seq=last_call_seq,
         last_ranks=Map(last_ranks),
         heartbeat_seq=heartbeat_seq,
+        phase=phase,
+        intent_cursor=intent_cursor,
     )

@@ -4,32 +4,42 @@ An adapter, the simulator and the model checker all run a node the same way: the
 hold its :class:`NodeView` (what it last read, and when it saw what), ask
 :func:`decide` (or :func:`monitor`, for a node whose workers run) for the next
 :class:`Instruction`, carry it out, and feed the result back with
-:func:`after_read`, :func:`after_write`, :func:`after_beat` or :func:`after_wait`.
-Carrying out is IO, clocks, threads and backoff; every decision is made here
-(etcd-io/raft's ``Ready``, dask's ``handle_stimulus -> Instructions``)::
+:func:`after_read`, :func:`after_write`, :func:`after_beat`, :func:`after_announce`
+or :func:`after_wait`. Carrying out is IO, clocks, threads and backoff; every
+decision is made here (etcd-io/raft's ``Ready``, dask's ``handle_stimulus ->
+Instructions``)::
 
-    Read(counters)   read the state blob (and, if asked, every member's heartbeat
-                     counter), then after_read()
-    Write(state)     compare-and-set the blob over the one last read, then
-                     after_write(); on a loss decide again (after a backoff)
-    Beat()           bump this node's own heartbeat counter, then after_beat()
-    Wait(until)      block until the blob changes or local time ``until`` (None:
-                     only a change), then after_wait()
+    Read(counters, intents)  read the state (and, if asked, every member's side
+                     heartbeat counter, and the round's intent log), then after_read()
+    Write(state)     compare-and-set the state over the one last read, publishing
+                     its phase if it moved, then after_write(); on a loss decide
+                     again (after a backoff)
+    Beat()           bump this node's own side heartbeat counter, then after_beat()
+    Announce(round)  append this node to the round's intent log, then after_announce()
+    Wait(until, phase)  block until a phase above ``phase`` is published or local
+                     time ``until`` (None: only a phase), then after_wait()
     Done(action)     the operation is over: FINISH or an ERROR_* action
     Verdict(...)     (monitor only) what the agent must know: waiting nodes, and
                      the participants of its round that are gone
 
-The rules that make the loop safe, decided here and nowhere else:
+The rules that make the loop safe and cheap, decided here and nowhere else:
 
-* a peer is declared dead only on heartbeat counters read within the last quarter
+* a peer is declared dead only on side counters read within the last quarter
   keep-alive interval (a cached counter may have moved since): otherwise
   ``Read(counters=True)`` first;
 * a node that finds peers dead publishes their removal before anything else, even
   when its own operator would only wait or return, so that every node converges on
   it at once instead of each waiting out the liveness window;
 * a keep-alive of a member bumps its side counter (O(1) bytes) instead of
-  rewriting the blob; the merge rule (:mod:`rallypoint.core.liveness`) makes that
-  move the counter the core sees;
+  rewriting the state;
+* waiters wake on the *phase*, not on every write (DESIGN.md decision 8): a write
+  bumps ``state.phase`` exactly when it changes :func:`phase_of`, which holds
+  everything a waiting node's decision reads from the state; admissions of
+  further joiners to an open round do not wake anybody;
+* joiners are admitted in batches: a node that lost a compare-and-set announces
+  itself in the round's intent log, and whoever writes an admission next admits,
+  in node order, every logged joiner (and waiting node) with the decision the
+  join operator makes for that node;
 * a join that returns on a round whose rank 0 was declared dead meanwhile cannot
   bootstrap its workers: :attr:`Done.rejoin` tells the caller to leave it and join
   the next round.
@@ -37,17 +47,18 @@ The rules that make the loop safe, decided here and nowhere else:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from immutables import Map
 
 from .actions import Action, apply
-from .liveness import merge_heartbeats, observe, sanitize, split_heartbeats
+from .liveness import heartbeat_of, observe, observe_own, sanitize
 from .operators import JoinOp, Operator, wake_at
 from .state import Context, NodeDesc, Observations, RendezvousState, Settings
 
 __all__ = [
+    "Announce",
     "Beat",
     "Decision",
     "Done",
@@ -58,12 +69,14 @@ __all__ = [
     "Verdict",
     "Wait",
     "Write",
+    "after_announce",
     "after_beat",
     "after_read",
     "after_wait",
     "after_write",
     "decide",
     "monitor",
+    "phase_of",
 ]
 
 
@@ -80,37 +93,53 @@ class Membership(NamedTuple):
 
 
 class Read(NamedTuple):
-    """Read the state blob; with ``counters``, every member's heartbeat counter too."""
+    """Read the state; with ``counters``, every member's side heartbeat counter too;
+    with ``intents``, the intent log of the state's round too. Without ``state``,
+    keep the state in the view (it was just returned by a lost compare-and-set)
+    and read only what else is asked."""
 
     counters: bool
+    intents: bool = False
+    state: bool = True
 
 
 class Write(NamedTuple):
-    """Compare-and-set ``state`` (blob form) over the blob last read.
+    """Compare-and-set ``state`` over the state last read.
 
     ``action`` is the operator's action it carries out (None: the write only
-    publishes the removal of ``dead``). ``deadline``: after a win, the operation's
-    new deadline (a redundant node that became a joiner starts a fresh join
-    timeout); None keeps the current one.
+    publishes the removal of ``dead``). ``phase``: the phase to publish after a
+    win (None: the write does not move it). ``deadline``: after a win, the
+    operation's new deadline (a redundant node that became a joiner starts a fresh
+    join timeout); None keeps the current one. ``admitted``: other nodes this write
+    admits from the intent log and the wait list.
     """
 
     state: RendezvousState
     action: Action | None
     dead: frozenset[NodeDesc]
+    phase: int | None = None
     deadline: float | None = None
+    admitted: tuple[NodeDesc, ...] = ()
 
 
 class Beat(NamedTuple):
-    """Bump this node's own heartbeat counter (the blob is not rewritten)."""
+    """Bump this node's own side heartbeat counter (the state is not rewritten)."""
+
+
+class Announce(NamedTuple):
+    """Append this node to the intent log of ``round``: the next admitting write
+    takes it in."""
+
+    round: int
 
 
 class Wait(NamedTuple):
-    """Wait for the blob to change, or until local time ``until`` (None: a change).
-
-    A decision changes strictly after ``until``: wake just past it.
-    """
+    """Wait for a phase above ``phase`` to be published, or until local time
+    ``until`` (None: a phase only). A decision changes strictly after ``until``:
+    wake just past it."""
 
     until: float | None
+    phase: int = 0
 
 
 class Done(NamedTuple):
@@ -138,7 +167,7 @@ class Verdict(NamedTuple):
     lost: frozenset[NodeDesc]
 
 
-Instruction = Read | Write | Beat | Wait | Done | Verdict
+Instruction = Read | Write | Beat | Announce | Wait | Done | Verdict
 
 
 class Decision(NamedTuple):
@@ -146,9 +175,9 @@ class Decision(NamedTuple):
     accounting and the model checker)."""
 
     instruction: Instruction
-    #: the operator's action (None when the driver reads before asking it)
+    #: the operator's action (None when the driver reads or announces first)
     action: Action | None
-    #: the view the operator saw: heartbeats merged, dead nodes removed
+    #: the view the operator saw: dead nodes removed
     state: RendezvousState
     #: nodes this decision declared dead
     dead: frozenset[NodeDesc]
@@ -158,94 +187,154 @@ class Decision(NamedTuple):
 
 
 class NodeView(NamedTuple):
-    """Everything one node knows: the blob and counters it last read, and what its
-    own clock saw of them. Immutable; the ``after_*`` functions return new views."""
+    """Everything one node knows: the state and counters it last read, and what
+    its own clock saw of them. Immutable; the ``after_*`` functions return new
+    views."""
 
-    #: the state blob as stored (blob heartbeat counters)
-    blob: RendezvousState = RendezvousState()
+    #: the state as last read or written
+    state: RendezvousState = RendezvousState()
     #: side heartbeat counters as last read (or bumped, for this node)
     counters: Map[NodeDesc, int] = Map()
-    #: the blob with the counters merged in: the state the core decides on
-    merged: RendezvousState = RendezvousState()
-    #: the counters were read together with this blob
-    counters_fresh: bool = False
-    #: local time of the last counter read (None: never)
+    #: local time of the last side-counter read (None: never)
     counters_at: float | None = None
+    #: local time of the view's first read (None: never read)
+    since: float | None = None
     observations: Observations = Observations()
-    #: the blob must be read before the next decision (nothing read yet, or a wait
-    #: ended, or a new operation starts)
+    #: the state must be read before the next decision (nothing read yet, or a
+    #: wait ended, or a new operation starts)
     stale: bool = True
+    #: the intent log of ``intents_round`` as read with the state (None: not read
+    #: since the last write)
+    intents: tuple[NodeDesc, ...] | None = None
+    intents_round: int = -1
+    #: a compare-and-set of this node lost since it last read: others are joining
+    #: too, so join through the intent log
+    contended: bool = False
+    #: the round whose intent log this node is in (-1: none)
+    announced: int = -1
 
 
-def _adopt(
-    view: NodeView,
-    blob: RendezvousState,
-    counters: Map[NodeDesc, int],
-    now: float,
-    **changes: object,
-) -> NodeView:
-    merged = merge_heartbeats(blob, counters)
-    return view._replace(
-        blob=blob,
-        counters=counters,
-        merged=merged,
-        observations=observe(view.observations, merged, now),
-        **changes,
-    )
+def _own(view: NodeView, node: NodeDesc, state: RendezvousState, now: float) -> Observations:
+    """The view's observations with this node's own counter pair re-observed."""
+    counter = state.heartbeats.get(node)
+    own = None if counter is None else heartbeat_of(counter, view.counters.get(node, 0))
+    return observe_own(view.observations, node, own, now)
 
 
 def after_read(
     view: NodeView,
-    blob: RendezvousState | None,
+    node: NodeDesc,
+    state: RendezvousState | None,
     counters: Mapping[NodeDesc, int] | None,
     now: float,
+    intents: Iterable[NodeDesc] | None = None,
 ) -> NodeView:
-    """The view after a read: ``blob`` (None: nothing stored yet) and, if they were
-    read with it, the heartbeat counters (None: keep the cached ones)."""
-    blob = RendezvousState() if blob is None else blob
+    """The view after a read: ``state`` (None: nothing stored yet); the side
+    counters if they were read with it (None: keep the cached ones); the intent log
+    of the state's round if it was read."""
+    state = RendezvousState() if state is None else state
+    if view.since is None:
+        view = view._replace(since=now)
     if counters is None:
-        return _adopt(view, blob, view.counters, now, counters_fresh=False, stale=False)
-    return _adopt(
-        view, blob, Map(counters), now, counters_fresh=True, counters_at=now, stale=False
-    )
+        obs = observe(view.observations, state, now, counters=False)
+        view = view._replace(state=state, observations=obs, stale=False)
+        view = view._replace(observations=_own(view, node, state, now))
+    else:
+        side = Map(counters)
+        if node in view.counters and node not in side:
+            side = side.set(node, view.counters[node])  # never forget the own beats
+        obs = observe(view.observations, state, now, side)
+        view = view._replace(
+            state=state, counters=side, counters_at=now, observations=obs, stale=False
+        )
+    if intents is None:
+        return view._replace(intents=None, intents_round=-1)
+    return view._replace(intents=tuple(intents), intents_round=state.round)
 
 
 def after_write(
-    view: NodeView, won: bool, stored: RendezvousState | None, now: float
+    view: NodeView, node: NodeDesc, won: bool, stored: RendezvousState | None, now: float
 ) -> NodeView:
     """The view after a compare-and-set: ``stored`` is what the backend holds now
-    (the written blob after a win; after a loss, what beat it, None if nothing)."""
-    blob = RendezvousState() if stored is None else stored
-    return _adopt(view, blob, view.counters, now, counters_fresh=False, stale=False)
+    (the written state after a win; after a loss, what beat it, None if nothing)."""
+    state = RendezvousState() if stored is None else stored
+    obs = observe(view.observations, state, now, counters=False)
+    view = view._replace(
+        state=state, observations=obs, stale=False, intents=None, intents_round=-1,
+        contended=view.contended or not won,
+    )
+    return view._replace(observations=_own(view, node, state, now))
 
 
 def after_beat(view: NodeView, node: NodeDesc, counter: int, now: float) -> NodeView:
-    """The view after this node's heartbeat counter became ``counter``."""
-    return _adopt(
-        view, view.blob, view.counters.set(node, counter), now, counters_fresh=view.counters_fresh
-    )
+    """The view after this node's side heartbeat counter became ``counter``."""
+    view = view._replace(counters=view.counters.set(node, counter))
+    return view._replace(observations=_own(view, node, view.state, now))
+
+
+def after_announce(view: NodeView, round_: int) -> NodeView:
+    """The view after this node appended itself to the intent log of ``round_``."""
+    return view._replace(announced=round_, intents=None, intents_round=-1)
 
 
 def after_wait(view: NodeView) -> NodeView:
-    """The view after a wait ended (changed or not): read before deciding again."""
-    return view._replace(stale=True)
+    """The view after a wait ended (or a new operation starts): read before
+    deciding again."""
+    return view._replace(stale=True, contended=False)
+
+
+# -- phases --------------------------------------------------------------------------
+
+
+def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
+    """Everything in ``state`` that a node waiting on it (a joiner whose operator
+    answered SYNC, a redundant or waiting node, an agent monitoring its round) may
+    decide on; a write that changes it publishes a new phase and wakes them.
+
+    The participant count of an open round is left out on purpose: between
+    min_nodes (the last call arms) and max_nodes (the round completes) it changes no
+    decision, and leaving it out is what makes admissions wake nobody.
+    """
+    complete = state.complete
+    return (
+        state.round,
+        complete,
+        state.closed,
+        state.last_call,
+        len(state.participants) >= settings.max_nodes,
+        bool(state.wait_list),
+        len(state.participants) if complete else -1,
+    )
+
+
+def _phased(new: RendezvousState, base: RendezvousState, settings: Settings) -> Write:
+    """A write of ``new`` over ``base`` (set its phase; say whether to publish it)."""
+    if phase_of(new, settings) == phase_of(base, settings):
+        return Write(new, None, frozenset())
+    new = new.evolve(phase=base.phase + 1)
+    return Write(new, None, frozenset(), new.phase)
 
 
 # -- decisions ---------------------------------------------------------------------
 
 
 def _counters_stale(view: NodeView, settings: Settings, now: float) -> bool:
-    """Whether the counters in the view are too old to judge liveness on.
+    """Whether the side counters in the view are too old to declare a death on:
+    read over a quarter keep-alive interval ago (or never)."""
+    return view.counters_at is None or now - view.counters_at > settings.keep_alive_interval / 4
 
-    They only feed liveness, which acts on windows of whole keep-alive intervals:
-    counters read within the last quarter interval are current enough (so a node
-    woken by every write costs one read, not two); a member whose counter was never
-    read makes them stale too.
+
+def _counters_due(view: NodeView, settings: Settings, now: float) -> bool:
+    """Whether a routine read should fetch the side counters too.
+
+    A death needs a sighting and, a liveness window later, counters that did not
+    move; reading them every half window keeps detection within 1.5 windows while
+    most reads (a node woken by a phase) stay one state read. A new view waits half
+    a window before its first counter read: nobody it could declare dead has been
+    silent longer than that from its point of view anyway.
     """
-    if view.counters_at is None or now - view.counters_at > settings.keep_alive_interval / 4:
-        return True
-    counters = view.counters
-    return any(node not in counters for node in view.blob.heartbeats)
+    last = view.counters_at if view.counters_at is not None else view.since
+    return last is not None and now - last > settings.liveness_window / 2
 
 
 def _must_reread(
@@ -255,9 +344,48 @@ def _must_reread(
     return bool(dead) and _counters_stale(view, settings, now)
 
 
-def _publish(view: NodeView, sanitized: RendezvousState, dead: frozenset[NodeDesc]) -> Write:
+def _publish(
+    view: NodeView, sanitized: RendezvousState, dead: frozenset[NodeDesc], settings: Settings
+) -> Write:
     """Write the removal of ``dead`` so that every node converges on it at once."""
-    return Write(split_heartbeats(sanitized, view.merged, view.blob), None, dead)
+    return _phased(sanitized, view.state, settings)._replace(dead=dead)
+
+
+_ADMISSIONS = frozenset(
+    {Action.ADD_TO_PARTICIPANTS, Action.ADD_TO_WAIT_LIST, Action.ADD_TO_REDUNDANCY_LIST}
+)
+#: A joiner admitted on another node's behalf has no deadline the admitter knows.
+_NO_DEADLINE = float("inf")
+
+
+def _admit_batch(
+    view: NodeView,
+    node: NodeDesc,
+    settings: Settings,
+    op: Operator,
+    state: RendezvousState,
+    now: float,
+) -> tuple[RendezvousState, tuple[NodeDesc, ...]]:
+    """``state`` (this node's own admission applied) with every joiner of the intent
+    log past the cursor, and every waiting node, admitted as the join operator
+    decides for it; the cursor moves past the log."""
+    log = view.intents or ()
+    pending = {n for n in log[state.intent_cursor :] if n != node}
+    if not state.complete:
+        pending.update(n for n in state.wait_list if n != node)
+    admitted = []
+    obs = view.observations
+    for other in sorted(pending):
+        if other in state.redundancy_list:
+            continue
+        ctx = Context(other, state, settings, now, obs)
+        action = op(ctx, _NO_DEADLINE)
+        if action in _ADMISSIONS:
+            state = apply(state, action, ctx)
+            admitted.append(other)
+    if len(log) > state.intent_cursor:
+        state = state.evolve(intent_cursor=len(log))
+    return state, tuple(admitted)
 
 
 def decide(
@@ -271,24 +399,36 @@ def decide(
     """The next instruction of ``node`` running ``op`` (with ``deadline``) at
     local time ``now``."""
     if view.stale:
-        return Decision(Read(_counters_stale(view, settings, now)), None, view.merged, frozenset())
-    obs = view.observations
-    sanitized, dead = sanitize(view.merged, obs, settings, now)
+        read = Read(_counters_due(view, settings, now))
+        return Decision(read, None, view.state, frozenset())
+    sanitized, dead = sanitize(view.state, view.observations, settings, now, node)
     if _must_reread(view, dead, settings, now):
         return Decision(Read(True), None, sanitized, frozenset())
-    ctx = Context(node, sanitized, settings, now, obs)
+    ctx = Context(node, sanitized, settings, now, view.observations)
     action = op(ctx, deadline)
     if action.is_terminal or action is Action.SYNC:
         if dead:
-            return Decision(_publish(view, sanitized, dead), action, sanitized, dead)
+            return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
         if action is Action.SYNC:
-            return Decision(Wait(wake_at(ctx, deadline)), action, sanitized, dead)
+            wait = Wait(wake_at(ctx, deadline), view.state.phase)
+            return Decision(wait, action, sanitized, dead)
         return Decision(_done(node, op, action, sanitized), action, sanitized, dead)
-    if action is Action.KEEP_ALIVE and not dead and node in view.blob.heartbeats:
+    if action is Action.KEEP_ALIVE and not dead and node in view.state.heartbeats:
         return Decision(Beat(), action, sanitized, dead)
+    admitted: tuple[NodeDesc, ...] = ()
     new = apply(sanitized, action, ctx)
+    if action in _ADMISSIONS and view.contended:
+        # Others are joining too: join through the intent log, and admit them all.
+        if view.announced != sanitized.round:
+            return Decision(Announce(sanitized.round), action, sanitized, dead)
+        if view.intents_round != view.state.round:
+            # The state in the view is current (a lost CAS just returned it).
+            read = Read(False, intents=True, state=False)
+            return Decision(read, action, sanitized, dead)
+        new, admitted = _admit_batch(view, node, settings, op, new, now)
     reset = now + settings.join_timeout if action.resets_deadline else None
-    write = Write(split_heartbeats(new, view.merged, view.blob), action, dead, reset)
+    write = _phased(new, view.state, settings)
+    write = write._replace(action=action, dead=dead, deadline=reset, admitted=admitted)
     return Decision(write, action, sanitized, dead)
 
 
@@ -316,12 +456,12 @@ def monitor(
     The agent regroups on a verdict with waiting nodes or lost participants.
     """
     if view.stale:
-        return Decision(Read(_counters_stale(view, settings, now)), None, view.merged, frozenset())
-    sanitized, dead = sanitize(view.merged, view.observations, settings, now)
+        return Decision(Read(_counters_due(view, settings, now)), None, view.state, frozenset())
+    sanitized, dead = sanitize(view.state, view.observations, settings, now, node)
     if _must_reread(view, dead, settings, now):
         return Decision(Read(True), None, sanitized, frozenset())
     if dead:
-        return Decision(_publish(view, sanitized, dead), None, sanitized, dead)
+        return Decision(_publish(view, sanitized, dead, settings), None, sanitized, dead)
     lost: frozenset[NodeDesc] = frozenset()
     if joined is not None:
         if sanitized.round != joined.round:

@@ -6,18 +6,18 @@ records, on its own monotonic clock, when it first saw each counter value
 liveness window is dead to it (:func:`dead_nodes`), and :func:`sanitize` removes
 the dead from the state before a decision.
 
-The heartbeat merge rule lives here too. A backend keeps two counters per node:
-the one in the state blob (bumped by the core's own join actions, rewritten with
-the blob) and a *side* counter under the node's own key (bumped by a keep-alive
-without rewriting the O(n) blob). The core decides on one counter per node,
-``blob << 32 | side`` (:func:`merge_heartbeats`): it moves whenever either part
-moves. :func:`split_heartbeats` maps a state the core derived back to the blob to
-store.
+A member has two counters: the one in the state (bumped by the core's own join
+actions, written with the state) and a *side* counter under the node's own key
+(bumped by a keep-alive without rewriting the O(n) state). A sighting watches the
+pair, folded into one integer (``state << 32 | side``): the node is alive while
+either part moves. Sightings are taken when the side counters are read (at most
+every quarter keep-alive interval, and always before a death is declared), and for
+the observer itself whenever its own counter moves (:func:`observe_own`); reading
+the state alone costs no per-node work.
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 
 from immutables import Map
@@ -35,91 +35,67 @@ from .state import (
 __all__ = [
     "SIDE_BITS",
     "dead_nodes",
-    "merge_heartbeats",
+    "heartbeat_of",
     "observe",
+    "observe_own",
     "sanitize",
-    "split_heartbeats",
 ]
 
-_SINCE = operator.itemgetter(1)  # HeartbeatSighting.since, read in C
-
-#: Bits of the merged counter that hold the backend (side) counter.
+#: Bits of a sighting's counter that hold the side counter.
 SIDE_BITS = 32
 _SIDE_MASK = (1 << SIDE_BITS) - 1
 
 
-def merge_heartbeats(blob: RendezvousState, side: Mapping[NodeDesc, int]) -> RendezvousState:
-    """The state the core decides on: each member's counter is ``blob << 32 | side``.
-
-    The merged ``heartbeat_seq`` lies above every merged counter of the blob's
-    sequence, so a counter the core hands out to a new entry is new in both parts.
-    """
-    merged = {
-        node: (counter << SIDE_BITS) | (side.get(node, 0) & _SIDE_MASK)
-        for node, counter in blob.heartbeats.items()
-    }
-    return blob.evolve(
-        heartbeats=Map(merged), heartbeat_seq=(blob.heartbeat_seq << SIDE_BITS) | _SIDE_MASK
-    )
+def heartbeat_of(state_counter: int, side_counter: int) -> int:
+    """The counter a sighting watches: it moves whenever either part moves."""
+    return (state_counter << SIDE_BITS) | (side_counter & _SIDE_MASK)
 
 
-def split_heartbeats(
-    new: RendezvousState, base_merged: RendezvousState, base_blob: RendezvousState
-) -> RendezvousState:
-    """The blob to store for ``new``, a state the core derived from ``base_merged``
-    (which :func:`merge_heartbeats` made from ``base_blob``).
-
-    A member whose merged counter the core left alone keeps its blob counter; one
-    whose counter the core changed (a join action's heartbeat, a new entry) gets a
-    blob counter above every one handed out before (``heartbeat_seq + 1``), so it
-    moves, and an entry that comes back after a removal never repeats a value an
-    observer may still hold.
-    """
-    bumped = base_blob.heartbeat_seq + 1
-    counters = {}
-    any_bumped = False
-    for node, counter in new.heartbeats.items():
-        if base_merged.heartbeats.get(node) == counter and node in base_blob.heartbeats:
-            counters[node] = base_blob.heartbeats[node]
-        else:
-            counters[node] = bumped
-            any_bumped = True
-    return new.evolve(
-        heartbeats=Map(counters),
-        heartbeat_seq=bumped if any_bumped else base_blob.heartbeat_seq,
-    )
+def _oldest(sightings: Map[NodeDesc, HeartbeatSighting]) -> float | None:
+    return min((s.since for s in sightings.values()), default=None)
 
 
-def observe(observations: Observations, state: RendezvousState, now: float) -> Observations:
+def observe(
+    observations: Observations,
+    state: RendezvousState,
+    now: float,
+    side: Mapping[NodeDesc, int] | None = None,
+    *,
+    counters: bool = True,
+) -> Observations:
     """Record what a freshly read (or written) ``state`` shows, at local time ``now``.
 
-    A heartbeat counter that differs from the last value seen (or is new) restarts
-    its node's liveness timer; nodes no longer in the state are forgotten. A newly
-    armed last call starts this node's last-call timer.
+    With ``counters`` (the default), ``side`` holds the side counters read with the
+    state (None: there are none, and the state's counters are watched alone): a
+    member whose counter pair differs from the last one seen (or is new) restarts
+    its liveness timer, and nodes no longer in the state are forgotten. Without
+    ``counters`` (the state was read alone), only the last call is observed. A
+    newly armed last call starts this node's last-call timer.
     """
     seen = observations.heartbeats
     updated = seen
-    counters = state.heartbeats
-    source = observations.source
-    items = observations.source_items
-    oldest = observations.oldest
-    if source is not counters and source != counters:
-        items = frozenset(counters.items())
-        if source is None:  # sightings not made by observe(): compare counter by counter
-            changed = frozenset((n, c) for n, c in items if n not in seen or seen[n].counter != c)
-        else:
-            changed = items - observations.source_items
-        if changed or len(seen) != len(counters):
-            with seen.mutate() as mutable:
-                for node, counter in changed:
-                    mutable[node] = HeartbeatSighting(counter, now)
-                if len(mutable) != len(counters):  # some nodes left the state
-                    for node in seen:
-                        if node not in counters:
-                            del mutable[node]
-                updated = mutable.finish()
+    source, source_side, oldest = observations.source, observations.source_side, observations.oldest
+    counts = state.heartbeats
+    if counters and (source is not counts or source_side is not side):
+        changed = False
+        mutable = seen.mutate()
+        for node, counter in counts.items():
+            value = counter if side is None else heartbeat_of(counter, side.get(node, 0))
+            sighting = seen.get(node)
+            if sighting is None or sighting.counter != value:
+                mutable[node] = HeartbeatSighting(value, now)
+                changed = True
+        if len(mutable) != len(counts):  # some nodes left the state
+            for node in seen:
+                if node not in counts:
+                    del mutable[node]
+                    changed = True
+        finished = mutable.finish()
+        if changed:
+            updated = finished
         if updated is not seen:
-            oldest = min(map(_SINCE, updated.values()), default=None)
+            oldest = _oldest(updated)
+        source, source_side = counts, side
 
     last_call = observations.last_call
     if state.last_call is None:
@@ -130,18 +106,63 @@ def observe(observations: Observations, state: RendezvousState, now: float) -> O
     ):
         last_call = LastCallSighting(state.round, state.last_call, now)
 
-    if updated is seen and last_call is observations.last_call and source is counters:
+    if (
+        updated is seen
+        and last_call is observations.last_call
+        and source is observations.source
+        and source_side is observations.source_side
+    ):
         return observations
     return Observations(
-        heartbeats=updated, last_call=last_call, source=counters, source_items=items, oldest=oldest
+        heartbeats=updated,
+        last_call=last_call,
+        source=source,
+        source_side=source_side,
+        oldest=oldest,
+    )
+
+
+def observe_own(
+    observations: Observations, node: NodeDesc, counter: int | None, now: float
+) -> Observations:
+    """Record that this node's own counter pair is now ``counter`` (None: it has no
+    entry any more): its keep-alive timer restarts when the counter moved."""
+    seen = observations.heartbeats
+    sighting = seen.get(node)
+    if counter is None:
+        if sighting is None:
+            return observations
+        updated = seen.delete(node)
+    elif sighting is not None and sighting.counter == counter:
+        return observations
+    else:
+        updated = seen.set(node, HeartbeatSighting(counter, now))
+    oldest = observations.oldest
+    if (sighting is not None and sighting.since == oldest) or oldest is None:
+        oldest = _oldest(updated)
+    return Observations(
+        heartbeats=updated,
+        last_call=observations.last_call,
+        source=observations.source,
+        source_side=observations.source_side,
+        oldest=oldest,
     )
 
 
 def dead_nodes(
-    state: RendezvousState, observations: Observations, settings: Settings, now: float
+    state: RendezvousState,
+    observations: Observations,
+    settings: Settings,
+    now: float,
+    observer: NodeDesc | None = None,
 ) -> frozenset[NodeDesc]:
     """Nodes whose heartbeat counter this observer has not seen move for the
-    liveness window (``keep_alive_interval * keep_alive_max_attempt``)."""
+    liveness window (``keep_alive_interval * keep_alive_max_attempt``).
+
+    Never the ``observer`` itself: a node that finds its own counter silent (it
+    could not beat, e.g. while the backend was down) is alive and beats now; its
+    peers judge it by their own sightings.
+    """
     window = settings.liveness_window
     oldest = observations.oldest
     if oldest is None or now - oldest <= window:
@@ -151,18 +172,23 @@ def dead_nodes(
         for node in state.heartbeats
         if (sighting := observations.heartbeats.get(node)) is not None
         and now - sighting.since > window
+        and node != observer
     )
 
 
 def sanitize(
-    state: RendezvousState, observations: Observations, settings: Settings, now: float
+    state: RendezvousState,
+    observations: Observations,
+    settings: Settings,
+    now: float,
+    observer: NodeDesc | None = None,
 ) -> tuple[RendezvousState, frozenset[NodeDesc]]:
     """Remove the nodes this observer considers dead; return the new state and them.
 
     Call :func:`observe` first, so that every node has a sighting: a node never seen
-    is never declared dead.
+    is never declared dead, and neither is the ``observer`` (see :func:`dead_nodes`).
     """
-    dead = dead_nodes(state, observations, settings, now)
+    dead = dead_nodes(state, observations, settings, now, observer)
     if not dead:
         return state, dead
     participant_removed = any(node in state.participants for node in dead)

@@ -58,6 +58,19 @@ class NodeDesc(NamedTuple):
     def __str__(self) -> str:
         return f"{self.addr}_{self.pid}_{self.local_id}"
 
+    @classmethod
+    def parse(cls, text: str) -> NodeDesc:
+        """The node whose ``str()`` is ``text``.
+
+        Raises:
+            ValueError: ``text`` is not ``<addr>_<pid>_<local_id>``.
+        """
+        addr, _, rest = text.rpartition("_")
+        addr, _, pid = addr.rpartition("_")
+        if not addr or not pid.isdigit() or not rest.isdigit():
+            raise ValueError(f"{text[:100]!r} is not a node name (<addr>_<pid>_<local_id>)")
+        return cls(addr, int(pid), int(rest))
+
 
 def _is_seconds(value: object) -> bool:
     """A finite real number (bools are ints in Python, but never durations)."""
@@ -159,6 +172,11 @@ class RendezvousState:
             (re)gets a heartbeat entry starts above it, so its counter never repeats
             a value an observer may still hold from an earlier membership (an
             observer that missed the removal would otherwise see "no movement").
+        phase: a number that grows by one with every write that changes what a
+            waiting node decides on (see :func:`rallypoint.core.driver.phase_of`):
+            waiters wait for the phase, not for every write (DESIGN.md decision 8).
+        intent_cursor: how many entries of this round's intent log (joiners that
+            announced themselves) were already admitted; a new round starts at 0.
     """
 
     round: int = 0
@@ -173,6 +191,8 @@ class RendezvousState:
     last_call_seq: int = 0
     last_ranks: Map[NodeDesc, int] = field(default_factory=Map)
     heartbeat_seq: int = 0
+    phase: int = 0
+    intent_cursor: int = 0
 
     def __post_init__(self) -> None:
         # Accept plain dicts/sets from callers; store immutable, hashable forms.
@@ -233,18 +253,17 @@ class LastCallSighting(NamedTuple):
 class Observations:
     """One node's private record of what it saw, timed on its own monotonic clock.
 
-    Built and updated only by :func:`rallypoint.core.observe`; never shared.
+    Built and updated only by :func:`rallypoint.core.observe`; never shared. A
+    heartbeat sighting's counter is the pair (state counter, side counter) folded
+    into one integer (see :mod:`rallypoint.core.liveness`).
     """
 
     heartbeats: Map[NodeDesc, HeartbeatSighting] = field(default_factory=Map)
     last_call: LastCallSighting | None = None
-    #: The heartbeat counters these sightings were taken from, and their items:
-    #: observing the next state then costs a C-level comparison or set difference
-    #: instead of a Python loop over every node.
+    #: The state counters and side counters the sightings were last taken from:
+    #: observing them again costs one identity comparison.
     source: Map[NodeDesc, int] | None = field(default=None, compare=False, repr=False)
-    source_items: frozenset[tuple[NodeDesc, int]] = field(
-        default=frozenset(), compare=False, repr=False
-    )
+    source_side: object = field(default=None, compare=False, repr=False)
     #: The earliest ``since`` of all heartbeat sightings (None: no sightings), so
     #: that "is anybody dead?" is one comparison.
     oldest: float | None = field(default=None, compare=False, repr=False)

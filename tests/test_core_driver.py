@@ -6,28 +6,30 @@ from core_scenarios import FAR, joined, node, settings, step
 from immutables import Map
 
 from rallypoint.core import (
-    SIDE_BITS,
     Action,
+    Announce,
     Beat,
     CloseOp,
     Done,
     ExitOp,
     JoinOp,
     KeepAliveOp,
+    NodeDesc,
     NodeView,
     Read,
     RendezvousState,
     Verdict,
     Wait,
     Write,
+    after_announce,
     after_beat,
     after_read,
     after_wait,
     after_write,
     decide,
-    merge_heartbeats,
+    heartbeat_of,
     monitor,
-    split_heartbeats,
+    phase_of,
 )
 
 S = settings(2, 3)  # keep-alive 1 s, liveness window 3 s, last call 10 s
@@ -37,22 +39,33 @@ def _counters(state: RendezvousState, value: int = 0) -> dict:
     return dict.fromkeys(state.heartbeats, value)
 
 
-def _view(state: RendezvousState, now: float = 0.0, counters: dict | None = None) -> NodeView:
-    """A view that read ``state`` and its counters at ``now``."""
-    return after_read(NodeView(), state, _counters(state) if counters is None else counters, now)
+def _view(
+    state: RendezvousState,
+    now: float = 0.0,
+    counters: dict | None = None,
+    me: NodeDesc | None = None,
+) -> NodeView:
+    """A view (of node ``me``, default node(0)) that read ``state`` and its counters
+    at ``now``."""
+    side = _counters(state) if counters is None else counters
+    return after_read(NodeView(), me or node(0), state, side, now)
 
 
-def test_a_new_view_reads_first_and_asks_for_the_counters() -> None:
+def test_a_new_view_reads_the_state_first_without_the_counters() -> None:
     d = decide(NodeView(), node(0), S, JoinOp(), FAR, 0.0)
-    assert d.instruction == Read(True)
+    assert d.instruction == Read(False)
     assert d.action is None
 
 
-def test_after_a_wait_the_node_reads_again_and_counters_only_when_old() -> None:
-    view = _view(RendezvousState(), now=0.0)
+def test_routine_reads_fetch_the_counters_every_half_liveness_window() -> None:
+    view = _view(RendezvousState(), now=0.0)  # read with counters at 0
     waited = after_wait(view)
-    assert decide(waited, node(0), S, JoinOp(), FAR, 0.1).instruction == Read(False)
-    assert decide(waited, node(0), S, JoinOp(), FAR, 0.3).instruction == Read(True)
+    assert decide(waited, node(0), S, JoinOp(), FAR, 1.5).instruction == Read(False)
+    assert decide(waited, node(0), S, JoinOp(), FAR, 1.6).instruction == Read(True)
+    # A view that never read counters counts from its first read.
+    first = after_wait(after_read(NodeView(), node(0), RendezvousState(), None, 10.0))
+    assert decide(first, node(0), S, JoinOp(), FAR, 11.0).instruction == Read(False)
+    assert decide(first, node(0), S, JoinOp(), FAR, 11.6).instruction == Read(True)
 
 
 def test_join_writes_the_core_action_in_blob_form() -> None:
@@ -69,27 +82,27 @@ def test_a_write_win_then_sync_waits_until_the_next_local_timer() -> None:
     view = _view(RendezvousState(), now=0.0)
     write = decide(view, node(0), S, JoinOp(), FAR, 0.0).instruction
     assert isinstance(write, Write)
-    view = after_write(view, True, write.state, 0.0)
+    view = after_write(view, node(0), True, write.state, 0.0)
     d = decide(view, node(0), S, JoinOp(), FAR, 0.0)
     # Alone below min_nodes: wait for a change or the own keep-alive (1 s).
-    assert d.instruction == Wait(1.0)
+    assert d.instruction == Wait(1.0, view.state.phase)
 
 
 def test_a_due_keep_alive_of_a_member_beats_instead_of_rewriting_the_blob() -> None:
     state = joined([node(0)], S)
     view = _view(state, now=0.0)
     assert decide(view, node(0), S, KeepAliveOp(), FAR, 0.5).instruction == Done(
-        Action.FINISH, view.merged
+        Action.FINISH, view.state
     )
     assert decide(view, node(0), S, KeepAliveOp(), FAR, 1.0).instruction == Beat()
 
 
-def test_a_beat_moves_the_merged_counter_and_restarts_the_own_timer() -> None:
+def test_a_beat_moves_the_watched_counter_and_restarts_the_own_timer() -> None:
     state = joined([node(0)], S)
     view = _view(state, now=0.0)
-    before = view.merged.heartbeats[node(0)]
+    before = view.observations.heartbeats[node(0)].counter
     beaten = after_beat(view, node(0), 1, 1.0)
-    assert beaten.merged.heartbeats[node(0)] == before + 1
+    assert beaten.observations.heartbeats[node(0)].counter == before + 1
     assert beaten.observations.heartbeats[node(0)].since == 1.0
     assert decide(beaten, node(0), S, KeepAliveOp(), FAR, 1.5).instruction.action is Action.FINISH
 
@@ -107,7 +120,7 @@ def test_a_peer_whose_counter_moved_meanwhile_is_alive() -> None:
     state = joined([node(0), node(1)], S)
     view = _view(state, now=0.0)
     view = after_beat(view, node(0), 5, 4.9)  # our own beat keeps us fresh
-    fresh = after_read(view, state, {node(0): 5, node(1): 7}, 5.0)
+    fresh = after_read(view, node(0), state, {node(0): 5, node(1): 7}, 5.0)
     d = decide(fresh, node(0), S, JoinOp(), FAR, 5.0)
     assert d.dead == frozenset()
     assert not isinstance(d.instruction, Write) or not d.instruction.dead
@@ -116,7 +129,7 @@ def test_a_peer_whose_counter_moved_meanwhile_is_alive() -> None:
 def test_dead_peers_found_on_fresh_counters_are_published_even_when_the_op_waits() -> None:
     state = joined([node(0), node(1)], S)
     view = _view(state, now=0.0)
-    view = after_read(view, state, {node(0): 3, node(1): 0}, 5.0)  # node(0) moved at 5
+    view = after_read(view, node(0), state, {node(0): 3, node(1): 0}, 5.0)  # node(0) moved at 5
     d = decide(view, node(0), S, JoinOp(), FAR, 5.0)
     assert d.action is Action.SYNC
     assert isinstance(d.instruction, Write)
@@ -127,35 +140,92 @@ def test_dead_peers_found_on_fresh_counters_are_published_even_when_the_op_waits
 
 def test_dead_peers_are_published_before_a_terminal_answer() -> None:
     state = joined([node(0), node(1)], S)
-    view = after_read(_view(state), state, {node(0): 3, node(1): 0}, 5.0)
+    view = after_read(_view(state), node(0), state, {node(0): 3, node(1): 0}, 5.0)
     d = decide(view, node(0), S, CloseOp(), 0.0, 5.0)  # close timed out
     assert d.action is Action.ERROR_TIMEOUT
     assert isinstance(d.instruction, Write) and d.instruction.dead == {node(1)}
 
 
-def test_split_keeps_untouched_counters_and_bumps_changed_ones_above_every_other() -> None:
-    blob = joined([node(0), node(1)], S)
-    merged = merge_heartbeats(blob, {node(0): 4, node(1): 9})
-    assert merged.heartbeats[node(1)] == (blob.heartbeats[node(1)] << SIDE_BITS) | 9
-    changed = merged.evolve(heartbeats=merged.heartbeats.set(node(0), 12345))
-    out = split_heartbeats(changed, merged, blob)
-    assert out.heartbeats[node(1)] == blob.heartbeats[node(1)]
-    assert out.heartbeats[node(0)] == blob.heartbeat_seq + 1 == out.heartbeat_seq
-
-
-def test_a_rejoining_node_never_repeats_a_merged_counter() -> None:
+def test_a_rejoining_node_never_repeats_a_watched_counter() -> None:
     """Leave and rejoin without beating in between: an observer that missed both
     must still see the counter move (the side counter did not)."""
     first = joined([node(0), node(1)], S)
-    seen = merge_heartbeats(first, {node(1): 2}).heartbeats[node(1)]
-    view = _view(first, counters={node(0): 0, node(1): 2})
+    seen = heartbeat_of(first.heartbeats[node(1)], 2)
+    view = _view(first, counters={node(0): 0, node(1): 2}, me=node(1))
     exit_write = decide(view, node(1), S, ExitOp(), FAR, 0.0).instruction
     assert isinstance(exit_write, Write)
-    left = after_write(view, True, exit_write.state, 0.0)
+    left = after_write(view, node(1), True, exit_write.state, 0.0)
     join_write = decide(left, node(1), S, JoinOp(), FAR, 0.0).instruction
     assert isinstance(join_write, Write)
-    back = merge_heartbeats(join_write.state, {node(1): 2}).heartbeats[node(1)]
-    assert back != seen
+    assert heartbeat_of(join_write.state.heartbeats[node(1)], 2) != seen
+
+
+def test_only_a_write_that_changes_what_waiters_decide_on_publishes_a_phase() -> None:
+    s = settings(3, 5)
+    state = joined([node(0)], s)
+    view = _view(state, me=node(1))
+    second = decide(view, node(1), s, JoinOp(), FAR, 0.0).instruction
+    # One more participant below min_nodes: nobody waiting decides differently.
+    assert isinstance(second, Write) and second.phase is None
+    assert second.state.phase == state.phase
+    view = after_write(view, node(1), True, second.state, 0.0)
+    third = decide(_view(second.state, me=node(2)), node(2), s, JoinOp(), FAR, 0.0).instruction
+    # The third arms the last call: every participant must start its timer.
+    assert isinstance(third, Write) and third.state.last_call is not None
+    assert third.phase == third.state.phase == state.phase + 1
+    assert phase_of(third.state, s) != phase_of(second.state, s)
+
+
+def test_a_waiting_node_waits_for_the_phase_it_read() -> None:
+    state = joined([node(0), node(1)], settings(3, 5)).evolve(phase=7)
+    d = decide(_view(state), node(0), settings(3, 5), JoinOp(), FAR, 0.0)
+    assert isinstance(d.instruction, Wait) and d.instruction.phase == 7
+
+
+def test_a_contended_joiner_announces_then_admits_every_logged_joiner_in_one_write() -> None:
+    s = settings(2, 5)
+    state = joined([node(0)], s)
+    view = _view(state, me=node(3))
+    first = decide(view, node(3), s, JoinOp(), FAR, 0.0).instruction
+    assert isinstance(first, Write)
+    # The CAS lost: another joiner wrote first (same state, for the test).
+    lost = after_write(view, node(3), False, state, 0.0)
+    assert decide(lost, node(3), s, JoinOp(), FAR, 0.0).instruction == Announce(0)
+    announced = after_announce(lost, 0)
+    read = decide(announced, node(3), s, JoinOp(), FAR, 0.0).instruction
+    # The lost CAS returned the current state: read only the intent log.
+    assert read == Read(False, intents=True, state=False)
+    log = [node(2), node(3), node(1), node(2)]
+    with_log = after_read(announced, node(3), state, None, 0.0, log)
+    d = decide(with_log, node(3), s, JoinOp(), FAR, 0.0)
+    write = d.instruction
+    assert isinstance(write, Write) and write.action is Action.ADD_TO_PARTICIPANTS
+    assert set(write.admitted) == {node(1), node(2)}
+    assert set(write.state.participants) == {node(0), node(1), node(2), node(3)}
+    assert write.state.intent_cursor == len(log)
+    # The batch armed the last call: a new phase for the waiters.
+    assert write.phase == state.phase + 1
+    # A later batch starts past the cursor: nobody is admitted twice.
+    later = after_read(NodeView(), node(4), write.state, {}, 0.0, [*log, node(5), node(4)])
+    later = after_announce(later._replace(contended=True), 0)
+    later = after_read(later, node(4), write.state, {}, 0.0, [*log, node(5), node(4)])
+    batch = decide(later, node(4), s, JoinOp(), FAR, 0.0).instruction
+    assert isinstance(batch, Write) and batch.admitted == (node(5),)
+    assert batch.state.intent_cursor == len(log) + 2
+
+
+def test_a_batch_stops_admitting_participants_at_max_nodes() -> None:
+    s = settings(2, 3)
+    state = RendezvousState()
+    view = after_write(_view(state, me=node(0)), node(0), False, state, 0.0)
+    view = after_announce(view, 0)
+    view = after_read(view, node(0), state, None, 0.0, [node(1), node(2), node(3), node(4)])
+    write = decide(view, node(0), s, JoinOp(), FAR, 0.0).instruction
+    assert isinstance(write, Write)
+    final = write.state
+    assert final.complete and set(final.participants) == {node(0), node(1), node(2)}
+    # The round filled: the rest stand by as torch's join rule says.
+    assert final.redundancy_list == {node(3), node(4)}
 
 
 def test_a_finished_join_reports_its_membership() -> None:
@@ -204,10 +274,10 @@ def test_monitor_publishes_a_dead_participant_then_reports_it_lost() -> None:
     membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).instruction.joined
     assert membership is not None
     # node(0) and node(2) moved at t=5, node(1) stood still since t=0.
-    view = after_read(_view(state), state, {node(0): 3, node(1): 0, node(2): 4}, 5.0)
+    view = after_read(_view(state), node(0), state, {node(0): 3, node(1): 0, node(2): 4}, 5.0)
     d = monitor(view, node(0), S, membership, 5.0)
     assert isinstance(d.instruction, Write) and d.instruction.dead == {node(1)}
-    after = after_write(view, True, d.instruction.state, 5.0)
+    after = after_write(view, node(0), True, d.instruction.state, 5.0)
     verdict = monitor(after, node(0), S, membership, 5.0).instruction
     assert verdict == Verdict(0, frozenset({node(1)}))
 

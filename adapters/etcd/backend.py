@@ -2,24 +2,37 @@
 
 Key layout under ``<prefix>/<run_id>/`` (default prefix ``/rallypoint``):
 
-===================  =========================================================
-key                  value
-===================  =========================================================
-``state``            the state blob; its ``mod_revision`` is the fencing token.
-                     A write is one txn: ``mod_revision(state) == token`` (or
-                     ``version(state) == 0`` to create) then put, else get, so a
-                     lost write returns the current state in the same round trip.
-``hb/<node>``        the node's heartbeat counter (decimal); each node writes only
-                     its own key, so a put is a safe O(1) increment.
-``kv/<key>``         the keys of :class:`EtcdStore`, the torch Store handed to
-                     the agent (per-round namespaces, bootstrap addresses).
-===================  =========================================================
+====================  =========================================================
+key                   value
+====================  =========================================================
+``state``             the state blob; its ``mod_revision`` is the fencing token.
+                      A write is one txn: ``mod_revision(state) == token`` (or
+                      ``version(state) == 0`` to create) then put, else get, so a
+                      lost write returns the current state in the same round trip.
+``phase``             the highest published phase (decimal), put in the same txn
+                      as the state (with the same lease), only by a write that
+                      carries a phase: a write that changes nothing a waiting node
+                      cares about leaves it alone and wakes nobody (DESIGN
+                      decision 8). Waiters watch this key, not ``state``.
+``intents/<round>/``  the intent log of ``round``: one key per entry (a random
+                      suffix, so duplicates are kept), value = the entry, read in
+                      one prefix get sorted by create revision, i.e. commit order.
+                      The winner of the next state write admits every intent
+                      logged so far, in one batch.
+``hb/<node>``         the node's heartbeat counter (decimal); each node writes only
+                      its own key, so a put is a safe O(1) increment.
+``kv/<key>``          the keys of :class:`EtcdStore`, the torch Store handed to
+                      the agent (per-round namespaces, bootstrap addresses).
+====================  =========================================================
 
 Waiting is an etcd watch on ``state`` starting at ``token + 1``: no event is
 missed between the read and the watch, and a waiter wakes as soon as the next
-write commits. With ``ttl``, every state write attaches a fresh lease of ``ttl``
-seconds and heartbeats refresh it: a run's state disappears ``ttl`` seconds after
-its last node went silent (torch's etcd backend has the same option).
+write commits. Waiting for a phase reads ``phase`` and watches it from the read's
+revision + 1, ignoring puts of a phase not above the one waited on.
+
+With ``ttl``, every state write attaches a fresh lease of ``ttl`` seconds (to
+``phase`` too) and heartbeats refresh it: a run's state disappears ``ttl`` seconds
+after its last node went silent (torch's etcd backend has the same option).
 
 The client is duck-typed on the python-etcd3 API (``get``, ``get_response``,
 ``put``, ``transaction``, ``transactions``, ``add_watch_callback``,
@@ -30,12 +43,13 @@ The client is duck-typed on the python-etcd3 API (``get``, ``get_response``,
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
-from ..backend import BackendStats, Token
-from ..errors import RendezvousConnectionError, describe
+from ..backend import BackendStats, Token, check_intent_entry
+from ..errors import RendezvousConnectionError, RendezvousStateError, describe
 
 __all__ = ["EtcdBackend"]
 
@@ -88,6 +102,7 @@ class EtcdBackend:
         self._name = name
         self._root = f"{key_prefix.rstrip('/')}/{run_id}/"
         self._key = self._root + "state"
+        self._phase_key = self._root + "phase"
         self._ttl = None if ttl is None else max(1, int(ttl))
         self._lease_id: int | None = None
         self._counters: dict[str, int] = {}
@@ -153,7 +168,13 @@ class EtcdBackend:
         self._lease_id = getattr(meta, "lease_id", None) or None
         return bytes(value), int(meta.mod_revision)
 
-    def set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None, phase: int | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """One txn: compare the token, then put the state (and, with ``phase``, the
+        ``phase`` key: both or neither), else get the state."""
+        if phase is not None and phase < 0:
+            raise ValueError(f"phase must be a non-negative integer, got {phase}")
         tx = self._client.transactions
         if token is None:
             compare = [tx.version(self._key) == 0]
@@ -162,13 +183,17 @@ class EtcdBackend:
         lease = None
         if self._ttl is not None:
             lease = self.call(lambda: self._client.lease(self._ttl), written=8)
+        success = [tx.put(self._key, bytes(state), lease)]
+        written = len(self._key) * 2 + len(state)
+        if phase is not None:
+            value = str(phase).encode()
+            success.append(tx.put(self._phase_key, value, lease))
+            written += len(self._phase_key) + len(value)
         ok, responses = self.call(
             lambda: self._client.transaction(
-                compare=compare,
-                success=[tx.put(self._key, bytes(state), lease)],
-                failure=[tx.get(self._key)],
+                compare=compare, success=success, failure=[tx.get(self._key)]
             ),
-            written=len(self._key) * 2 + len(state),
+            written=written,
         )
         if ok:
             if lease is not None:
@@ -191,9 +216,51 @@ class EtcdBackend:
             start = int(token) + 1
         return self.watch(self._key, start, timeout)
 
-    def watch(self, key: str, start_revision: int, timeout: float) -> bool:
+    def _phase_of(self, value: bytes) -> int:
+        text = bytes(value)
+        if not text.isdigit():
+            raise RendezvousStateError(
+                describe(
+                    "the rendezvous phase key holds a value rallypoint did not write",
+                    run_id=self._run_id,
+                    endpoint=self._endpoint,
+                    check="that no other program uses the same etcd prefix and run id",
+                )
+            )
+        return int(text)
+
+    def wait_for_phase(self, phase: int, timeout: float) -> bool:
+        response = self.call(
+            lambda: self._client.get_response(self._phase_key), written=len(self._phase_key)
+        )
+        if response.count > 0:
+            value = bytes(response.kvs[0].value)
+            self._read_bytes(len(value))
+            if self._phase_of(value) > phase:
+                return True
+        start = int(response.header.revision) + 1
+
+        def above(event: Any) -> bool:
+            # A put of a phase not above ``phase`` (a writer repeating the current
+            # phase) is not what we wait for; a delete (the lease expired: its value
+            # is empty) or anything unexpected is a change the caller must see.
+            value = getattr(event, "value", None)
+            if not isinstance(value, bytes) or not value.isdigit():
+                return True
+            return int(value) > phase
+
+        return self.watch(self._phase_key, start, timeout, accept=above)
+
+    def watch(
+        self,
+        key: str,
+        start_revision: int,
+        timeout: float,
+        accept: Callable[[Any], bool] | None = None,
+    ) -> bool:
         """Block until ``key`` changes at or after ``start_revision`` (True) or
-        ``timeout`` passes (False).
+        ``timeout`` passes (False). With ``accept``, only a watch response with an
+        event for which ``accept(event)`` is true counts as a change.
 
         A callback watch rather than ``watch_once``: when the server goes away, the
         client hands the stream error to the callback, which is reported as a
@@ -203,6 +270,10 @@ class EtcdBackend:
         box: list[object] = []
 
         def callback(response: object) -> None:
+            if accept is not None and not isinstance(response, BaseException):
+                events = getattr(response, "events", None) or []
+                if not any(accept(event) for event in events):
+                    return
             box.append(response)
             fired.set()
 
@@ -219,6 +290,32 @@ class EtcdBackend:
         if isinstance(box[0], BaseException):
             raise self.failure(box[0])
         return True
+
+    def _intents_prefix(self, round: int) -> str:
+        return f"{self._root}intents/{round}/"
+
+    def announce(self, round: int, entry: bytes) -> None:
+        """Put ``intents/<round>/<random suffix>`` = ``entry``: one put,
+        O(len(entry)) bytes; the suffix keeps repeated entries apart."""
+        entry = check_intent_entry(entry)
+        key = self._intents_prefix(round) + secrets.token_hex(8)
+        self.call(lambda: self._client.put(key, entry), written=len(key) + len(entry))
+
+    def intents(self, round: int) -> list[bytes]:
+        """One prefix get sorted by create revision: every put creates its key in
+        a revision of its own, so this is commit order."""
+        prefix = self._intents_prefix(round)
+        log: list[bytes] = []
+
+        def read() -> None:
+            for value, meta in self._client.get_prefix(
+                prefix, sort_order="ascend", sort_target="create"
+            ):
+                self._read_bytes(len(value) + len(meta.key))
+                log.append(bytes(value))
+
+        self.call(read, written=len(prefix))
+        return log
 
     def _hbkey(self, node: str) -> str:
         return f"{self._root}hb/{node}"
