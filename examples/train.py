@@ -137,6 +137,9 @@ def main() -> None:
                 f"({time.monotonic() - began:.2f} s on {world_size} workers)",
                 flush=True,
             )
+        # Leave together: a rank that tears gloo down while a peer still talks to it
+        # can abort in the transport's destructor.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
