@@ -324,12 +324,18 @@ class StateSync:
     def monitor(self, joined: Membership | None, max_age: float = 0.0) -> Verdict:
         """What a node whose workers run in ``joined`` must act on (see
         :func:`rallypoint.core.driver.monitor`), on a view at most ``max_age``
-        seconds old (the counters re-read with it).
+        seconds old.
 
         Raises:
             RendezvousConnectionError, RendezvousStateError: from the backend.
         """
-        self.refresh(max_age, counters=True)
+        # Reading is the driver's call (it asks for the counters when they are due,
+        # and always before it declares a participant dead): only mark the view
+        # stale when it is older than max_age.
+        with self._lock:
+            read_at = self._read_at
+        if read_at is None or self._clock() - read_at >= max_age:
+            self.invalidate()
         node, settings = self.node, self.settings
 
         def decide(view: NodeView, now: float) -> Decision:

@@ -81,12 +81,20 @@ __all__ = [
 
 
 class Membership(NamedTuple):
-    """What a node was told when its join returned: its round, rank and peers."""
+    """What a node was told when its join returned: its round, rank and peers.
+
+    ``participants`` is the round's node -> rank map, shared with the state it came
+    from (no copy per node); :attr:`members` gives its nodes as a set.
+    """
 
     round: int
     rank: int
     world_size: int
-    members: frozenset[NodeDesc]
+    participants: Map[NodeDesc, int]
+
+    @property
+    def members(self) -> frozenset[NodeDesc]:
+        return frozenset(self.participants)
 
 
 # -- instructions ----------------------------------------------------------------
@@ -422,8 +430,9 @@ def decide(
         if view.announced != sanitized.round:
             return Decision(Announce(sanitized.round), action, sanitized, dead)
         if view.intents_round != view.state.round:
-            # The state in the view is current (a lost CAS just returned it).
-            read = Read(False, intents=True, state=False)
+            # Read the state again with the log: the one the lost CAS returned is a
+            # round trip old, and a batch based on it loses to single joiners.
+            read = Read(_counters_due(view, settings, now), intents=True)
             return Decision(read, action, sanitized, dead)
         new, admitted = _admit_batch(view, node, settings, op, new, now)
     reset = now + settings.join_timeout if action.resets_deadline else None
@@ -436,10 +445,11 @@ def _done(node: NodeDesc, op: Operator, action: Action, state: RendezvousState) 
     if action is not Action.FINISH or not isinstance(op, JoinOp):
         return Done(action, state)
     ranks = state.participants
-    joined = Membership(state.round, ranks[node], state.world_size, frozenset(ranks))
+    joined = Membership(state.round, ranks[node], state.world_size, ranks)
     # The round completed, but its rank-0 node was declared dead before this node
-    # saw it complete: nobody can host the workers' store for it.
-    rejoin = 0 not in set(ranks.values())
+    # saw it complete: nobody can host the workers' store for it. (While nobody has
+    # left, ranks are exactly 0..world-1: no scan.)
+    rejoin = len(ranks) != state.world_size and 0 not in set(ranks.values())
     return Done(action, state, joined, rejoin)
 
 
@@ -464,9 +474,12 @@ def monitor(
         return Decision(_publish(view, sanitized, dead, settings), None, sanitized, dead)
     lost: frozenset[NodeDesc] = frozenset()
     if joined is not None:
+        now_in = sanitized.participants
         if sanitized.round != joined.round:
             lost = joined.members
-        else:
-            lost = joined.members.difference(sanitized.participants)
+        elif len(now_in) != joined.world_size or not sanitized.complete:
+            # Participants only leave a complete round: while the count holds,
+            # nobody left (no scan of the members).
+            lost = frozenset(n for n in joined.participants if n not in now_in)
     verdict = Verdict(len(sanitized.wait_list), lost)
     return Decision(verdict, None, sanitized, dead)

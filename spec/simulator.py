@@ -13,18 +13,26 @@ What is simulated:
   handler and the agent) does; the simulator decides nothing itself. It asks
   ``driver.decide`` (or ``driver.monitor``) for the next instruction, carries it
   out against the simulated backend, and feeds the result back with the
-  ``after_*`` functions::
+  ``after_*`` functions (looked up on the module at every call, so that a test can
+  plant a bug in them)::
 
-      Read(counters) -> a read request; the blob (and the side counters of its
-                        heartbeat members) -> after_read
-      Write(state)   -> a compare-and-set request on the blob's version ->
-                        after_write; a lost one decides again after a jittered
-                        exponential backoff; a won one with ``deadline`` moves the
-                        operation's deadline
+      Read(counters, intents, state)
+                     -> a read request: the state (unless ``state`` is False: the
+                        view's state and token are kept), the side counters, the
+                        intent log of the state's round -> after_read
+      Write(state)   -> a compare-and-set request on the state's version; a won
+                        write with ``phase`` publishes it -> after_write; a lost one
+                        decides again after a jittered exponential backoff; a won
+                        one with ``deadline`` moves the operation's deadline
       Beat()         -> a request that bumps the node's side counter -> after_beat
-      Wait(until)    -> a watch on the version read, and a wake at local ``until``
-                        (just past it) or after ``poll_interval``, whichever comes
-                        first -> after_wait, then decide again (which reads)
+      Announce(round) -> a request that appends the node to the round's intent
+                        log -> after_announce
+      Wait(until, phase)
+                     -> a phase watch (StateSync's ``wait_for_phase``): notified at
+                        once if a phase above ``phase`` was already published, else
+                        when one is; and a wake at local ``until`` (just past it)
+                        or after ``poll_interval``, whichever comes first ->
+                        after_wait, then decide again (which reads)
       Done / Verdict -> what the handler and the agent do with them
 
   A new process registers its heartbeat key with one beat before its first
@@ -33,20 +41,22 @@ What is simulated:
   handler's ``next_rendezvous``: exit, then join; again when ``Done.rejoin``).
   A node whose join returned trains, as the handler and the agent do: every
   ``keep_alive_interval / 4`` of its own clock it runs the keep-alive operator on
-  its current view without re-reading (usually Done or a Beat at once), and every
-  ``monitor_interval`` it reads the state with the counters and runs
-  ``driver.monitor`` until a Verdict; waiting nodes or lost participants make it
-  re-rendezvous (exit, then join). A node has one request in flight at a time: a
-  tick that finds it busy is queued until the current task ends.
+  its current view without re-reading (usually Done or a Beat at once); and the
+  agent's monitor loop waits for a phase above its view's (the handler's
+  ``wait_for_change``) or ``monitor_interval``, whichever comes first, then reads
+  the state with the counters and runs ``driver.monitor`` until a Verdict, and
+  waits again; waiting nodes or lost participants make it re-rendezvous (exit,
+  then join). A node has one request in flight at a time: a tick that finds it
+  busy is queued until the current task ends (the monitor's phase watch runs
+  beside it, as the agent's thread does).
 * **Clocks**: each node's monotonic clock is ``offset + (1 + drift) * t``; the
   driver only ever sees the node's own clock.
-* **Backend**: the state blob (a :class:`RendezvousState` whose heartbeat
-  counters are in blob form, see :mod:`rallypoint.core.liveness`) in a
-  compare-and-set register with a version, plus one side heartbeat counter per
-  node; request and response latency (``latency`` +- ``jitter`` each way),
-  spurious CAS conflicts (``conflict_rate``) and watch notifications (a node is
-  notified once per wait; it then re-reads, as StateSync does after
-  ``wait_for_change``).
+* **Backend**: the state in a compare-and-set register with a version, one side
+  heartbeat counter per node, the highest published phase, and one intent log per
+  round; request and response latency (``latency`` +- ``jitter`` each way) and
+  spurious CAS conflicts (``conflict_rate``). Publishing a phase notifies only the
+  nodes watching a lower one (each once per watch); a write that publishes nothing
+  wakes nobody (DESIGN.md decision 8).
 * **Faults**: crashes (``crash_rate`` per node per minute) with a restart after
   ``restart_delay`` as a new process (new pid); partitions from the backend
   (``partition_rate`` per node per minute, ``partition_duration``): requests are
@@ -56,38 +66,53 @@ What is simulated:
   stays down for ``restart_delay``).
 
 Every committed write is checked with :func:`check_state` and
-:func:`check_transition`; every returned join with an :class:`AgreementTracker`
-(the incremental form of :func:`check_agreement`). A *false death* is a node
-removed by a peer's write while it was alive, reachable and heartbeating.
-Violations carry the last events as a trace.
+:func:`check_transition` (above 256 nodes, a write that neither completes, closes
+nor advances the round is checked on the entries it touched, and the whole state
+every ``nodes / 32`` writes: see ``check_every``); every returned join for
+agreement (the incremental form of :func:`check_agreement`, each distinct
+membership united once). A *false death* is a node removed by a peer's write while
+it was alive, reachable and heartbeating. Violations carry the last events as a
+trace.
 
-Tests can inject writes and beats of nodes that are not simulated
-(:meth:`Simulator.inject_write`, :meth:`Simulator.inject_beat`) and record every
-instruction a node carries out (``on_instruction``): the driver conformance test
-runs one scripted scenario through StateSync and through a simulated node and
-compares the two instruction sequences.
+Tests can inject writes, beats and intents of nodes that are not simulated
+(:meth:`Simulator.inject_write`, :meth:`Simulator.inject_beat`,
+:meth:`Simulator.inject_announce`) and record every instruction a node carries
+out (``on_instruction``): the driver conformance test runs one scripted scenario
+through StateSync and through a simulated node and compares the two instruction
+sequences.
 
-Bytes are counted as the size of the blob's encoded form (:func:`encode_state`)
+Bytes are counted as the size of the state's encoded form (:func:`encode_state`)
 on every read and write, plus 8 bytes and the key per side counter read or
-beaten. Encoding 1,000 nodes' state takes milliseconds, so the size is kept
-incrementally instead: per entry, from the codec's own entry layout, updated only
-for the entries a write touched (:class:`EncodedSize`); a test checks it against
-``len(encode_state(state))``.
+beaten, the entry and a separator per intent read (the entry and 8 bytes per
+announce), and 8 bytes per published phase. Encoding 1,000 nodes' state takes
+milliseconds, so the size is kept incrementally instead: per entry, from the
+codec's own entry layout, updated only for the entries a write touched
+(:class:`EncodedSize`); a test checks it against ``len(encode_state(state))``.
+
+The cost of simulating one node-step does not grow with the number of nodes,
+except where the driver itself does O(n) work (a counter read observes every
+member; a finished join lists its round's members) and on the rare writes that
+complete or advance a round.
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import json
 import math
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from immutables import Map
+
 from rallypoint.core import (
     Action,
+    Announce,
     Beat,
     CloseOp,
     Done,
@@ -109,7 +134,7 @@ from rallypoint.core import (
 )
 from rallypoint.core import driver as core_driver
 
-from .invariants import AgreementTracker, RoundResult, check_state, check_transition
+from .invariants import check_state, check_transition
 
 __all__ = [
     "EncodedSize",
@@ -159,7 +184,11 @@ class SimConfig:
     #: a Wait(until) wakes this long (local seconds) past ``until``: a decision
     #: flips strictly after it (StateSync's timer margin)
     wake_epsilon: float = 0.002
-    #: a training node checks for waiting nodes and lost peers this often
+    #: the cap of the jittered exponential backoff after lost compare-and-sets
+    #: (StateSync's ``_MAX_BACKOFF``)
+    max_backoff: float = 0.05
+    #: a training node checks for waiting nodes and lost peers at least this often
+    #: (sooner when a phase is published)
     monitor_interval: float = 5.0
     # Clocks: offsets uniform in [-clock_offset, clock_offset] seconds, rates in
     # [1 - drift, 1 + drift].
@@ -177,6 +206,11 @@ class SimConfig:
     trace_length: int = 60
     #: encode the state on every write and compare with the incremental size
     verify_bytes: bool = False
+    #: check the whole state (check_state, check_transition) every this many
+    #: writes; the writes in between are checked on the entries they touched, and
+    #: a write that completes, closes or advances a round is always checked whole.
+    #: None: every write up to 256 nodes, else every ``nodes // 32`` writes.
+    check_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -195,6 +229,7 @@ class SimConfig:
             "restart_delay",
             "partition_duration",
             "wake_epsilon",
+            "max_backoff",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -208,6 +243,8 @@ class SimConfig:
             raise SimConfigError(f"drift must be below 0.5 (50%), got {self.drift}")
         if self.conflict_rate >= 1:
             raise SimConfigError(f"conflict_rate must be below 1, got {self.conflict_rate}")
+        if self.check_every is not None and self.check_every < 1:
+            raise SimConfigError(f"check_every must be at least 1, got {self.check_every}")
         try:
             self.settings()
         except ValueError as exc:
@@ -235,23 +272,41 @@ def _entry_len(node: NodeDesc, *extra: int) -> int:
     return len(json.dumps([node[0], node[1], node[2], *extra], separators=(",", ":")))
 
 
+_EMPTY_COLLECTIONS: dict[str, object] = {
+    "participants": Map(),
+    "wait_list": frozenset(),
+    "redundancy_list": frozenset(),
+    "heartbeats": Map(),
+    "last_ranks": Map(),
+}
+
+
 class EncodedSize:
     """``len(encode_state(state))``, kept incrementally across writes.
 
     The codec writes each collection as a JSON list of per-node entries; the size
     of a state is the size of the state with empty collections plus, per non-empty
     collection, the sizes of its entries and the commas between them. A write
-    changes the entries of the nodes it touched (the writer and the nodes its
-    sanitize removed), except when ranks are assigned or the round advances, when
-    the participants are counted again.
+    changes the entries of the nodes it touched (the writer, the nodes its sanitize
+    removed and the nodes it admitted), except when ranks are assigned or the round
+    advances, when the participants are counted again.
     """
+
+    #: (codec key, state field) of each collection
+    _NAMES = (
+        ("p", "participants"),
+        ("w", "wait_list"),
+        ("r", "redundancy_list"),
+        ("hb", "heartbeats"),
+        ("lr", "last_ranks"),
+    )
 
     def __init__(self, state: RendezvousState) -> None:
         self._state = state
-        self._parts = {name: self._full(state, name) for name in self._NAMES}
+        self._parts = {name: self._full(state, name) for name, _ in self._NAMES}
+        self._base_key: tuple[object, ...] | None = None
+        self._base = 0
         self.value = self._total(state)
-
-    _NAMES = ("p", "w", "r", "hb", "lr")
 
     @staticmethod
     def _items(state: RendezvousState, name: str) -> Iterable[tuple[NodeDesc, tuple[int, ...]]]:
@@ -286,41 +341,38 @@ class EncodedSize:
         return sum(sizes), len(sizes)
 
     def _total(self, state: RendezvousState) -> int:
-        empty = state.evolve(
-            participants={},
-            wait_list=frozenset(),
-            redundancy_list=frozenset(),
-            heartbeats={},
-            last_ranks={},
+        # The size of the state with empty collections depends on its scalar
+        # fields only: encode it again only when one of them changed.
+        key = (
+            state.round,
+            state.complete,
+            state.closed,
+            state.world_size,
+            state.last_call,
+            state.last_call_seq,
+            state.heartbeat_seq,
+            state.phase,
+            state.intent_cursor,
         )
-        size = len(encode_state(empty))
+        if key != self._base_key:
+            self._base_key = key
+            self._base = len(encode_state(state.evolve(**_EMPTY_COLLECTIONS)))
+        size = self._base
         for total, count in self._parts.values():
             if count:
                 size += total + count - 1
         return size
-
-    @staticmethod
-    def _source(state: RendezvousState, name: str) -> object:
-        return {
-            "p": state.participants,
-            "w": state.wait_list,
-            "r": state.redundancy_list,
-            "hb": state.heartbeats,
-            "lr": state.last_ranks,
-        }[name]
 
     def update(self, new: RendezvousState, touched: Iterable[NodeDesc]) -> int:
         """The size of ``new``, a state written over the previous one by a step
         that touched only ``touched`` (plus what ranking or a new round changes)."""
         old = self._state
         touched = tuple(dict.fromkeys(touched))  # a node may be named twice
-        for name in self._NAMES:
-            if self._source(old, name) is self._source(new, name):
+        rerank = old.complete != new.complete or old.round != new.round
+        for name, attr in self._NAMES:
+            if getattr(old, attr) is getattr(new, attr):
                 continue
-            rerank = name in ("p", "lr") and (
-                old.complete != new.complete or old.round != new.round
-            )
-            if rerank:
+            if rerank and name in ("p", "lr"):
                 self._parts[name] = self._full(new, name)
                 continue
             total, count = self._parts[name]
@@ -345,15 +397,24 @@ class NodeStats:
     """Backend traffic and work of one node slot (all its incarnations)."""
 
     steps: int = 0
+    #: read requests (state reads, counter reads and intent-log reads alike)
     reads: int = 0
+    #: reads that fetched a round's intent log
+    intent_reads: int = 0
     writes: int = 0
     conflicts: int = 0
+    #: appends to an intent log (joiners whose compare-and-set lost)
+    announces: int = 0
+    #: phase notifications received (a Wait's or the monitor's watch)
     notifications: int = 0
+    #: waits ended, by a notification or a timer (driver Waits and monitor waits)
+    wakeups: int = 0
     timeouts: int = 0
     #: side heartbeat counter bumps (keep-alives of members, and registrations)
     beats: int = 0
     bytes_read: int = 0
-    #: blob writes and beats (the beats' share is ``beat_bytes``)
+    #: state writes, published phases, announces and beats (the beats' share is
+    #: ``beat_bytes``)
     bytes_written: int = 0
     beat_bytes: int = 0
 
@@ -405,6 +466,8 @@ class SimReport:
     deaths: int = 0
     false_deaths: int = 0
     timeouts: int = 0
+    #: phases published (writes that woke the nodes waiting for a lower one)
+    phases: int = 0
     violations: list[SimViolation] = field(default_factory=list)
     #: live, reachable nodes declared dead (a liveness fault, not a safety one)
     false_death_log: list[SimViolation] = field(default_factory=list)
@@ -452,11 +515,14 @@ class SimReport:
             ),
             ("deaths declared (false)", f"{self.deaths} ({self.false_deaths})"),
             ("operation timeouts", str(self.timeouts)),
+            ("phases published", str(self.phases)),
             ("backend reads per node", f"{t.reads / n:.1f}"),
             ("backend writes per node", f"{t.writes / n:.1f}"),
             ("CAS conflicts per node", f"{t.conflicts / n:.1f}"),
+            ("intent announces per node", f"{t.announces / n:.1f}"),
             ("heartbeat beats per node", f"{t.beats / n:.1f}"),
-            ("watch notifications per node", f"{t.notifications / n:.1f}"),
+            ("wake-ups per node", f"{t.wakeups / n:.1f}"),
+            ("phase notifications per node", f"{t.notifications / n:.1f}"),
             ("bytes read per node", f"{t.bytes_read / n:,.0f}"),
             ("bytes written per node", f"{t.bytes_written / n:,.0f}"),
             ("bytes per write", f"{(t.bytes_written - t.beat_bytes) / max(1, t.writes):,.0f}"),
@@ -489,23 +555,26 @@ _DOWN, _JOINING, _TRAINING, _EXITING, _CLOSING, _CLOSED = (
 #: What a node is driving: an operation (join, exit, close), a keep-alive, or the
 #: agent's monitor pass.
 _OP, _BEAT, _MONITOR = "op", "beat", "monitor"
-#: Events that belong to one request or wait of a node (checked against node.req);
-#: "tick" is checked against node.ticks; every other event is not tied to a token.
+#: Events that belong to one request, wait or backoff of a node (checked against
+#: node.req); the phase watch's events are checked against node.wtok, "tick"
+#: against node.ticks; every other event is not tied to a token.
 _REQUEST_EVENTS = frozenset(
     {
         "backend_read",
         "backend_cas",
         "backend_beat",
-        "backend_watch",
+        "backend_announce",
         "response",
-        "notify",
         "wake",
         "retry",
         "request_timeout",
     }
 )
-#: The largest backoff after lost compare-and-sets (StateSync's _MAX_BACKOFF).
-_MAX_BACKOFF = 0.05
+_WATCH_EVENTS = frozenset({"backend_watch", "notify"})
+#: Up to this many nodes, every write is checked whole (see SimConfig.check_every).
+_CHECK_ALL_UP_TO = 256
+#: The collector's first-generation threshold while the simulator runs.
+_GC_THRESHOLD = 50_000
 
 
 class _Node:
@@ -521,6 +590,7 @@ class _Node:
         "incarnation",
         "joined",
         "losses",
+        "mwait",
         "next_beat",
         "next_monitor",
         "offset",
@@ -537,6 +607,8 @@ class _Node:
         "version",
         "view",
         "waiting",
+        "watch_q",
+        "wtok",
     )
 
     def __init__(self, slot: int, offset: float, drift: float) -> None:
@@ -549,8 +621,8 @@ class _Node:
         self.partitioned = False
         self.healed_at = -math.inf
         self.phase = _DOWN
-        #: what this node knows (the driver's view) and the blob version it last
-        #: read or wrote (its compare-and-set and watch token; 0: nothing read)
+        #: what this node knows (the driver's view) and the state version it last
+        #: read or wrote (its compare-and-set token; 0: nothing read)
         self.view = NodeView()
         self.version = 0
         #: the task being driven (_OP, _BEAT, _MONITOR or None), its operator and
@@ -559,12 +631,17 @@ class _Node:
         self.op: Operator | None = None
         self.deadline = math.inf
         #: the token of the request, wait or backoff in flight (events of older
-        #: ones are dropped), whether it is a wait, the CAS losses in a row, and
-        #: whether this process has created its heartbeat key
+        #: ones are dropped), whether it is a driver Wait, the CAS losses in a row,
+        #: and whether this process has created its heartbeat key
         self.req = 0
         self.waiting = False
         self.losses = 0
         self.registered = False
+        #: the phase watch: its token, and the phase it is registered under at the
+        #: backend (None: not registered); mwait: the agent's monitor is waiting
+        self.wtok = 0
+        self.watch_q: int | None = None
+        self.mwait = False
         #: training: the round joined, the timers (local times) and queued ticks
         self.joined: Membership | None = None
         self.ticks = 0
@@ -585,6 +662,11 @@ class _Node:
 def _key_bytes(node: NodeDesc) -> int:
     """Bytes of one side counter on the wire: its key and an 8-byte value."""
     return len(str(node)) + 8
+
+
+def _entry_bytes(node: NodeDesc) -> int:
+    """Bytes of one intent-log entry when read: the node's name and a separator."""
+    return len(str(node)) + 1
 
 
 class Simulator:
@@ -610,19 +692,42 @@ class Simulator:
         self.now = 0.0
         self._heap: list[tuple[float, int, str, int, int, Any]] = []
         self._seq = 0
-        #: the backend: the blob, its version, and the side counter of every node
+        #: the backend: the state and its version, the side counter of every node
+        #: (an immutable map: a read hands out a snapshot without copying), the
+        #: highest published phase (-1: none), and the intent log of each round
+        #: with its size in bytes
         self.version = 0
         self.state = RendezvousState()
-        self.side: dict[NodeDesc, int] = {}
+        self.side: Map[NodeDesc, int] = Map()
+        self.published = -1
+        self.intents: dict[int, list[NodeDesc]] = {}
+        self._intent_bytes: dict[int, int] = {}
+        #: phase watches: the phase watched -> {slot: watch token}
+        self._watching: dict[int, dict[int, int]] = {}
+        #: injected writes waiting for the next compare-and-set (inject_write(race=True))
+        self._races: list[Callable[[RendezvousState], RendezvousState | None]] = []
         self.size = EncodedSize(self.state)
-        #: bytes of the side counters of the blob's heartbeat members
+        #: bytes of the side counters of the state's heartbeat members
         self.counter_bytes = 0
         self.report = SimReport(config, stats=[NodeStats() for _ in range(config.nodes)])
-        self.agreement = AgreementTracker()
         self._trace: deque[tuple[float, int, str]] = deque(maxlen=config.trace_length)
         self._on_violation = on_violation
         self._on_instruction = on_instruction
-        self._watchers: set[int] = set()
+        if config.check_every is not None:
+            self._check_every = config.check_every
+        elif config.nodes <= _CHECK_ALL_UP_TO:
+            self._check_every = 1
+        else:
+            self._check_every = max(1, config.nodes // 32)
+        self._unchecked = 0
+        self._checked = self.state
+        # Agreement of returned joins, per round: the world size, rank -> node, the
+        # union of the memberships, and the memberships already united (by the
+        # identity of the participants they were made from, kept alive).
+        self._agree_world: dict[int, int] = {}
+        self._agree_ranks: dict[int, dict[int, NodeDesc]] = {}
+        self._agree_union: dict[int, set[NodeDesc]] = {}
+        self._agree_seen: dict[int, dict[int, tuple[object, int]]] = {}
         self._round_opened: dict[int, float] = {}
         self._round_pending: dict[int, set[NodeDesc]] = {}
         self._round_size: dict[int, int] = {}
@@ -636,6 +741,7 @@ class Simulator:
             )
             for i in range(config.nodes)
         ]
+        self._by_desc = {node.desc: node for node in self.nodes}
         self._handlers: dict[str, Callable[[_Node, Any], None]] = {
             name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_on_")
         }
@@ -681,32 +787,56 @@ class Simulator:
 
     def run(self) -> SimReport:
         """Run until ``duration`` (simulated seconds) and return the report."""
-        import time
-
         start = time.perf_counter()
         self.run_until(self.config.duration)
         self.report.wall_seconds = time.perf_counter() - start
         return self.report
 
     def run_until(self, t: float) -> None:
-        """Process every event up to simulated time ``t``."""
+        """Process every event up to simulated time ``t``.
+
+        The cyclic garbage collector runs less often meanwhile (a run allocates
+        millions of short-lived sightings and map nodes, and at the default
+        thresholds its full collections, which walk every live view, took half the
+        time of a 1,000-node run); the thresholds are restored on return.
+        """
+        thresholds = gc.get_threshold()
+        gc.set_threshold(max(thresholds[0], _GC_THRESHOLD), *thresholds[1:])
+        try:
+            self._run_until(t)
+        finally:
+            gc.set_threshold(*thresholds)
+
+    def _run_until(self, t: float) -> None:
         heap = self._heap
         limit = self.config.max_steps
         requests = _REQUEST_EVENTS
+        watches = _WATCH_EVENTS
+        nodes = self.nodes
+        handlers = self._handlers
+        report = self.report
+        pop = heapq.heappop
         while heap and heap[0][0] <= t:
-            when, _, kind, slot, token, data = heapq.heappop(heap)
+            when, _, kind, slot, token, data = pop(heap)
             self.now = when
-            self.report.events += 1
-            node = self.nodes[slot]
-            if token >= 0 and token != (node.req if kind in requests else node.ticks):
-                continue  # of an earlier request, wait, incarnation or training session
-            self._handlers[kind](node, data)
-            if limit is not None and self.report.node_steps > limit:
+            report.events += 1
+            node = nodes[slot]
+            if token >= 0:
+                if kind in requests:
+                    current = node.req
+                elif kind in watches:
+                    current = node.wtok
+                else:
+                    current = node.ticks
+                if token != current:
+                    continue  # of an earlier request, wait, watch or training session
+            handlers[kind](node, data)
+            if limit is not None and report.node_steps > limit:
                 self._violate([f"more than {limit} node-steps: livelock?"])
                 heap.clear()
                 break
         self.now = max(self.now, t)
-        self.report.simulated = self.now
+        report.simulated = self.now
 
     # -- faults (also called directly by the hypothesis machines) ----------------
 
@@ -767,31 +897,53 @@ class Simulator:
     # -- injection (the conformance tests) ---------------------------------------
 
     def inject_write(
-        self, at: float, change: Callable[[RendezvousState], RendezvousState | None]
+        self,
+        at: float,
+        change: Callable[[RendezvousState], RendezvousState | None],
+        *,
+        race: bool = False,
     ) -> None:
         """At simulated time ``at``, a writer that is not simulated replaces the
-        stored blob with ``change(blob)`` (None: writes nothing). The write is
-        committed like a node's: checked, versioned, and the watchers notified."""
-        self._at(at, "inject", 0, -1, ("write", change))
+        stored state with ``change(state)`` (None: writes nothing). The write is
+        committed like a node's: checked, versioned, and its phase published if it
+        moved the state's. With ``race``, the write lands right before the first
+        compare-and-set served at or after ``at``, which then loses to it."""
+        self._at(at, "inject", 0, -1, ("race" if race else "write", change))
 
     def inject_beat(self, at: float, node: NodeDesc) -> None:
         """At simulated time ``at``, bump the side heartbeat counter of ``node``
         (a node that is not simulated beats)."""
         self._at(at, "inject", 0, -1, ("beat", node))
 
+    def inject_announce(self, at: float, node: NodeDesc, round_: int) -> None:
+        """At simulated time ``at``, append ``node`` to the intent log of
+        ``round_`` (a joiner that is not simulated announces itself)."""
+        self._at(at, "inject", 0, -1, ("announce", (node, round_)))
+
     def _on_inject(self, _: _Node, data: Any) -> None:
         what, payload = data
         if what == "beat":
-            self.side[payload] = self.side.get(payload, 0) + 1
+            self.side = self.side.set(payload, self.side.get(payload, 0) + 1)
             self._log(None, f"injected beat of {payload}")
-            return
+        elif what == "announce":
+            node, round_ = payload
+            self._append_intent(node, round_)
+            self._log(None, f"injected announce of {node} in round {round_}")
+        elif what == "race":
+            self._races.append(payload)
+        else:
+            self._inject_write(payload)
+
+    def _inject_write(self, change: Callable[[RendezvousState], RendezvousState | None]) -> None:
         old = self.state
-        new = payload(old)
+        new = change(old)
         if new is None:
             return
         touched = old.members() | new.members() | set(old.heartbeats) | set(new.heartbeats)
         self._log(None, "injected write")
-        self._commit(None, new, tuple(touched))
+        self._commit(None, new, tuple(sorted(touched)))
+        if new.phase > old.phase:
+            self._publish(new.phase)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -806,10 +958,12 @@ class Simulator:
         node.queued_beat = node.queued_monitor = False
 
     def _cancel(self, node: _Node) -> None:
-        """Forget the request, wait or backoff in flight (its events are dropped)."""
+        """Forget the request, wait, watch or backoff in flight (their events are
+        dropped)."""
         node.req += 1
         node.waiting = False
-        self._watchers.discard(node.slot)
+        node.mwait = False
+        self._unwatch(node)
 
     def _on_fault_crash(self, node: _Node, data: Any) -> None:
         self.crash(node.slot)
@@ -837,7 +991,9 @@ class Simulator:
             return
         node.alive = True
         if node.incarnation:
+            self._by_desc.pop(node.desc, None)
             node.desc = NodeDesc(node.desc.addr, 1000 + node.incarnation, 0)
+            self._by_desc[node.desc] = node
         node.incarnation += 1
         node.view = NodeView()
         node.version = 0
@@ -847,8 +1003,8 @@ class Simulator:
         self._drive(node)
 
     def _begin(self, node: _Node, op: Operator, deadline: float, phase: str, fresh: bool) -> None:
-        """Start an operation (StateSync.run): stop the heartbeats and whatever the
-        node was doing; unless ``fresh``, the first decision reads."""
+        """Start an operation (StateSync.run): stop the heartbeats, the monitor and
+        whatever the node was doing; unless ``fresh``, the first decision reads."""
         self._cancel(node)
         node.ticks += 1
         node.queued_beat = node.queued_monitor = False
@@ -892,26 +1048,31 @@ class Simulator:
             instruction = decision.instruction
             if self._on_instruction is not None:
                 self._on_instruction(node.slot, instruction)
-            if isinstance(instruction, Read):
-                self._request(node, "backend_read", instruction.counters)
+            kind = type(instruction)
+            if kind is Read:
+                data = (instruction.counters, instruction.intents, instruction.state)
+                self._request(node, "backend_read", data)
                 return
-            if isinstance(instruction, Write):
+            if kind is Write:
                 if instruction.action is not None or instruction.dead:
                     what = "publish" if instruction.action is None else instruction.action.name
                     self._log(node, f"{self._task_name(node)} -> {what}")
                 self._request(node, "backend_cas", (node.version, instruction))
                 return
-            if isinstance(instruction, Beat):
+            if kind is Beat:
                 self._request(node, "backend_beat")
                 return
-            if isinstance(instruction, Wait):
-                self._wait(node, instruction.until, now)
+            if kind is Announce:
+                self._request(node, "backend_announce", instruction.round)
                 return
-            if isinstance(instruction, Done):
+            if kind is Wait:
+                self._wait(node, instruction.until, instruction.phase, now)
+                return
+            if kind is Done:
                 if not self._done(node, instruction):
                     return
                 continue
-            assert isinstance(instruction, Verdict)
+            assert kind is Verdict
             if not self._verdict(node, instruction):
                 return
 
@@ -929,45 +1090,129 @@ class Simulator:
     def _reply(self, node: _Node, data: Any) -> None:
         self._at(self.now + self._delay(), "response", node.slot, node.req, data)
 
-    def _wait(self, node: _Node, until: float | None, now: float) -> None:
-        """StateSync._wait: a watch on the version read, and a wake at ``until``
-        (just past it) or after poll_interval, whichever comes first."""
+    def _wait(self, node: _Node, until: float | None, phase: int, now: float) -> None:
+        """StateSync._wait: wait_for_phase(phase), with a wake at ``until`` (just
+        past it) or after poll_interval, whichever comes first."""
         timeout = self.config.poll_interval
         if until is not None:
             timeout = min(timeout, max(0.0, until - now) + self.config.wake_epsilon)
         node.req += 1
         node.waiting = True
         self._at(node.global_time(now + timeout), "wake", node.slot, node.req)
-        if not node.partitioned:
-            self._at(self.now + self._delay(), "backend_watch", node.slot, node.req, node.version)
+        self._watch(node, phase)
 
     def _end_wait(self, node: _Node) -> None:
         node.waiting = False
         node.req += 1  # drop the other of notification and wake
-        self._watchers.discard(node.slot)
+        self._unwatch(node)
+        self.report.stats[node.slot].wakeups += 1
         node.view = core_driver.after_wait(node.view)
+
+    # -- phase watches -------------------------------------------------------------
+
+    def _watch(self, node: _Node, phase: int) -> None:
+        """Ask the backend to notify ``node`` once a phase above ``phase`` is
+        published (a request: lost while partitioned, the timer then decides)."""
+        self._unwatch(node)
+        if not node.partitioned:
+            self._at(self.now + self._delay(), "backend_watch", node.slot, node.wtok, phase)
+
+    def _unwatch(self, node: _Node) -> None:
+        """Drop ``node``'s phase watch (its pending events too)."""
+        node.wtok += 1
+        watched = node.watch_q
+        if watched is not None:
+            node.watch_q = None
+            slots = self._watching.get(watched)
+            if slots is not None:
+                slots.pop(node.slot, None)
+                if not slots:
+                    del self._watching[watched]
+
+    def _on_backend_watch(self, node: _Node, phase: int) -> None:
+        if self.published > phase:
+            self._at(self.now + self._delay(), "notify", node.slot, node.wtok)
+            return
+        self._watching.setdefault(phase, {})[node.slot] = node.wtok
+        node.watch_q = phase
+
+    def _publish(self, phase: int) -> None:
+        """Publish ``phase``: notify the nodes watching a lower one (only them; a
+        partitioned one stays registered and is notified by a later phase)."""
+        if phase <= self.published:
+            return
+        self.published = phase
+        self.report.phases += 1
+        watching = self._watching
+        nodes = self.nodes
+        for watched in [q for q in watching if q < phase]:
+            slots = watching.pop(watched)
+            kept: dict[int, int] = {}
+            for slot, token in slots.items():
+                node = nodes[slot]
+                if token != node.wtok:
+                    continue
+                if node.partitioned:
+                    kept[slot] = token
+                    continue
+                node.watch_q = None
+                self._at(self.now + self._delay(), "notify", slot, token)
+            if kept:
+                watching[watched] = kept
+
+    def _on_notify(self, node: _Node, data: Any) -> None:
+        node.watch_q = None
+        self.report.stats[node.slot].notifications += 1
+        if node.waiting:
+            self._end_wait(node)
+            self._drive(node)
+        elif node.mwait:
+            self._end_monitor_wait(node)
+            if node.task is None and self._idle(node):
+                self._drive(node)
 
     # -- the backend -------------------------------------------------------------------
 
-    def _on_backend_read(self, node: _Node, counters: bool) -> None:
+    def _on_backend_read(self, node: _Node, data: tuple[bool, bool, bool]) -> None:
+        counters, intents, with_state = data
         stats = self.report.stats[node.slot]
-        blob = self.state
-        size = self.size.value
+        stats.reads += 1
+        if with_state:
+            state = self.state
+            size = self.size.value
+        else:
+            state = node.view.state  # StateSync keeps the view's state and token
+            size = 0
         side = None
         if counters:
-            values = self.side
-            side = {n: values.get(n, 0) for n in blob.heartbeats}
-            size += self.counter_bytes
-        stats.reads += 1
+            # Every node's counter (an immutable snapshot, no copy); the driver
+            # looks up the members' only, which is what the bytes count.
+            side = self.side
+            if with_state:
+                size += self.counter_bytes
+            else:
+                size += sum(map(_key_bytes, state.heartbeats))
+        log = None
+        if intents:
+            stats.intent_reads += 1
+            entries = self.intents.get(state.round)
+            log = () if entries is None else tuple(entries)
+            size += self._intent_bytes.get(state.round, 0)
         stats.bytes_read += size
-        self._reply(node, ("read", blob, self.version, side))
+        reply = ("read", state if with_state else None, self.version, side, log)
+        self._reply(node, reply)
 
     def _on_backend_cas(self, node: _Node, data: tuple[int, Write]) -> None:
         expected, write = data
+        if self._races:
+            # Injected writes that beat this compare-and-set.
+            races, self._races = self._races, []
+            for change in races:
+                self._inject_write(change)
+        stats = self.report.stats[node.slot]
         if expected != self.version or (
             self.config.conflict_rate and self.rng.random() < self.config.conflict_rate
         ):
-            stats = self.report.stats[node.slot]
             stats.conflicts += 1
             stats.bytes_read += self.size.value
             self._reply(node, ("cas", False, self.state, self.version, write))
@@ -976,13 +1221,16 @@ class Simulator:
             self._judge_death(node, gone)
         # The writer may be among the dead (its own counter stood still, e.g. while
         # it was partitioned): name each touched node once.
-        touched = (node.desc, *(gone for gone in write.dead if gone != node.desc))
+        touched = tuple(dict.fromkeys((node.desc, *sorted(write.dead), *write.admitted)))
         self._commit(node, write.state, touched)
+        if write.phase is not None:
+            stats.bytes_written += 8
+            self._publish(write.phase)
         self._reply(node, ("cas", True, self.state, self.version, write))
 
     def _on_backend_beat(self, node: _Node, data: Any) -> None:
         value = self.side.get(node.desc, 0) + 1
-        self.side[node.desc] = value
+        self.side = self.side.set(node.desc, value)
         stats = self.report.stats[node.slot]
         size = _key_bytes(node.desc)
         stats.beats += 1
@@ -990,17 +1238,23 @@ class Simulator:
         stats.beat_bytes += size
         self._reply(node, ("beat", value))
 
-    def _on_backend_watch(self, node: _Node, seen: int) -> None:
-        if self.version != seen:
-            self._at(self.now + self._delay(), "notify", node.slot, node.req)
-        else:
-            self._watchers.add(node.slot)
+    def _append_intent(self, desc: NodeDesc, round_: int) -> None:
+        self.intents.setdefault(round_, []).append(desc)
+        self._intent_bytes[round_] = self._intent_bytes.get(round_, 0) + _entry_bytes(desc)
+
+    def _on_backend_announce(self, node: _Node, round_: int) -> None:
+        self._append_intent(node.desc, round_)
+        stats = self.report.stats[node.slot]
+        stats.announces += 1
+        stats.bytes_written += len(str(node.desc)) + 8
+        self._log(node, f"announces itself in round {round_}")
+        self._reply(node, ("announce", round_))
 
     def _commit(
         self, writer: _Node | None, new: RendezvousState, touched: tuple[NodeDesc, ...]
     ) -> None:
         old = self.state
-        problems = check_state(new, self.settings) + check_transition(old, new)
+        problems = self._check(old, new, touched)
         self.version += 1
         self.state = new
         size = self.size.update(new, touched)
@@ -1020,24 +1274,65 @@ class Simulator:
             stats = self.report.stats[writer.slot]
             stats.writes += 1
             stats.bytes_written += size
-        self._account_round(old, new)
+        self._account_round(old, new, touched)
         if problems:
             self._violate(problems)
-        # Wake the waiting nodes (a watch); each is notified once per wait. A
-        # partitioned one is notified after it reconnects (if it still waits).
-        watchers = self._watchers
-        if watchers:
-            cut = []
-            for slot in watchers:
-                node = self.nodes[slot]
-                if node.partitioned:
-                    cut.append(slot)
-                    continue
-                self._at(self.now + self._delay(), "notify", slot, node.req)
-            watchers.clear()
-            watchers.update(cut)
 
-    def _account_round(self, old: RendezvousState, new: RendezvousState) -> None:
+    def _check(
+        self, old: RendezvousState, new: RendezvousState, touched: tuple[NodeDesc, ...]
+    ) -> list[str]:
+        """The safety properties of the write ``old -> new`` (see check_every)."""
+        self._unchecked += 1
+        if (
+            self._unchecked >= self._check_every
+            or old.complete != new.complete
+            or old.round != new.round
+            or old.closed != new.closed
+        ):
+            problems = check_state(new, self.settings) + check_transition(old, new)
+            if self._checked is not old:
+                # Over every write since the last whole check (each property is
+                # one that holds across several steps when it holds across each).
+                problems += [p for p in check_transition(self._checked, new) if p not in problems]
+            self._unchecked = 0
+            self._checked = new
+            return problems
+        return self._check_touched(old, new, touched)
+
+    def _check_touched(
+        self, old: RendezvousState, new: RendezvousState, touched: tuple[NodeDesc, ...]
+    ) -> list[str]:
+        """check_state and check_transition on the entries ``touched`` (the write
+        neither completed, closed nor advanced a round), in their words."""
+        problems: list[str] = []
+        s = self.settings
+        participants = new.participants
+        if len(participants) > s.max_nodes:
+            problems.append(f"{len(participants)} participants exceed max_nodes {s.max_nodes}")
+        if new.complete and len(participants) > new.world_size:
+            problems.append(f"complete round {new.round} has more participants than world size")
+        if not new.complete and new.world_size != 0:
+            problems.append(f"incomplete round {new.round} has world size {new.world_size}")
+        if new.complete and new.world_size != old.world_size:
+            problems.append(f"world size of complete round {new.round} changed")
+        waiting, redundant = new.wait_list, new.redundancy_list
+        for node in touched:
+            member = node in participants
+            if member and (node in waiting or node in redundant):
+                problems.append(f"nodes {[str(node)]} are participants and waiting/redundant")
+            if node in waiting and node in redundant:
+                problems.append("a node is both waiting and redundant")
+            if new.complete and member:
+                rank = old.participants.get(node)
+                if rank is None:
+                    problems.append(f"{node} joined complete round {new.round}")
+                elif rank != participants[node]:
+                    problems.append(f"rank of {node} changed within complete round {new.round}")
+        return problems
+
+    def _account_round(
+        self, old: RendezvousState, new: RendezvousState, touched: tuple[NodeDesc, ...]
+    ) -> None:
         if new.participants and not new.complete and new.round not in self._round_opened:
             self._round_opened[new.round] = self.now
         if new.complete and not old.complete:
@@ -1046,7 +1341,12 @@ class Simulator:
         pending = self._round_pending.get(old.round)
         if pending is not None and len(new.participants) < len(old.participants):
             # Members that leave or die before returning no longer hold the round up.
-            pending.intersection_update(new.participants if new.round == old.round else ())
+            if new.round != old.round:
+                pending.clear()
+            else:
+                for node in touched:
+                    if node not in new.participants:
+                        pending.discard(node)
             self._round_done(old.round)
 
     def _round_done(self, round_: int) -> None:
@@ -1061,14 +1361,16 @@ class Simulator:
         and heartbeating on schedule (DESIGN.md decision 2)."""
         self.report.deaths += 1
         self._log(observer, f"declares {gone} dead")
-        for node in self.nodes:
-            if node.desc == gone and node.alive and node.phase in (_JOINING, _TRAINING, _EXITING):
-                grace = self.settings.liveness_window + self.config.request_timeout * 2
-                if not node.partitioned and self.now - node.healed_at > grace:
-                    self.report.false_deaths += 1
-                    trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
-                    problem = f"false death: {observer.desc} declared live {gone} dead"
-                    self.report.false_death_log.append(SimViolation(self.now, (problem,), trace))
+        node = self._by_desc.get(gone)
+        if node is None or node.desc != gone:
+            return
+        if node.alive and node.phase in (_JOINING, _TRAINING, _EXITING):
+            grace = self.settings.liveness_window + self.config.request_timeout * 2
+            if not node.partitioned and self.now - node.healed_at > grace:
+                self.report.false_deaths += 1
+                trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
+                problem = f"false death: {observer.desc} declared live {gone} dead"
+                self.report.false_death_log.append(SimViolation(self.now, (problem,), trace))
 
     # -- results coming back -------------------------------------------------------------
 
@@ -1076,35 +1378,33 @@ class Simulator:
         now = node.local(self.now)
         what = data[0]
         if what == "read":
-            _, blob, version, side = data
-            node.version = version
-            node.view = core_driver.after_read(node.view, blob, side, now)
+            _, state, version, side, log = data
+            if state is None:  # Read(state=False): the view's state and token stay
+                state = node.view.state
+            else:
+                node.version = version
+            node.view = core_driver.after_read(node.view, node.desc, state, side, now, log)
         elif what == "cas":
             _, won, stored, version, write = data
             node.version = version
-            node.view = core_driver.after_write(node.view, won, stored, now)
+            node.view = core_driver.after_write(node.view, node.desc, won, stored, now)
             if not won:
                 node.losses += 1
                 # StateSync's jittered, capped exponential backoff before deciding again.
-                cap = min(_MAX_BACKOFF, 0.001 * 2 ** min(node.losses, 16))
+                cap = min(self.config.max_backoff, 0.001 * 2 ** min(node.losses, 16))
                 self._at(self.now + self.rng.uniform(0, cap), "retry", node.slot, node.req)
                 return
             node.losses = 0
             if write.deadline is not None and node.task == _OP:
                 node.deadline = write.deadline
+        elif what == "announce":
+            node.view = core_driver.after_announce(node.view, data[1])
         else:  # a beat
             node.registered = True
             node.view = core_driver.after_beat(node.view, node.desc, data[1], now)
         self._drive(node)
 
     def _on_retry(self, node: _Node, data: Any) -> None:
-        self._drive(node)
-
-    def _on_notify(self, node: _Node, data: Any) -> None:
-        if not node.waiting:
-            return
-        self.report.stats[node.slot].notifications += 1
-        self._end_wait(node)
         self._drive(node)
 
     def _on_wake(self, node: _Node, data: Any) -> None:
@@ -1120,8 +1420,12 @@ class Simulator:
             # An operation retries (StateSync within its retry window): read again.
             node.view = core_driver.after_wait(node.view)
             self._drive(node)
-        elif self._idle(node):
-            # A heartbeat or monitor pass gives up until its next tick.
+            return
+        if node.task == _MONITOR:
+            # The agent's monitor pass failed: it waits and checks again.
+            self._monitor_wait(node)
+        # A heartbeat or monitor pass gives up until its next tick.
+        if self._idle(node):
             self._drive(node)
 
     # -- what the handler and the agent do with Done and Verdict -----------------------
@@ -1144,8 +1448,7 @@ class Simulator:
                 self._log(node, f"round {done.state.round} lost its rank 0: rejoins")
                 self._begin(node, ExitOp(), node.deadline, _JOINING, fresh=False)
                 return True
-            assert done.joined is not None
-            self._joined(node, done.joined)
+            self._joined(node, done)
             return False
         self._log(node, f"{type(op).__name__} -> {action.name}")
         if (action is Action.FINISH and isinstance(op, CloseOp)) or action in (
@@ -1162,11 +1465,12 @@ class Simulator:
         self._at(self.now + self.config.restart_delay, "arrive", node.slot)
         return False
 
-    def _joined(self, node: _Node, joined: Membership) -> None:
+    def _joined(self, node: _Node, done: Done) -> None:
         """The join returned: check agreement, then train (heartbeats and monitor)."""
+        joined = done.joined
+        assert joined is not None
         self._log(node, f"joined round {joined.round} as rank {joined.rank}")
-        result = RoundResult(joined.round, joined.rank, joined.world_size, joined.members)
-        problems = self.agreement.add(node.desc, result)
+        problems = self._agree(node.desc, done, joined)
         if problems:
             self._violate(problems)
         pending = self._round_pending.get(joined.round)
@@ -1177,34 +1481,85 @@ class Simulator:
         node.joined = joined
         node.task = None
         node.op = None
-        node.ticks += 1
-        now = node.local(self.now)
-        node.next_beat = now + self.settings.keep_alive_interval / 4
-        node.next_monitor = now + self.config.monitor_interval
-        self._schedule_tick(node)
+        node.next_beat = node.local(self.now) + self.settings.keep_alive_interval / 4
+        self._monitor_wait(node)
+
+    def _agree(self, desc: NodeDesc, done: Done, joined: Membership) -> list[str]:
+        """check_agreement, fed one returned join at a time (AgreementTracker's
+        checks, in its words). Each distinct membership is united into the round's
+        once: nodes that finished on the same participants share it, so a join
+        costs O(1) unless it saw a membership nobody returned with before."""
+        problems: list[str] = []
+        round_ = joined.round
+        world = self._agree_world.setdefault(round_, joined.world_size)
+        if joined.world_size != world:
+            sizes = sorted({world, joined.world_size})
+            problems.append(f"round {round_}: nodes disagree on the world size: {sizes}")
+        top = max(world, joined.world_size)
+        holder = self._agree_ranks.setdefault(round_, {}).setdefault(joined.rank, desc)
+        if holder != desc:
+            problems.append(f"round {round_}: two nodes returned with the same rank")
+        if not 0 <= joined.rank < top:
+            problems.append(f"round {round_}: a rank in [{joined.rank}] is outside 0..{world - 1}")
+        source = joined.participants
+        if desc not in source:
+            problems.append(f"round {round_}: {desc} returned but is not a member")
+        seen = self._agree_seen.setdefault(round_, {})
+        known = seen.get(id(source))
+        if known is None or known[0] is not source:
+            # Each distinct membership is merged once (nodes share the Map).
+            seen[id(source)] = (source, len(source))
+            union = self._agree_union.setdefault(round_, set())
+            union.update(source)
+            if len(union) > top:
+                problems.append(
+                    f"round {round_}: nodes disagree on membership: their views name "
+                    f"{len(union)} nodes for a world of {world}"
+                )
+        return problems
 
     def _verdict(self, node: _Node, verdict: Verdict) -> bool:
-        """The agent's monitor: regroup on waiting nodes or lost participants."""
+        """The agent's monitor: regroup on waiting nodes or lost participants, else
+        wait for the next phase (or monitor_interval) and check again."""
         if verdict.waiting or verdict.lost:
             reason = "peer lost" if verdict.lost else "nodes waiting"
             self._log(node, f"re-rendezvous: {reason}")
             self._regroup(node)
             return True
+        self._monitor_wait(node)
         return self._idle(node)
 
     # -- training: heartbeats and the agent's monitor -----------------------------
 
+    def _monitor_wait(self, node: _Node) -> None:
+        """The agent's ``wait_for_change(monitor_interval)``: a phase watch on the
+        view's phase, and the monitor's timer."""
+        node.mwait = True
+        node.next_monitor = node.local(self.now) + self.config.monitor_interval
+        self._watch(node, node.view.state.phase)
+        self._schedule_tick(node)
+
+    def _end_monitor_wait(self, node: _Node) -> None:
+        """The monitor's wait ended (a phase, or its timer): a pass is due."""
+        node.mwait = False
+        self._unwatch(node)
+        self.report.stats[node.slot].wakeups += 1
+        node.queued_monitor = True
+        node.next_monitor = math.inf
+        self._schedule_tick(node)
+
     def _schedule_tick(self, node: _Node) -> None:
+        node.ticks += 1  # one pending tick per node
         due = min(node.next_beat, node.next_monitor)
-        self._at(node.global_time(due), "tick", node.slot, node.ticks, due)
+        if due < math.inf:
+            self._at(node.global_time(due), "tick", node.slot, node.ticks, due)
 
     def _on_tick(self, node: _Node, due: float) -> None:
         if node.next_beat <= due:
             node.queued_beat = True
             node.next_beat += self.settings.keep_alive_interval / 4
-        if node.next_monitor <= due:
-            node.queued_monitor = True
-            node.next_monitor += self.config.monitor_interval
+        if node.next_monitor <= due and node.mwait:
+            self._end_monitor_wait(node)
         self._schedule_tick(node)
         if node.task is None and self._idle(node):
             self._drive(node)
@@ -1222,12 +1577,14 @@ class Simulator:
             node.losses = 0
             return True
         if node.queued_monitor:
-            # The agent's num_nodes_waiting / dead_participants: a read with the
-            # counters (the sync engine's refresh), then the driver's monitor.
+            # The agent's num_nodes_waiting / dead_participants (StateSync.monitor):
+            # the view is stale, so the driver's monitor reads first (with the
+            # counters when they are due).
             node.queued_monitor = False
             node.task = _MONITOR
             node.losses = 0
-            self._request(node, "backend_read", True)
+            node.view = core_driver.after_wait(node.view)
+            return True
         return False
 
 

@@ -51,10 +51,11 @@ def rendezvous_settings(draw: st.DrawFn, max_nodes: int = 8) -> Settings:
 
 @st.composite
 def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> RendezvousState:
-    """Shared states, as stored (blob heartbeat counters, see
-    :func:`rallypoint.core.split_heartbeats`), that satisfy
+    """Shared states, as stored (the state's own heartbeat counters; side counters
+    live beside it on the backend), that satisfy
     :func:`rallypoint.spec.invariants.check_state`. A complete round's ranks are
-    any permutation of 0..n-1 (the stable-ranks option can give any)."""
+    any permutation of 0..n-1 (the stable-ranks option can give any); ``phase``
+    and ``intent_cursor`` take any small value."""
     s = settings or draw(rendezvous_settings())
     nodes = draw(st.lists(node_descs(), unique=True, max_size=s.max_nodes + 3))
     count = draw(st.integers(0, min(len(nodes), s.max_nodes)))
@@ -74,6 +75,8 @@ def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> Rend
         heartbeats=heartbeats,
         # the largest counter ever handed out: at least every current one
         heartbeat_seq=max(heartbeats.values(), default=0) + draw(st.integers(0, 3)),
+        phase=draw(st.integers(0, 12)),
+        intent_cursor=draw(st.integers(0, 12)),
     )
     if not complete and count >= s.min_nodes:
         state = state.evolve(last_call=1, last_call_seq=1)
@@ -95,6 +98,9 @@ def sim_configs(draw: st.DrawFn, max_nodes: int = 16, duration: float = 120.0) -
         partition_rate=draw(st.sampled_from([0.0, 0.05])),
         leave_rate=draw(st.sampled_from([0.0, 0.05])),
         conflict_rate=draw(st.sampled_from([0.0, 0.1])),
+        # zero latency: requests, notifications and writes at one instant
+        latency=(latency := draw(st.sampled_from([0.0, 0.002]))),
+        jitter=latency / 2,
         clock_offset=draw(st.sampled_from([0.0, 300.0])),
         drift=draw(st.sampled_from([0.0, 0.01])),
     )

@@ -1,6 +1,8 @@
 """The simulator: skew and drift cause no false death, a seed replays a run,
-faults break no invariant (hypothesis stateful machines, one with 64 nodes), and
-bugs planted in the core's driver are caught (the simulator runs the driver)."""
+faults break no invariant (hypothesis stateful machines, one with 64 nodes; a
+96-node run with crashes, partitions, leaves, skew and drift), a rendezvous costs
+each node a number of wake-ups that does not grow with the cluster, and bugs
+planted in the core's driver are caught (the simulator runs the driver)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import rallypoint.core.driver
-from rallypoint.core import RendezvousState, encode_state
+import rallypoint.core.liveness
+from rallypoint.core import encode_state
 from rallypoint.spec.cli import simulate_main
 from rallypoint.spec.invariants import check_state
 from rallypoint.spec.simulator import EncodedSize, SimConfig, SimConfigError, Simulator, simulate
@@ -131,18 +134,35 @@ def test_a_peer_declared_dead_on_cached_counters_is_a_false_death(
     assert planted.false_deaths > 0, planted.format()
 
 
-def test_a_keep_alive_that_does_not_move_the_merged_counter_is_caught(
+def test_a_keep_alive_that_does_not_move_the_watched_counter_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Sightings that watch the state's counter alone: a member's keep-alives (side
+    counter beats, the state is not rewritten) are invisible to its peers."""
     correct = simulate(STEADY)
     assert correct.ok and correct.deaths == 0, correct.format()
 
-    def blob_counters_only(blob: RendezvousState, side: object) -> RendezvousState:
-        return blob  # ignores the side counters that keep-alives bump
+    def state_counter_only(state_counter: int, side_counter: int) -> int:
+        return state_counter << 32  # ignores the side counter that keep-alives bump
 
-    monkeypatch.setattr(rallypoint.core.driver, "merge_heartbeats", blob_counters_only)
+    # Where observers fold the pair (liveness.observe): peers' beats no longer move
+    # what a sighting watches (the beating node still sees its own beats).
+    monkeypatch.setattr(rallypoint.core.liveness, "heartbeat_of", state_counter_only)
     planted = simulate(STEADY)
     assert planted.false_deaths > 0, planted.format()
+
+
+def test_a_keep_alive_forgotten_by_its_own_node_alone_is_harmless(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulator calls the driver's after_* through the module (a planted bug
+    applies): a node that does not record its own beats only beats more often;
+    its peers still see the beats, so nobody is declared dead."""
+    beats = simulate(STEADY).totals().beats
+    monkeypatch.setattr(rallypoint.core.driver, "after_beat", lambda view, node, counter, now: view)
+    planted = simulate(STEADY)
+    assert planted.ok and planted.deaths == 0, planted.format()
+    assert planted.totals().beats > 2 * beats
 
 
 @settings(max_examples=40, deadline=None)
@@ -167,6 +187,74 @@ def test_encoded_size_is_the_codec_length(first, second) -> None:  # type: ignor
 def test_random_configurations_keep_the_invariants(config: SimConfig) -> None:
     report = simulate(config)
     assert not report.violations, report.format()
+
+
+#: A CI-sized cluster under every fault at once: crashes (restarting with a new
+#: pid), partitions, graceful leaves, spurious CAS conflicts, clocks minutes apart
+#: running 1% fast or slow.
+TURBULENT = SimConfig(
+    nodes=96,
+    min_nodes=48,
+    duration=180.0,
+    seed=10,
+    crash_rate=0.02,
+    partition_rate=0.01,
+    partition_duration=30.0,
+    leave_rate=0.005,
+    conflict_rate=0.02,
+    clock_offset=120.0,
+    drift=0.01,
+)
+
+
+def test_a_hundred_nodes_under_crashes_partitions_and_drift_stay_safe() -> None:
+    report = simulate(TURBULENT)
+    assert not report.violations, report.format()
+    assert report.false_deaths == 0, report.false_death_log[0].format()
+    assert report.crashes and report.partitions and report.leaves
+    assert report.deaths > 0  # crashed and cut-off members were found
+    assert len(report.rounds) > 3
+
+
+def _first_round(n: int, seed: int = 0) -> Simulator:
+    """``n`` nodes arriving within 2 s for a round of exactly ``n``, run until
+    every node returned from the join."""
+    sim = Simulator(SimConfig(nodes=n, min_nodes=n, max_nodes=n, seed=seed, duration=60.0))
+    while not sim.report.rounds and sim.now < 60.0:
+        sim.run_until(sim.now + 0.05)
+    assert sim.report.rounds and sim.report.rounds[0].size == n, sim.report.format()
+    assert not sim.report.violations, sim.report.format()
+    return sim
+
+
+def test_a_rendezvous_costs_each_node_a_constant_number_of_wakeups() -> None:
+    """DESIGN.md decision 8, structurally: with n nodes arriving together, a node
+    wakes a few times whatever n (waiters wake on a phase, and joining an open
+    round publishes none), and reads O(1) states of O(n) bytes each."""
+    figures = {}
+    for n in (32, 128):
+        sim = _first_round(n)
+        totals = sim.report.totals()
+        assert max(s.wakeups for s in sim.report.stats) <= 6
+        assert totals.wakeups / n <= 2
+        # One phase for the whole round (it completed): nobody woke for admissions.
+        assert sim.report.phases == 1
+        figures[n] = (totals.wakeups / n, totals.reads / n, totals.bytes_read / n)
+    (wake_32, reads_32, bytes_32), (wake_128, reads_128, bytes_128) = figures[32], figures[128]
+    assert wake_128 <= 1.25 * wake_32
+    assert reads_128 <= 1.5 * reads_32
+    # Bytes per node grow like the state (linearly), not faster: per node and per
+    # node of cluster, 128 nodes cost at most 1.5 times what 32 do.
+    assert bytes_128 / 128 <= 1.5 * bytes_32 / 32
+
+
+def test_cas_losses_per_joiner_do_not_grow_with_the_cluster() -> None:
+    """Batched admission is meant to bound a joiner's lost compare-and-sets: it
+    loses about once, announces itself, and the next admitting write takes it in.
+    Each loss returns the O(n) state, so losses that grow with n make the bytes per
+    node grow like n squared."""
+    losses = {n: _first_round(n).report.totals().conflicts / n for n in (64, 512)}
+    assert max(losses.values()) <= 1.5, losses
 
 
 def test_config_errors_name_the_option() -> None:
