@@ -54,7 +54,7 @@ from immutables import Map
 
 from .actions import Action, apply
 from .liveness import heartbeat_of, observe, observe_own, sanitize
-from .operators import JoinOp, Operator, wake_at
+from .operators import JoinOp, Operator, keep_alive_due, wake_at
 from .state import Context, NodeDesc, Observations, RendezvousState, Settings
 
 __all__ = [
@@ -301,7 +301,9 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
 
     The participant count of an open round is left out on purpose: between
     min_nodes (the last call arms) and max_nodes (the round completes) it changes no
-    decision, and leaving it out is what makes admissions wake nobody.
+    decision, and leaving it out is what makes admissions wake nobody. Of a
+    complete round only "someone left" counts, not how many: one phase per regroup,
+    not one per exit.
     """
     complete = state.complete
     return (
@@ -311,7 +313,9 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
         state.last_call,
         len(state.participants) >= settings.max_nodes,
         bool(state.wait_list),
-        len(state.participants) if complete else -1,
+        # Only the first departure from a complete round matters to its monitors
+        # (they regroup); counting every one would wake everybody per exit.
+        complete and len(state.participants) < state.world_size,
     )
 
 
@@ -421,7 +425,11 @@ def decide(
             wait = Wait(wake_at(ctx, deadline), view.state.phase)
             return Decision(wait, action, sanitized, dead)
         return Decision(_done(node, op, action, sanitized), action, sanitized, dead)
-    if action is Action.KEEP_ALIVE and not dead and node in view.state.heartbeats:
+    if node in view.state.heartbeats and not dead and (
+        action is Action.KEEP_ALIVE or keep_alive_due(ctx)
+    ):
+        # A member beats when its keep-alive is due, also before another write: a
+        # node that keeps losing compare-and-sets must not look dead meanwhile.
         return Decision(Beat(), action, sanitized, dead)
     admitted: tuple[NodeDesc, ...] = ()
     new = apply(sanitized, action, ctx)
