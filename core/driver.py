@@ -69,6 +69,7 @@ __all__ = [
     "Verdict",
     "Wait",
     "Write",
+    "admission_stages",
     "after_announce",
     "after_beat",
     "after_read",
@@ -400,6 +401,40 @@ def _admit_batch(
     return state, tuple(admitted)
 
 
+def admission_stages(
+    node: NodeDesc,
+    settings: Settings,
+    sanitized: RendezvousState,
+    action: Action | None,
+    admitted: tuple[NodeDesc, ...],
+    written: RendezvousState,
+) -> list[RendezvousState]:
+    """A batch write taken apart, for checkers: the state after the writer's own
+    action, then after each admission in turn (each node's action read off where
+    ``written`` put it). Empty when the write admitted nobody else.
+
+    Raises:
+        InvalidTransitionError: the write is not such a sequence of admissions.
+    """
+    if not admitted:
+        return []
+    state = sanitized
+    if action is not None and action.changes_state:
+        state = apply(state, action, Context(node, state, settings, 0.0))
+    stages = [state]
+    for other in admitted:
+        act = (
+            Action.ADD_TO_PARTICIPANTS
+            if other in written.participants
+            else Action.ADD_TO_WAIT_LIST
+            if other in written.wait_list
+            else Action.ADD_TO_REDUNDANCY_LIST
+        )
+        state = apply(state, act, Context(other, state, settings, 0.0))
+        stages.append(state)
+    return stages
+
+
 def decide(
     view: NodeView,
     node: NodeDesc,
@@ -433,8 +468,13 @@ def decide(
         return Decision(Beat(), action, sanitized, dead)
     admitted: tuple[NodeDesc, ...] = ()
     new = apply(sanitized, action, ctx)
-    if action in _ADMISSIONS and view.contended:
-        # Others are joining too: join through the intent log, and admit them all.
+    if action in _ADMISSIONS and (view.contended or view.announced == sanitized.round):
+        # Others are joining too: join through the intent log, and admit them all
+        # (a node in the log joins only with a batch that moves the cursor past
+        # it, or a later batch could admit it again after it left). Dead peers'
+        # removal goes out first.
+        if dead:
+            return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
         if view.announced != sanitized.round:
             return Decision(Announce(sanitized.round), action, sanitized, dead)
         if view.intents_round != view.state.round:

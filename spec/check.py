@@ -15,6 +15,10 @@ checker carries it out:
 * ``Beat`` bumps the node's side heartbeat counter, ``Wait`` waits: neither
   changes the shared state. Side counters are not modelled: every step chooses the
   ages of the node's sightings afresh, which covers every way they could move.
+* ``Announce`` appends the node to the current round's intent log (part of the
+  shared state of the search). ``Read(intents=True)`` is carried out within the
+  step: the log is read at the same instant as the state, and the driver decides
+  again on it (a batch write admitting the logged joiners, usually).
 * ``Done`` ends the operation (a join's result is recorded for agreement). A join
   done with ``rejoin`` (its round lost rank 0) also finishes into training: the
   handler then exits that round and joins the next, which a trained node's exit and
@@ -23,9 +27,11 @@ checker carries it out:
   the same view and be told to read again, forever.
 
 In every reachable state the checker verifies :mod:`rallypoint.spec.invariants`
-(state, step, removal and agreement properties) and that every node's lifecycle
-change is an edge of the :mod:`rallypoint.spec.model` whose guards hold
-(conformance).
+(state, step, removal, admission and agreement properties), that every node's
+lifecycle change is an edge of the :mod:`rallypoint.spec.model` whose guards hold
+(conformance), and that no write leaves a waiter asleep: a write that publishes no
+new phase leaves the decision of every node waiting on the state as it was (see
+:meth:`Checker._missed_wakeups`).
 
 The state space is made finite and small the way TLA+ specs do it:
 
@@ -46,6 +52,16 @@ The state space is made finite and small the way TLA+ specs do it:
   heartbeat counters, ``heartbeat_seq`` and last-call armings are renumbered to a
   few canonical values that keep every equality the core can test (a step's
   sightings are made over the counters it reads, so no older value is compared).
+  The phase number is 0 in every stored state: only whether a write publishes a
+  new phase matters, and the step that writes tells that.
+* **The intent log as a set.** Only the log's entries past ``intent_cursor`` matter
+  to a decision, and the driver admits them in node order, so a stored state keeps
+  them as a set with the cursor at 0; a new round's log is empty. (An Announce to a
+  round other than the state's, the one case where the rest of a log would matter,
+  is itself a violation.)
+* **Contention as a choice.** A compare-and-set never loses here; a lost one changes
+  nothing shared, so each join step that writes may also be taken as if the node
+  had lost one since its last wait (see :meth:`Checker.expand`).
 * **Symmetry.** Nodes are interchangeable: a state is stored under the least of its
   relabellings by node permutation (CockroachDB's TLA+ does the same). Ranks move
   with their nodes, so a stored state may be a rank-permutation of a reachable one;
@@ -78,6 +94,7 @@ from typing import NamedTuple
 from immutables import Map
 
 from rallypoint.core import (
+    Announce,
     Beat,
     CloseOp,
     Decision,
@@ -96,6 +113,7 @@ from rallypoint.core import (
     Settings,
     Wait,
     Write,
+    heartbeat_of,
 )
 from rallypoint.core import driver as core_driver
 from rallypoint.core.actions import Action
@@ -103,6 +121,7 @@ from rallypoint.core.errors import InvalidTransitionError
 
 from .invariants import (
     RoundResult,
+    check_admissions,
     check_agreement,
     check_removal_published,
     check_state,
@@ -176,7 +195,9 @@ class CheckConfig:
             min_nodes=self.min_nodes,
             max_nodes=self.max_nodes,
             join_timeout=10.0,
-            last_call_timeout=1.0,
+            # distinct from the keep-alive interval and the deadline (1.0 ahead), so
+            # that a Wait's wake time tells which timer it waits for
+            last_call_timeout=0.5,
             close_timeout=10.0,
             heartbeat_timeout=10.0,
             keep_alive_interval=1.0,
@@ -216,14 +237,22 @@ class CoreStep(NamedTuple):
     written: RendezvousState
     #: the model's guards on the stepping node's view before its action
     guards: Guards
+    #: the current round's intent log past the cursor after the step
+    intents: frozenset[NodeDesc]
+    #: whether the node read the intent log within the step (a Read(intents=True))
+    read_log: bool
 
 
 class Global(NamedTuple):
-    """A state of the search: the shared state and every slot's local state."""
+    """A state of the search: the shared state, every slot's local state, and the
+    entries of the current round's intent log past the state's cursor."""
 
     shared: RendezvousState
     locals: tuple[Local, ...]
     crashes: int
+    #: joiners that announced themselves in the current round and were not yet
+    #: admitted (the log past ``intent_cursor``; see :meth:`Checker._normalize`)
+    intents: frozenset[NodeDesc] = frozenset()
 
 
 class Timers(NamedTuple):
@@ -238,6 +267,9 @@ class Timers(NamedTuple):
     last_call_over: bool
     #: the running operation's deadline (None for a keep-alive): before, timed out, past
     deadline: float | None
+    #: a compare-and-set of the node lost since its last wait (join steps whose
+    #: decision is an admission only; see :meth:`Checker.expand`)
+    contended: bool = False
 
 
 @dataclass(frozen=True)
@@ -318,6 +350,8 @@ class _Found(Exception):
         self.decision = decision
         #: what the violating step did, for the trace
         self.lines: list[str] = []
+        #: whether the violating step read the intent log
+        self.read_log = False
 
 
 #: Memoized core steps kept at most (a bound on memory, not on the search).
@@ -343,22 +377,18 @@ _OBSERVATION_FIELDS = frozenset(f.name for f in fields(Observations))
 def make_observations(
     heartbeats: Mapping[NodeDesc, HeartbeatSighting], last_call: LastCallSighting | None
 ) -> Observations:
-    """Observations holding exactly these sightings, as if ``observe`` had taken them
-    from a state whose counters equal the sightings' counters.
+    """Observations holding exactly these sightings.
 
-    The checker makes sightings of its own (chosen ages, renumbered counters); the
-    core's Observations may carry caches derived from the sightings, which must be
-    rebuilt to match, or ``observe``/``dead_nodes`` would act on stale ones.
+    The checker makes sightings of their own (chosen ages); the core's Observations
+    carry caches derived from the sightings, which must match them, or
+    ``dead_nodes`` would act on stale ones: ``oldest`` is rebuilt here, and the
+    caches of what the sightings were taken from are left empty (``observe`` then
+    compares every counter, and finds each equal to its sighting).
     """
     beats = Map(heartbeats)
-    if "source" not in _OBSERVATION_FIELDS:
-        return Observations(heartbeats=beats, last_call=last_call)
-    source = Map({n: h.counter for n, h in beats.items()})
-    caches = {
-        "source": source,
-        "source_items": frozenset(source.items()),
-        "oldest": min((h.since for h in beats.values()), default=None),
-    }
+    caches: dict[str, object] = {}
+    if "oldest" in _OBSERVATION_FIELDS:
+        caches["oldest"] = min((h.since for h in beats.values()), default=None)
     return Observations(heartbeats=beats, last_call=last_call, **caches)  # type: ignore[arg-type]
 
 
@@ -393,6 +423,8 @@ class Checker:
         self._core_steps: dict[tuple[object, ...], CoreStep] = {}
         #: (id of a memoized core step, slot, op, phases and pids) already conformed
         self._conformed: set[tuple[object, ...]] = set()
+        #: (id of a memoized core step, a waiting node, its deadline) -> missed wake-ups
+        self._wakeups: dict[tuple[object, ...], list[str]] = {}
         self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
         #: whether steps describe themselves (only replay needs it)
         self._narrate = False
@@ -409,7 +441,13 @@ class Checker:
         """Forget what no future step can tell apart.
 
         * Heartbeat counter values and last-call arming numbers (the steps choose the
-          ages of sightings afresh, see :meth:`expand`).
+          ages of sightings afresh, see :meth:`expand`), and the phase number: only
+          whether a write publishes a new phase matters (a waiter's Wait ends on
+          any phase above the one it read), and the step tells that.
+        * The intent log: only its entries past ``intent_cursor`` (joiners that
+          announced and were not admitted yet) matter to any decision, so a state
+          keeps them as a set (``Global.intents``, computed by the step) and the
+          cursor as 0. A new round's log starts empty.
         * Results of rounds before the current one: a new result always belongs to
           the current round, so an older one is never compared again.
         * The round number (the round abstraction, when ``max_round`` is None): the
@@ -429,7 +467,7 @@ class Checker:
             if res is not loc.result:
                 loc = loc._replace(result=res)
             locals_.append(loc)
-        return Global(state, tuple(locals_), g.crashes)
+        return Global(state, tuple(locals_), g.crashes, g.intents)
 
     def _normal_shared(self, state: RendezvousState, shift: int) -> RendezvousState:
         # Core steps are memoized, so the same written state comes back many times:
@@ -444,6 +482,8 @@ class Checker:
             or state.last_call_seq != 1
             or state.last_call not in (None, 1)
             or state.heartbeat_seq != 1
+            or state.phase
+            or state.intent_cursor
         ):
             normal = state.evolve(
                 round=state.round - shift,
@@ -451,6 +491,8 @@ class Checker:
                 heartbeat_seq=1,
                 last_call=None if state.last_call is None else 1,
                 last_call_seq=1,
+                phase=0,
+                intent_cursor=0,
             )
         if len(self._normal_forms) >= _CORE_STEP_CACHE:
             self._normal_forms.clear()
@@ -469,6 +511,14 @@ class Checker:
         contains every real timing (any clock offset, drift, scheduling delay), so a
         safety property that holds here holds in every real run. Whether real
         clocks declare only really silent nodes dead is the simulator's question.
+
+        Contention is a choice too. A compare-and-set never loses in this atomic
+        model, but a lost one changes nothing shared, so a node may have lost one
+        (against a write the search does not need to show) at any step since its
+        last wait: a join step whose decision is a write of the node's own action
+        is also taken with ``contended`` set (the driver then joins through the
+        intent log). A connection error also clears the flag (the executor waits),
+        so both values are real at every such step.
         """
         if event.kind not in _STEPPING_EVENTS:
             yield event
@@ -491,23 +541,52 @@ class Checker:
         else:
             deadlines = self._deadlines
         kind, slot = event.kind, event.slot
+        joins = kind == "join" or (kind == "step" and loc.op == "join")
         for expired, mine, lc, dl in itertools.product(list(subsets), own, over, deadlines):
-            yield Event(kind, slot, Timers(frozenset(expired), mine, lc, dl))
+            timers = Timers(frozenset(expired), mine, lc, dl)
+            yield Event(kind, slot, timers)
+            if joins and self._contention_matters(g, node, timers):
+                yield Event(kind, slot, timers._replace(contended=True))
 
-    def _aged(self, merged: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
-        """Sightings of every member of ``merged`` (the state with the side counters
-        merged in, whose counters the driver compares them with), aged as ``timers``
-        says."""
-        expired, mine, lc, _ = timers
+    def _contention_matters(self, g: Global, node: NodeDesc, timers: Timers) -> bool:
+        """Whether a lost compare-and-set changes the join step of ``node`` with
+        ``timers``: the uncontended step writes an action of its own (a node only
+        loses a compare-and-set on its way to one), and the contended decision
+        differs from it."""
+        state, intents, deadline = g.shared, g.intents, timers.deadline
+        try:
+            step = self._core_step(state, node, JoinOp(), timers, deadline, intents)
+        except _Found:
+            return False  # the step itself is a violation; it is reported as it is
+        instruction = step.decision.instruction
+        if not isinstance(instruction, Write) or instruction.action is None:
+            return False
+        contended = timers._replace(contended=True)
+        try:
+            other = self._core_step(state, node, JoinOp(), contended, deadline, intents)
+        except _Found:
+            return True  # the contended step is a violation: explore it to report it
+        return other.decision.instruction != instruction or other.intents != step.intents
+
+    def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
+        """Sightings of every member of ``state``, aged as ``timers`` says.
+
+        A sighting watches the pair (state counter, side counter); the side counters
+        the view holds are all 0, so each sighting equals what a read at this instant
+        shows, and a re-read within the step keeps its age.
+        """
+        expired, mine, lc = timers.expired, timers.own, timers.last_call_over
         own = {"fresh": self._fresh, "due": self._due, "expired": self._expired}[mine]
         beats = {
-            n: HeartbeatSighting(c, own if n == node else self._expired if n in expired else 0.0)
-            for n, c in merged.heartbeats.items()
+            n: HeartbeatSighting(
+                heartbeat_of(c, 0), own if n == node else self._expired if n in expired else 0.0
+            )
+            for n, c in state.heartbeats.items()
         }
         call = None
-        if merged.last_call is not None:
+        if state.last_call is not None:
             since = self._call_over if lc else 0.0
-            call = LastCallSighting(merged.round, merged.last_call, since)
+            call = LastCallSighting(state.round, state.last_call, since)
         return make_observations(beats, call)
 
     # -- symmetry ----------------------------------------------------------------
@@ -531,10 +610,11 @@ class Checker:
             loc.incarnation,
             loc.phase,
             loc.op or "",
-            -99 if loc.deadline is None else loc.deadline,
+            _deadline_code(loc.deadline),
             role,
             s.last_ranks.get(node, -1),
             s.heartbeats.get(node, 0),
+            node in g.intents,
         )
 
     def _key(self, g: Global, perm: tuple[int, ...]) -> tuple[object, ...]:
@@ -555,6 +635,7 @@ class Checker:
             tuple(sorted((lab(n), c) for n, c in s.heartbeats.items())),
             s.last_call or 0,
             tuple(sorted((lab(n), r) for n, r in s.last_ranks.items())),
+            tuple(sorted(lab(n) for n in g.intents)),
         )
         slots: list[tuple[object, ...]] = [()] * len(g.locals)
         for i, loc in enumerate(g.locals):
@@ -563,7 +644,7 @@ class Checker:
                 loc.incarnation,
                 loc.phase,
                 loc.op or "",
-                -99 if loc.deadline is None else loc.deadline,
+                _deadline_code(loc.deadline),
                 (res.round, res.rank, res.world_size, tuple(sorted(map(lab, res.membership))))
                 if res
                 else (),
@@ -688,17 +769,31 @@ class Checker:
             raise
         return after, [f"starts {event.kind}", *lines]
 
-    def _view(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> NodeView:
+    def _view(
+        self,
+        state: RendezvousState,
+        node: NodeDesc,
+        timers: Timers,
+        pending: frozenset[NodeDesc] = frozenset(),
+    ) -> NodeView:
         """The node's view at this step: ``state`` and every member's side counter
         read at this instant (so never too old to judge liveness on), with its
-        sightings aged as ``timers`` says.
+        sightings aged as ``timers`` says; ``contended`` as the timers choose, and
+        ``announced`` when the node is in the round's intent log past the cursor.
 
         The side counters are all 0: only whether a sighting equals the counter
         matters, and every step chooses the sightings' ages afresh.
         """
-        counters = Map({n: 0 for n in state.heartbeats})
-        read = core_driver.after_read(NodeView(), state, counters, 0.0)
-        return read._replace(observations=self._aged(read.merged, node, timers))
+        read = core_driver.after_read(NodeView(), node, state, self._counters(state), 0.0)
+        return read._replace(
+            observations=self._aged(state, node, timers),
+            contended=timers.contended,
+            announced=state.round if node in pending else -1,
+        )
+
+    @staticmethod
+    def _counters(state: RendezvousState) -> Map[NodeDesc, int]:
+        return Map({n: 0 for n in state.heartbeats})
 
     def _core_step(
         self,
@@ -707,62 +802,117 @@ class Checker:
         op: Operator,
         timers: Timers,
         deadline: float | None,
+        pending: frozenset[NodeDesc] = frozenset(),
     ) -> CoreStep:
         """The driver's part of a step, carried out atomically: a pure function of
         its arguments, so it is memoized (most states share their shared state and
-        timers with others)."""
-        key = (state, node, type(op), timers, deadline)
+        timers with others).
+
+        ``pending`` is the current round's intent log past the cursor. The driver
+        sees it as the whole log, in node order, with the cursor at 0 (the state
+        is normalized so): only the entries past the cursor matter to a decision.
+        """
+        key = (state, node, type(op), timers, deadline, pending)
         hit = self._core_steps.get(key)
         if hit is not None:
             return hit
         settings = self.settings
-        view = self._view(state, node, timers)
+        view = self._view(state, node, timers, pending)
         limit = float(deadline) if deadline is not None else float("inf")
+        log = tuple(sorted(pending))
+        read_log = False
         try:
             decision = core_driver.decide(view, node, settings, op, limit, 0.0)
+            instruction = decision.instruction
+            if (
+                isinstance(instruction, Read)
+                and getattr(instruction, "intents", False)
+                and view.intents_round != state.round
+            ):
+                # The intent log, read at this same instant with the state it
+                # belongs to: the node then decides again within the step.
+                counters = self._counters(state) if instruction.counters else None
+                view = core_driver.after_read(view, node, state, counters, 0.0, log)
+                read_log = True
+                decision = core_driver.decide(view, node, settings, op, limit, 0.0)
         except InvalidTransitionError as exc:
             raise _Found([f"the core chose an action it then rejected: {exc}"]) from None
         instruction, sanitized = decision.instruction, decision.state
+        problems: list[str] = []
+        intents = pending
         # Carry the instruction out. The view is as fresh as a view can be.
         if isinstance(instruction, Write):
             # A winning compare-and-set (a lost one changes nothing shared, and the
             # node decides again on what beat it: another step of the search).
             written, performed = instruction.state, instruction.action
-        elif isinstance(instruction, Beat | Wait):
+            if written.round == state.round:
+                intents = frozenset(log[max(0, written.intent_cursor) :])
+            else:
+                intents = frozenset()  # a new round's log: nobody announced in it yet
+        elif isinstance(instruction, Announce):
+            # The node appends itself to the intent log; nothing else is shared.
+            written, performed = state, None
+            intents = pending | {node}
+            if instruction.round != state.round:
+                problems.append(
+                    f"{node} announced itself in the intent log of round {instruction.round} "
+                    f"while the state is in round {state.round}: it reads round "
+                    f"{state.round}'s log back, and its entry waits in a round not started"
+                )
+        elif isinstance(instruction, Beat):
             # A beat moves only the node's side counter, which no step reads (each
-            # chooses its sightings afresh); a wait changes nothing.
-            written, performed = state, decision.action
+            # chooses its sightings afresh). It is a keep-alive, whatever the
+            # operator would have done next (a member beats first when it is due).
+            written, performed = state, Action.KEEP_ALIVE
+        elif isinstance(instruction, Wait):
+            written, performed = state, decision.action  # a wait changes nothing
         elif isinstance(instruction, Done):
             written, performed = state, instruction.action
         elif isinstance(instruction, Read):
-            raise _Found(
+            what = (
+                f"Read(counters={instruction.counters}, "
+                f"intents={getattr(instruction, 'intents', False)})"
+            )
+            found = _Found(
                 [
-                    f"the driver re-read a fresh view (Read(counters={instruction.counters}) "
-                    "on a blob and counters read at this instant): an executor would read "
-                    "and ask again forever"
+                    f"the driver re-read a fresh view ({what} on a state, counters"
+                    + (" and intent log" if read_log else "")
+                    + " read at this instant): an executor would read and ask again forever"
                 ],
                 decision,
             )
+            found.read_log = read_log
+            raise found
         else:
             raise _Found([f"the driver answered {instruction!r} to an operation"], decision)
         # Safety: a node that finds members silent publishes their removal at once;
         # the written state and both halves of the step (read -> the operator's view
-        # -> written; nothing is written but by a Write).
-        silent = timers.expired | ({node} if timers.own == "expired" else frozenset())
-        problems = check_removal_published(node, state, silent, decision.dead, written)
+        # -> written; nothing is written but by a Write); batched admissions.
+        # A node never finds itself dead (it is alive: it beats now); its peers judge
+        # it by their own sightings. So only the expired peers count.
+        silent = timers.expired
+        problems += check_removal_published(node, state, silent, decision.dead, written)
         problems += check_state(written, settings)
         problems += check_transition(state, sanitized)
         if isinstance(instruction, Write):
             problems += check_transition(sanitized, written)
+            problems += check_admissions(node, state, sanitized, written, instruction.admitted, log)
         if problems:
-            raise _Found(problems, decision)
+            found = _Found(problems, decision)
+            found.read_log = read_log
+            raise found
         # The stepping node's own action is judged on its view before the action.
-        guards = Guards.of(View(node, sanitized, settings, 0.0, view.observations, deadline))
+        guards = Guards.of(
+            View(node, sanitized, settings, 0.0, view.observations, deadline, pending)
+        )
         if len(self._core_steps) >= _CORE_STEP_CACHE:
             # ids of dropped steps may be reused: forget what was keyed on them
             self._core_steps.clear()
             self._conformed.clear()
-        step = self._core_steps[key] = CoreStep(decision, performed, written, guards)
+            self._wakeups.clear()
+        step = self._core_steps[key] = CoreStep(
+            decision, performed, written, guards, intents, read_log
+        )
         return step
 
     def _step(
@@ -779,16 +929,26 @@ class Checker:
         # A keep-alive has no deadline of its own; it never times out.
         deadline = self._before if loc.op is None else timers.deadline
         try:
-            core_step = self._core_step(g.shared, node, op, timers, deadline)
+            core_step = self._core_step(g.shared, node, op, timers, deadline, g.intents)
         except _Found as found:
             if self._narrate and found.decision is not None:
-                found.lines = self._narration(loc, timers, deadline, op, found.decision)
+                found.lines = self._narration(
+                    loc, timers, deadline, op, found.decision, g, found.read_log
+                )
             raise
-        decision, performed, written, guards = core_step
+        decision, performed, written, guards = core_step[:4]
         instruction, sanitized, dead = decision.instruction, decision.state, decision.dead
         lines = []
         if self._narrate:
-            lines = self._narration(loc, timers, deadline, op, decision)
+            lines = self._narration(loc, timers, deadline, op, decision, g, core_step.read_log)
+        # No missed wake-up: a write that publishes no phase must leave the decision
+        # of every node waiting on the state as it was.
+        if isinstance(instruction, Write) and instruction.phase is None:
+            missed = self._missed_wakeups(g, slot, core_step)
+            if missed:
+                found = _Found(missed, decision)
+                found.lines = lines
+                raise found
 
         # The time that passed stays passed: the chosen deadline value is kept.
         new_deadline = loc.deadline if loc.op is None else deadline
@@ -824,14 +984,88 @@ class Checker:
                 new_deadline = self._before
         # Observations are not kept: every step chooses its sightings afresh.
         new_loc = loc._replace(phase=phase, op=new_op, deadline=new_deadline, result=result)
-        after = _with(g, slot, new_loc, shared=written)
+        after = _with(g, slot, new_loc, shared=written, intents=core_step.intents)
         # Conformance depends on the core step and on every node's phase and pid;
-        # many states share both, so each combination is checked once.
+        # many states share both, so each combination is checked once (the core
+        # step's key holds the intent log).
         conformed = (id(core_step), slot, loc.op, tuple((o.phase, o.incarnation) for o in g.locals))
         if conformed not in self._conformed:
-            self._conform(g, slot, sanitized, dead, after, performed, op, guards)
+            admitted = instruction.admitted if isinstance(instruction, Write) else ()
+            try:
+                self._conform(g, slot, sanitized, dead, after, performed, op, guards, admitted)
+            except _Found as found:
+                found.decision = decision
+                found.lines = lines
+                raise
             self._conformed.add(conformed)
         return after, lines
+
+    def _missed_wakeups(self, g: Global, slot: int, core_step: CoreStep) -> list[str]:
+        """Waiters the step ``core_step`` of ``slot`` leaves asleep although their
+        decision changed (the step's write publishes no new phase).
+
+        A waiter is another node running a join whose decision on the state before
+        the step is a Wait (with the timers it may have then: nobody silent, which
+        would make it publish a removal instead). Its decision on the state after
+        the step with the same timers (a new member is seen fresh, a new last call
+        just armed) must be the same Wait, waking at the same time: its Wait ends
+        only on a phase above the one it read, or at that time.
+
+        Not a waiter in this sense: a node the step removed from the state (a peer
+        declared it dead). It learns that by its own keep-alive timer, which every
+        member's Wait includes: waking every waiter on every removal is what phases
+        are there to avoid.
+
+        A function of the step (the shared states before and after) and of the
+        waiter's node and deadline: memoized.
+        """
+        before, after = g.shared, core_step.written
+        problems: list[str] = []
+        for i, other in enumerate(g.locals):
+            if i == slot or other.op != "join":
+                continue
+            waiter = node_of(i, other.incarnation)
+            key = (id(core_step), waiter, other.deadline)
+            known = self._wakeups.get(key)
+            if known is None:
+                known = self._wakeups[key] = self._missed_wakeup(before, after, waiter, other)
+            problems += known
+        return problems
+
+    def _missed_wakeup(
+        self, before: RendezvousState, after: RendezvousState, waiter: NodeDesc, loc: Local
+    ) -> list[str]:
+        if waiter in before.members() and waiter not in after.members():
+            return []
+        own = ("fresh", "due") if waiter in before.heartbeats else ("fresh",)
+        over = (False, True) if before.last_call is not None else (False,)
+        start = self._deadlines.index(loc.deadline) if loc.deadline in self._deadlines else 0
+        for mine, lc, dl in itertools.product(own, over, self._deadlines[start:]):
+            timers = Timers(frozenset(), mine, lc, dl)
+            asleep = self._decide(before, waiter, timers, dl)
+            if not isinstance(asleep.instruction, Wait):
+                continue
+            if after.last_call != before.last_call or after.round != before.round:
+                timers = timers._replace(last_call_over=False)  # a new last call, just seen
+            awake = self._decide(after, waiter, timers, dl)
+            if _outcome(awake) != _outcome(asleep):
+                return [
+                    f"missed wake-up: {waiter} waits ({_describe_decision(asleep)}) on the "
+                    f"state before this step and would {_describe_decision(awake)} on the "
+                    "state after it, but the step's write publishes no new phase"
+                ]
+        return []
+
+    def _decide(
+        self, state: RendezvousState, node: NodeDesc, timers: Timers, deadline: float | None
+    ) -> Decision:
+        """The decision of a join of ``node`` on ``state`` (not carried out)."""
+        view = self._view(state, node, timers)
+        limit = float(deadline) if deadline is not None else float("inf")
+        try:
+            return core_driver.decide(view, node, self.settings, JoinOp(), limit, 0.0)
+        except InvalidTransitionError as exc:
+            raise _Found([f"the core chose an action it then rejected: {exc}"]) from None
 
     def _narration(
         self,
@@ -840,10 +1074,12 @@ class Checker:
         deadline: float | None,
         op: Operator,
         decision: Decision,
+        g: Global | None = None,
+        read_log: bool = False,
     ) -> list[str]:
         """What a step did, for traces."""
         lines = []
-        expired, mine, lc, _ = timers
+        expired, mine, lc = timers.expired, timers.own, timers.last_call_over
         if loc.op is not None and deadline != loc.deadline:
             lines.append("deadline passed" if deadline == self._timed_out else "rollback over")
         if mine != "fresh":
@@ -852,16 +1088,26 @@ class Checker:
             lines.append("last call over")
         if expired:
             lines.append(f"sees {sorted(map(str, expired))} silent too long")
+        if timers.contended:
+            lines.append("lost a compare-and-set since its last wait (contended)")
         if decision.dead:
             lines.append(f"declares dead {sorted(map(str, decision.dead))}")
+        if read_log and g is not None:
+            lines.append(f"reads the intent log {sorted(map(str, g.intents))}")
         action = "nothing" if decision.action is None else decision.action.name
         instruction = decision.instruction
         if isinstance(instruction, Write) and instruction.action is None:
             what = "publishes the removal first"
+        elif isinstance(instruction, Write) and instruction.admitted:
+            what = f"write, admitting {[str(n) for n in instruction.admitted]}"
+        elif isinstance(instruction, Announce):
+            what = f"announces itself in the intent log of round {instruction.round}"
         elif isinstance(instruction, Done) and instruction.rejoin:
             what = "done, but the round lost its rank 0: rejoin"
         else:
             what = type(instruction).__name__.lower()
+        if isinstance(instruction, Write) and instruction.phase is not None:
+            what += ", new phase"
         lines.append(f"{type(op).__name__} -> {action} ({what})")
         return lines
 
@@ -875,17 +1121,20 @@ class Checker:
         action: Action | None,
         op: Operator,
         guards: Guards,
+        admitted: tuple[NodeDesc, ...] = (),
     ) -> None:
         """Every node's lifecycle change in this step must be an edge of the model.
 
-        ``action`` is what the node carried out (None: it only published removals).
+        ``action`` is what the node carried out (None: it only published removals);
+        ``admitted``: the nodes its write admitted in a batch, after its own action
+        and in this order (each is judged on the state just before its admission).
         """
         loc = g.locals[slot]
         node = node_of(slot, loc.incarnation)
         state = g.shared
         nodes = [node_of(i, other.incarnation) for i, other in enumerate(g.locals)]
-        # Peers change lifecycle state only when removed (sanitize) or when the
-        # round completes or advances; other nodes need no check.
+        # Peers change lifecycle state only when removed (sanitize), admitted in a
+        # batch, or when the round completes or advances; other nodes need no check.
         if dead:
             members, kept = state.members(), sanitized.members()
             for i in range(len(g.locals)):
@@ -896,25 +1145,62 @@ class Checker:
                         self._expect(src, "declared_dead", dst, _NO_GUARDS, nodes[i])
         middle = self._model_state(g, slot, sanitized)
         final = self._model_state(after, slot)
+        # A batch: the states after the node's own action and after each admission.
+        stages = self._admission_stages(node, sanitized, action, admitted, after.shared)
+        own = final if not admitted else lifecycle_state(loc.phase, node, stages[0])
         trigger = _trigger(action, op)
-        if (action is not None and action.changes_state) or (
-            trigger is not None and middle != final
-        ):
+        if (action is not None and action.changes_state) or (trigger is not None and middle != own):
             if trigger is None:
-                raise _Found([f"conformance: {node} changed {middle} -> {final}"])
-            self._expect(middle, trigger, final, guards, node)
-        elif middle != final:
+                raise _Found([f"conformance: {node} changed {middle} -> {own}"])
+            self._expect(middle, trigger, own, guards, node)
+        elif middle != own:
             done = "only publishing removals" if action is None else action.name
-            raise _Found([f"conformance: {node} went {middle} -> {final} on {done}"])
+            raise _Found([f"conformance: {node} went {middle} -> {own} on {done}"])
+        moved = {slot}
+        for k, other in enumerate(admitted):
+            i = next((j for j, n in enumerate(nodes) if n == other), None)
+            if i is None:
+                continue  # an earlier incarnation's entry: nobody runs that node
+            src = self._model_state(g, i, sanitized)
+            dst = lifecycle_state(g.locals[i].phase, other, stages[k + 1])
+            if src != dst:
+                view = View(other, stages[k], self.settings, 0.0, _NO_OBSERVATIONS, None, g.intents)
+                self._expect(src, "admitted", dst, Guards.of(view), other)
+            moved.add(i)
+            final_i = self._model_state(after, i)
+            if final_i != dst:
+                self._expect(dst, "round_completed", final_i, _NO_GUARDS, other)
+        if own != final:
+            self._expect(own, "round_completed", final, _NO_GUARDS, node)
         written = after.shared
         if written.complete != sanitized.complete or written.round != sanitized.round:
             for i in range(len(g.locals)):
-                if i == slot:
+                if i in moved:
                     continue
                 src = self._model_state(g, i, sanitized)
                 dst = self._model_state(after, i)
                 if src != dst:
                     self._expect(src, "round_completed", dst, _NO_GUARDS, nodes[i])
+
+    def _admission_stages(
+        self,
+        node: NodeDesc,
+        sanitized: RendezvousState,
+        action: Action | None,
+        admitted: tuple[NodeDesc, ...],
+        written: RendezvousState,
+    ) -> list[RendezvousState]:
+        """For a batch write: the state after the writer's own action, then after
+        each admission in turn (each node's action read off where the write put it).
+        Empty when the write admits nobody else."""
+        try:
+            return core_driver.admission_stages(
+                node, self.settings, sanitized, action, admitted, written
+            )
+        except InvalidTransitionError as exc:
+            raise _Found(
+                [f"conformance: {node}'s batch is not a sequence of admissions: {exc}"]
+            ) from None
 
     # -- the search --------------------------------------------------------------
 
@@ -1061,6 +1347,34 @@ def _agreement(before: Global, after: Global, slot: int) -> list[str]:
     return check_agreement(results)
 
 
+def _deadline_code(deadline: float | None) -> int:
+    """A deadline (relative to now) as a small non-negative number for state keys.
+
+    Not the float itself: CPython hashes -1 and -2 alike (``hash(-1) == -2``), so
+    keys that differ only in a deadline 1 s past (timed out) and 2 s past (past the
+    rollback period) would get the same fingerprint, and the search would take one
+    state for the other.
+    """
+    return 0 if deadline is None else 1000 + round(deadline * 100)
+
+
+def _outcome(decision: Decision) -> tuple[object, ...]:
+    """What a decision does, as far as a waiter is concerned: the instruction, the
+    action, and for a Wait the time it wakes at."""
+    instruction = decision.instruction
+    until = instruction.until if isinstance(instruction, Wait) else None
+    return (type(instruction).__name__, decision.action, until)
+
+
+def _describe_decision(decision: Decision) -> str:
+    instruction = decision.instruction
+    action = "nothing" if decision.action is None else decision.action.name
+    if isinstance(instruction, Wait):
+        until = "a new phase" if instruction.until is None else f"+{instruction.until:g} s"
+        return f"{action}: wait until {until}"
+    return f"{action}: {type(instruction).__name__.lower()}"
+
+
 def _true_guards(guards: Guards) -> str:
     held = [name for name, value in vars(guards).items() if value]
     return ", ".join(held) or "none"
@@ -1086,6 +1400,7 @@ def _with(
     loc: Local,
     shared: RendezvousState | None = None,
     crashes: int | None = None,
+    intents: frozenset[NodeDesc] | None = None,
 ) -> Global:
     locals_ = list(g.locals)
     locals_[slot] = loc
@@ -1093,6 +1408,7 @@ def _with(
         g.shared if shared is None else shared,
         tuple(locals_),
         g.crashes if crashes is None else crashes,
+        g.intents if intents is None else intents,
     )
 
 
@@ -1118,7 +1434,7 @@ def relabel(g: Global, perm: tuple[int, ...]) -> Global:
         locals_[perm[i]] = loc._replace(
             result=replace(res, membership=frozenset(map(lab, res.membership))) if res else None,
         )
-    return Global(shared, tuple(locals_), g.crashes)
+    return Global(shared, tuple(locals_), g.crashes, frozenset(map(lab, g.intents)))
 
 
 def _display(g: Global, slot: int, names: list[str]) -> str:
@@ -1139,7 +1455,8 @@ def _name(n: NodeDesc, names: list[str]) -> str:
 def describe(g: Global, names: list[str] | None = None) -> str:
     """One line per state for traces: the shared state, then every node.
 
-    A node shows its phase, its operation (``/join``), and ``timed-out`` or
+    ``I{...}`` are the joiners in the round's intent log past the cursor. A node
+    shows its phase, its operation (``/join``), and ``timed-out`` or
     ``past-rollback`` for its deadline. What a node's timers showed at a step is
     in that step's line of the trace.
     """
@@ -1158,6 +1475,8 @@ def describe(g: Global, names: list[str] | None = None) -> str:
         parts.append("R{" + ", ".join(sorted(_name(n, names) for n in s.redundancy_list)) + "}")
     if s.last_call is not None:
         parts.append("last-call armed")
+    if g.intents:
+        parts.append("I{" + ", ".join(sorted(_name(n, names) for n in g.intents)) + "}")
     nodes = []
     for i, loc in enumerate(g.locals):
         text = f"{_display(g, i, names)}={loc.phase}" + (f"/{loc.op}" if loc.op else "")

@@ -7,7 +7,7 @@ property holds), so a checker can print every broken property of a state at once
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rallypoint.core import NodeDesc, RendezvousState, Settings
@@ -15,6 +15,7 @@ from rallypoint.core import NodeDesc, RendezvousState, Settings
 __all__ = [
     "AgreementTracker",
     "RoundResult",
+    "check_admissions",
     "check_agreement",
     "check_removal_published",
     "check_state",
@@ -92,9 +93,10 @@ def check_removal_published(
     """A node that finds members dead publishes their removal in the same step.
 
     ``node`` stepped on the shared state ``before``, its view showing the members
-    ``silent`` (its own sighting included) silent for longer than the liveness
-    window, on heartbeat counters read at that instant; ``declared`` is what its
-    step declared dead, ``written`` the shared state after the step. Then:
+    ``silent`` silent for longer than the liveness window, on heartbeat counters
+    read at that instant; ``declared`` is what its step declared dead, ``written``
+    the shared state after the step. (The core never declares the observer itself
+    dead, so the model checker passes only the peers as ``silent``.) Then:
 
     * exactly the silent members are declared dead (no live one, none left over);
     * none of them is still in ``written``: the removal is published at once, even
@@ -130,6 +132,80 @@ def check_removal_published(
             f"{node} found {kept} dead but did not publish their removal: "
             "the state after its step still holds them"
         )
+    return problems
+
+
+def _admitted_by(writer: NodeDesc, before: RendezvousState, after: RendezvousState) -> bool:
+    """Whether ``writer`` became a member, or went from waiting to participant."""
+    return (writer not in before.members() and writer in after.members()) or (
+        writer in before.wait_list and writer in after.participants
+    )
+
+
+def check_admissions(
+    writer: NodeDesc,
+    before: RendezvousState,
+    sanitized: RendezvousState,
+    written: RendezvousState,
+    admitted: Sequence[NodeDesc],
+    log: Sequence[NodeDesc],
+    new_log: Sequence[NodeDesc] = (),
+) -> list[str]:
+    """Batched admission: one write by ``writer`` of ``written`` over the shared
+    state ``before``, decided on ``sanitized`` (``before`` with the nodes the writer
+    declared dead removed), naming ``admitted`` as the other nodes it admits.
+
+    ``log`` is the intent log of ``before``'s round as the step saw it; ``new_log``
+    the log of the next round, for a write that starts it. Then:
+
+    * the cursor only grows within a round and never passes the end of its log (a
+      new round's cursor counts that round's log, from 0);
+    * every node the write made a member (or moved from the wait list to the
+      participants), other than the writer, is named in ``admitted``, once, and
+      nobody else is;
+    * an admitted node had announced itself in the log of the round it is admitted
+      to (an entry past the cursor) or was waiting;
+    * a node admitted (the writer included) while it has an entry past the cursor
+      has that entry consumed: the cursor moves past it, so every entry admits its
+      node at most once.
+    """
+    problems: list[str] = []
+    same_round = written.round == before.round
+    entries, start = (log, before.intent_cursor) if same_round else (new_log, 0)
+    cursor = written.intent_cursor
+    if same_round and cursor < start:
+        problems.append(
+            f"the intent cursor of round {written.round} went back from {start} to {cursor}"
+        )
+    if cursor > len(entries):
+        problems.append(
+            f"the intent cursor of round {written.round} is {cursor}, past the end of "
+            f"its log ({len(entries)} entries)"
+        )
+    pending = frozenset(entries[start:])
+    left = frozenset(entries[max(cursor, start) :])
+    joined = {n for n in written.members() if n != writer and _admitted_by(n, sanitized, written)}
+    named = list(admitted)
+    if len(set(named)) != len(named):
+        problems.append(f"{writer} admitted a node twice in one write: {[str(n) for n in named]}")
+    if set(named) != joined:
+        problems.append(
+            f"{writer}'s write admitted {sorted(map(str, joined))} but names "
+            f"{sorted(map(str, named))} as admitted"
+        )
+    for n in sorted(joined):
+        if n not in pending and n not in sanitized.wait_list:
+            problems.append(
+                f"{writer} admitted {n} to round {written.round}, which neither announced "
+                "itself in that round's intent log (past the cursor) nor was waiting"
+            )
+    newly = sorted(joined | ({writer} if _admitted_by(writer, sanitized, written) else set()))
+    for n in newly:
+        if n in pending and n in left:
+            problems.append(
+                f"{n} was admitted to round {written.round} but its intent log entry stays "
+                "past the cursor: a later batch would admit it again"
+            )
     return problems
 
 

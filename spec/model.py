@@ -12,6 +12,7 @@ from its membership in the shared state (:func:`lifecycle_state`)::
     idle/exited --join--> joining --add_to_participants--> participant --complete--> complete
                                \\--add_to_wait_list--> waiting      (round complete, room)
                                \\--add_to_redundancy_list--> redundant (round complete, full)
+    joining [announced] / waiting --admitted (a peer's batch)--> the same destinations
     complete --finish--> training --remove_from_participants (exit)--> exited
     any live state --crash--> crashed; --timeout--> failed; --closed--> closed
 
@@ -19,8 +20,9 @@ Two kinds of triggers exist. *Own* triggers are named after the core's actions (
 action the stepping node performed, e.g. ``add_to_participants``, ``finish``) or the
 node's own lifecycle events (``join``, ``crash``). *Peer* triggers change a node's
 lifecycle state through another node's step: ``round_completed`` (a peer marked the
-round complete or filled it) and ``declared_dead`` (a sanitize, a peer's or the
-node's own, removed it from the shared state).
+round complete or filled it), ``declared_dead`` (a sanitize, a peer's or the node's
+own, removed it from the shared state) and ``admitted`` (a peer's write admitted it
+in a batch: it had announced itself in the round's intent log, or it was waiting).
 
 Every edge has guards; the guards of one step are evaluated once into a
 :class:`Guards` tuple from a :class:`View` of the node before the step, so the
@@ -73,7 +75,7 @@ LIVE_STATES: tuple[str, ...] = tuple(s for s in MODEL_STATES if s not in TERMINA
 #: States whose node holds a heartbeat entry in the shared state.
 _MEMBER_STATES = ("waiting", "redundant", "participant", "complete", "training")
 #: Triggers caused by another node's step (or by a sanitize).
-PEER_TRIGGERS: frozenset[str] = frozenset({"round_completed", "declared_dead"})
+PEER_TRIGGERS: frozenset[str] = frozenset({"round_completed", "declared_dead", "admitted"})
 
 
 def _edge(
@@ -140,6 +142,33 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         conditions=["quorum", "last_call_over", "not_closed"],
     ),
     _edge("round_completed", "participant", "complete"),
+    # Batched admission: a peer's write admits a joiner that announced itself in the
+    # round's intent log (and is not a member yet), or a waiting node once the next
+    # round is open, with the decision the node's own join would make.
+    _edge(
+        "admitted",
+        "joining",
+        "participant",
+        conditions=["announced", "round_open"],
+        unless=["fills_round"],
+    ),
+    _edge("admitted", "joining", "complete", conditions=["announced", "round_open", "fills_round"]),
+    _edge(
+        "admitted",
+        "joining",
+        "waiting",
+        conditions=["announced", "round_complete", "not_closed"],
+        unless=["round_full", "round_open"],
+    ),
+    _edge(
+        "admitted",
+        "joining",
+        "redundant",
+        conditions=["announced", "round_complete", "round_full", "not_closed"],
+        unless=["round_open"],
+    ),
+    _edge("admitted", "waiting", "participant", conditions=["round_open"], unless=["fills_round"]),
+    _edge("admitted", "waiting", "complete", conditions=["round_open", "fills_round"]),
     _edge("finish", "complete", "training"),
     _edge("finish", "evicted", "exited"),
     # Heartbeats: only a member beats, and only when its interval has passed.
@@ -186,7 +215,8 @@ class View:
     """One node's view before a step: what the model's guards may look at.
 
     ``now`` and ``deadline`` are on the node's own clock; ``deadline`` is None when
-    the node runs no operation with a deadline.
+    the node runs no operation with a deadline. ``pending``: the joiners in the
+    intent log of the state's round past its cursor (announced, not yet admitted).
     """
 
     node: NodeDesc
@@ -195,6 +225,7 @@ class View:
     now: float
     observations: Observations
     deadline: float | None = None
+    pending: frozenset[NodeDesc] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -211,6 +242,8 @@ class Guards:
     keep_alive_due: bool
     timed_out: bool
     within_rollback: bool
+    #: the node is in the round's intent log past the cursor (it announced itself)
+    announced: bool = False
 
     @classmethod
     def of(cls, view: View) -> Guards:
@@ -247,6 +280,7 @@ class Guards:
             within_rollback=(
                 view.deadline is not None and now <= view.deadline + s.rollback_period
             ),
+            announced=node in view.pending,
         )
 
 
@@ -299,6 +333,9 @@ class _Node:
 
     def within_rollback(self) -> bool:
         return self._g("within_rollback")
+
+    def announced(self) -> bool:
+        return self._g("announced")
 
 
 def _machine_kwargs() -> dict[str, Any]:

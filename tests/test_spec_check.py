@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 
 from rallypoint.core import (
+    Announce,
+    Context,
     Decision,
     NodeDesc,
     Read,
@@ -27,7 +29,7 @@ from rallypoint.spec.check import (
     describe,
 )
 from rallypoint.spec.cli import spec_main
-from rallypoint.spec.invariants import check_removal_published
+from rallypoint.spec.invariants import check_admissions, check_removal_published
 
 #: Three nodes, every round, no crashes or close: the full space in seconds.
 SMALL = CheckConfig(nodes=3, max_crashes=0, allow_close=False)
@@ -46,6 +48,11 @@ def test_three_nodes_every_round_full_state_space_has_no_violation() -> None:
     result = check(SMALL)
     assert result.ok, result.summary()
     assert result.complete and result.states > 1000 and result.depth > 8
+    # Contended joiners went through the intent log, and peers admitted them.
+    admitted = {(src, dst) for src, t, dst in result.lifecycle_edges if t == "admitted"}
+    assert {("joining", "participant"), ("joining", "complete"), ("waiting", "participant")} <= (
+        admitted
+    )
 
 
 def test_the_search_is_reproducible() -> None:
@@ -249,4 +256,138 @@ def test_the_checker_decides_through_the_driver(monkeypatch: pytest.MonkeyPatch)
     result = check(dataclasses.replace(SMALL, max_states=200))
     assert result.ok and calls
     view = calls[0][0]
-    assert not view.stale and view.counters_fresh and view.counters_at == 0.0  # type: ignore[attr-defined]
+    assert not view.stale and view.counters_at == 0.0  # type: ignore[attr-defined]
+
+
+# -- phases and batched admission ------------------------------------------------------
+
+
+def test_a_phase_that_misses_the_last_call_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A phase without the last call: the write that arms it wakes nobody, and a
+    participant already waiting sleeps past the end of the last call."""
+    real = driver.phase_of
+
+    def phase_without_last_call(state: RendezvousState, settings: object) -> tuple[object, ...]:
+        phase = real(state, settings)  # type: ignore[arg-type]
+        return phase[:3] + phase[4:]
+
+    monkeypatch.setattr(driver, "phase_of", phase_without_last_call)
+    result = check(SMALL)
+    assert result.violation is not None
+    (problem,) = result.violation.problems
+    assert "missed wake-up" in problem and "publishes no new phase" in problem
+    text = result.violation.format()
+    assert "0. initial" in text and "last-call armed" not in text.split("VIOLATES")[0]
+    assert "ADD_TO_PARTICIPANTS (write)" in text and "VIOLATES" in text
+
+
+def _admit_past_max_nodes(view, node, settings, op, state, now):  # type: ignore[no-untyped-def]
+    """A batching bug: once the round has filled up, the remaining logged joiners
+    are still made participants (the room check is skipped)."""
+    log = view.intents or ()
+    admitted = []
+    for other in sorted({n for n in log[state.intent_cursor :] if n != node}):
+        if other in state.members():
+            continue
+        if not state.complete:
+            state = actions.apply(
+                state, Action.ADD_TO_PARTICIPANTS, Context(other, state, settings, now)
+            )
+        else:
+            seq = state.heartbeat_seq + 1
+            state = state.evolve(
+                participants=state.participants.set(other, len(state.participants)),
+                heartbeats=state.heartbeats.set(other, seq),
+                heartbeat_seq=seq,
+            )
+        admitted.append(other)
+    return state.evolve(intent_cursor=len(log)), tuple(admitted)
+
+
+def test_a_batch_past_max_nodes_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(driver, "_admit_batch", _admit_past_max_nodes)
+    result = check(CheckConfig(nodes=3, min_nodes=1, max_nodes=2, max_crashes=0, allow_close=False))
+    assert result.violation is not None
+    assert any("exceed max_nodes 2" in p for p in result.violation.problems)
+    text = result.violation.format()
+    assert "announces itself in the intent log of round 0" in text
+    assert "reads the intent log" in text and "admitting" in text
+
+
+def test_a_batch_that_keeps_the_cursor_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cursor must move past the entries a batch admitted, or a later batch
+    admits them again."""
+    real = driver._admit_batch
+
+    def keep_cursor(view, node, settings, op, state, now):  # type: ignore[no-untyped-def]
+        new, admitted = real(view, node, settings, op, state, now)
+        return new.evolve(intent_cursor=state.intent_cursor), admitted
+
+    monkeypatch.setattr(driver, "_admit_batch", keep_cursor)
+    result = check(SMALL)
+    assert result.violation is not None
+    assert any("stays past the cursor" in p for p in result.violation.problems)
+    assert "I{" in result.violation.format()
+
+
+def test_the_admission_properties_read_the_states() -> None:
+    a, b, c, d = (NodeDesc(f"n{i}", 100, 0) for i in range(4))
+    before = RendezvousState().evolve(participants={a: 0}, heartbeats={a: 1}, heartbeat_seq=1)
+    # a joins b and c, both logged past the cursor; the cursor moves past them
+    batch = before.evolve(
+        participants={a: 0, b: 0, c: 0}, heartbeats={a: 1, b: 2, c: 3}, intent_cursor=2
+    )
+    assert check_admissions(a, before, before, batch, (b, c), (b, c)) == []
+    # d never announced itself and was not waiting
+    sneaky = batch.evolve(
+        participants={a: 0, b: 0, c: 0, d: 0}, heartbeats={a: 1, b: 2, c: 3, d: 4}
+    )
+    problems = check_admissions(a, before, before, sneaky, (b, c, d), (b, c))
+    assert any("neither announced" in p for p in problems)
+    # the write admits c without saying so
+    assert any("names" in p for p in check_admissions(a, before, before, batch, (b,), (b, c)))
+    # the cursor stays: b and c could be admitted again
+    kept = batch.evolve(intent_cursor=0)
+    problems = check_admissions(a, before, before, kept, (b, c), (b, c))
+    assert sum("stays past the cursor" in p for p in problems) == 2
+    # the cursor goes back, or past the end of the log
+    moved = before.evolve(intent_cursor=1)
+    assert any("went back" in p for p in check_admissions(a, moved, moved, before, (), (b,)))
+    assert any("past the end" in p for p in check_admissions(a, before, before, moved, (), ()))
+    # a waiting node is admitted without an entry
+    waiting = before.evolve(wait_list={d}, heartbeats={a: 1, d: 2})
+    promoted = waiting.evolve(participants={a: 0, d: 0}, wait_list=set())
+    assert check_admissions(a, waiting, waiting, promoted, (d,), ()) == []
+    # a new round's cursor counts the new round's log, from 0
+    advanced = before.evolve(round=1, participants={}, heartbeats={}, intent_cursor=2)
+    assert any(
+        "past the end" in p for p in check_admissions(a, before, before, advanced, (), (b, c))
+    )
+
+
+def test_a_joiner_that_announces_before_publishing_a_removal_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A contended joiner that finds a peer dead must publish the removal first,
+    not announce itself (and read the log) while the dead peer stays in the state."""
+    real = driver.decide
+
+    def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
+        decision = real(view, node, settings, op, deadline, now)
+        instruction = decision.instruction
+        if (
+            view.contended
+            and decision.dead
+            and decision.action is Action.ADD_TO_PARTICIPANTS
+            and view.announced != decision.state.round
+            and isinstance(instruction, Write)
+        ):
+            return decision._replace(instruction=Announce(decision.state.round))
+        return decision
+
+    monkeypatch.setattr(driver, "decide", decide)
+    result = check(SMALL)
+    assert result.violation is not None
+    assert any("did not publish their removal" in p for p in result.violation.problems)
+    text = result.violation.format()
+    assert "(contended)" in text and "announces itself" in text and "declares dead" in text

@@ -172,3 +172,32 @@ def test_write_diagram_without_dot_says_how_to_install(
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ModelUnavailableError, match="apt-get install graphviz"):
         write_diagram(tmp_path / "d.png")
+
+
+def test_a_peer_admits_only_an_announced_joiner_or_a_waiting_node(model: LifecycleModel) -> None:
+    open_round = guards(announced=True, round_open=True)
+    assert model.allows("joining", "admitted", "participant", open_round)
+    assert not model.allows("joining", "admitted", "participant", guards(round_open=True))
+    filled = guards(announced=True, round_open=True, fills_round=True)
+    assert model.allows("joining", "admitted", "complete", filled)
+    assert not model.allows("joining", "admitted", "participant", filled)
+    room = guards(announced=True, round_complete=True)
+    assert model.allows("joining", "admitted", "waiting", room)
+    full = guards(announced=True, round_complete=True, round_full=True)
+    assert model.allows("joining", "admitted", "redundant", full)
+    # a waiting node needs no entry; a node that is not joining is never admitted
+    assert model.allows("waiting", "admitted", "participant", guards(round_open=True))
+    for source in ("idle", "exited", "evicted", "training", "participant", "redundant"):
+        for dest in ("participant", "waiting", "complete"):
+            assert not model.allows(source, "admitted", dest, room)
+            assert not model.allows(source, "admitted", dest, open_round)
+
+
+def test_the_announced_guard_reads_the_intent_log() -> None:
+    state = RendezvousState(participants={A: 0}, heartbeats={A: 1})
+    assert Guards.of(
+        View(B, state, SETTINGS, 0.0, Observations(), pending=frozenset({B}))
+    ).announced
+    assert not Guards.of(
+        View(C, state, SETTINGS, 0.0, Observations(), pending=frozenset({B}))
+    ).announced
