@@ -7,7 +7,7 @@ property holds), so a checker can print every broken property of a state at once
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rallypoint.core import NodeDesc, RendezvousState, Settings
@@ -216,7 +216,8 @@ class RoundResult:
     round: int
     rank: int
     world_size: int
-    membership: frozenset[NodeDesc]
+    #: the nodes of the round as the node saw them (any collection of nodes)
+    membership: Collection[NodeDesc]
 
 
 def check_agreement(results: Mapping[NodeDesc, RoundResult]) -> list[str]:
@@ -258,14 +259,20 @@ def check_agreement(results: Mapping[NodeDesc, RoundResult]) -> list[str]:
 class AgreementTracker:
     """:func:`check_agreement`, fed one returned join at a time.
 
-    For long simulations: each :meth:`add` costs O(size of the view) in C set
-    operations instead of re-checking every result of the round.
+    For long simulations: a membership is merged into the round's union once per
+    distinct object (nodes that returned on the same state share it), so an
+    :meth:`add` costs O(1) unless it brings a membership nobody returned with yet.
+    ``membership`` may be any collection of nodes (a set, or the round's
+    node -> rank map).
     """
 
     def __init__(self) -> None:
         self._world: dict[int, int] = {}
         self._ranks: dict[int, dict[int, NodeDesc]] = {}
         self._union: dict[int, set[NodeDesc]] = {}
+        #: per round: id -> membership object already merged (kept alive, so an
+        #: id is never reused for another object while it is here)
+        self._merged: dict[int, dict[int, object]] = {}
 
     def add(self, node: NodeDesc, result: RoundResult) -> list[str]:
         """Record that ``node`` returned ``result``; the properties it breaks."""
@@ -282,7 +289,10 @@ class AgreementTracker:
         if not 0 <= result.rank < max(world, result.world_size):
             problems.append(f"round {round_}: a rank in [{result.rank}] is outside 0..{world - 1}")
         union = self._union.setdefault(round_, set())
-        union |= result.membership
+        merged = self._merged.setdefault(round_, {})
+        if merged.get(id(result.membership)) is not result.membership:
+            merged[id(result.membership)] = result.membership
+            union.update(result.membership)
         if len(union) > max(world, result.world_size):
             problems.append(
                 f"round {round_}: nodes disagree on membership: their views name "

@@ -134,7 +134,7 @@ from rallypoint.core import (
 )
 from rallypoint.core import driver as core_driver
 
-from .invariants import check_state, check_transition
+from .invariants import AgreementTracker, RoundResult, check_state, check_transition
 
 __all__ = [
     "EncodedSize",
@@ -724,10 +724,7 @@ class Simulator:
         # Agreement of returned joins, per round: the world size, rank -> node, the
         # union of the memberships, and the memberships already united (by the
         # identity of the participants they were made from, kept alive).
-        self._agree_world: dict[int, int] = {}
-        self._agree_ranks: dict[int, dict[int, NodeDesc]] = {}
-        self._agree_union: dict[int, set[NodeDesc]] = {}
-        self._agree_seen: dict[int, dict[int, tuple[object, int]]] = {}
+        self.agreement = AgreementTracker()
         self._round_opened: dict[int, float] = {}
         self._round_pending: dict[int, set[NodeDesc]] = {}
         self._round_size: dict[int, int] = {}
@@ -1485,38 +1482,11 @@ class Simulator:
         self._monitor_wait(node)
 
     def _agree(self, desc: NodeDesc, done: Done, joined: Membership) -> list[str]:
-        """check_agreement, fed one returned join at a time (AgreementTracker's
-        checks, in its words). Each distinct membership is united into the round's
-        once: nodes that finished on the same participants share it, so a join
-        costs O(1) unless it saw a membership nobody returned with before."""
-        problems: list[str] = []
-        round_ = joined.round
-        world = self._agree_world.setdefault(round_, joined.world_size)
-        if joined.world_size != world:
-            sizes = sorted({world, joined.world_size})
-            problems.append(f"round {round_}: nodes disagree on the world size: {sizes}")
-        top = max(world, joined.world_size)
-        holder = self._agree_ranks.setdefault(round_, {}).setdefault(joined.rank, desc)
-        if holder != desc:
-            problems.append(f"round {round_}: two nodes returned with the same rank")
-        if not 0 <= joined.rank < top:
-            problems.append(f"round {round_}: a rank in [{joined.rank}] is outside 0..{world - 1}")
-        source = joined.participants
-        if desc not in source:
-            problems.append(f"round {round_}: {desc} returned but is not a member")
-        seen = self._agree_seen.setdefault(round_, {})
-        known = seen.get(id(source))
-        if known is None or known[0] is not source:
-            # Each distinct membership is merged once (nodes share the Map).
-            seen[id(source)] = (source, len(source))
-            union = self._agree_union.setdefault(round_, set())
-            union.update(source)
-            if len(union) > top:
-                problems.append(
-                    f"round {round_}: nodes disagree on membership: their views name "
-                    f"{len(union)} nodes for a world of {world}"
-                )
-        return problems
+        """Agreement of one returned join with the others of its round. The round's
+        node -> rank map is shared by every node that returned on the same state,
+        so the tracker merges it once."""
+        result = RoundResult(joined.round, joined.rank, joined.world_size, joined.participants)
+        return self.agreement.add(desc, result)
 
     def _verdict(self, node: _Node, verdict: Verdict) -> bool:
         """The agent's monitor: regroup on waiting nodes or lost participants, else
