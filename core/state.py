@@ -15,6 +15,7 @@ and a transition can never mutate its input.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -202,6 +203,19 @@ class RendezvousState:
         object.__setattr__(self, "wait_list", frozenset(self.wait_list))
         object.__setattr__(self, "redundancy_list", frozenset(self.redundancy_list))
 
+    def __hash__(self) -> int:
+        # States are dictionary keys in memo tables (the checker's, the simulator's
+        # agreement tracker): hash the fields once per object, not once per lookup.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(self.__dict__[name] for name in _FIELD_NAMES))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, object]:
+        # String hashes differ between processes: a pickled copy hashes anew.
+        return {name: self.__dict__[name] for name in _FIELD_NAMES}
+
     def members(self) -> frozenset[NodeDesc]:
         """Every node the state knows: participants, waiting and redundant nodes."""
         return frozenset(self.participants) | self.wait_list | self.redundancy_list
@@ -219,8 +233,9 @@ class RendezvousState:
         new = object.__new__(RendezvousState)
         fields = new.__dict__
         fields.update(self.__dict__)
+        fields.pop("_hash", None)  # the copy's fields change: hash them anew
         for name, value in changes.items():
-            if name not in fields:
+            if name not in _FIELD_NAMES:
                 raise TypeError(f"RendezvousState has no field {name!r}")
             if name in _MAP_FIELDS and not isinstance(value, Map):
                 value = Map(value)  # type: ignore[call-overload]
@@ -230,6 +245,7 @@ class RendezvousState:
         return new
 
 
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RendezvousState))
 _MAP_FIELDS = frozenset({"participants", "heartbeats", "last_ranks"})
 _SET_FIELDS = frozenset({"wait_list", "redundancy_list"})
 

@@ -19,7 +19,8 @@ checker carries it out:
   shared state of the search). ``Read(intents=True)`` is carried out within the
   step: the log is read at the same instant as the state, and the driver decides
   again on it (a batch write admitting the logged joiners, usually).
-* ``Done`` ends the operation (a join's result is recorded for agreement). A join
+* ``Done`` ends the operation (what a join returns must be what the state it
+  returned on holds, which with the step properties implies agreement). A join
   done with ``rejoin`` (its round lost rank 0) also finishes into training: the
   handler then exits that round and joins the next, which a trained node's exit and
   join events explore with every deadline.
@@ -45,6 +46,10 @@ The state space is made finite and small the way TLA+ specs do it:
   node last looked (a deadline only moves on). Every order of expiries is explored,
   so the search covers every clock offset and drift between nodes (it
   over-approximates real time, which is sound for safety properties).
+* **Returns checked, not kept.** What a join returned is checked against the
+  state it returned on when it returns, and not kept: with the step properties
+  that implies agreement between any two returns of a round (see
+  :func:`rallypoint.spec.invariants.check_return`).
 * **Local events merged into steps.** Starting a join, exit or close changes only
   the node's own local state, which commutes with every other node's events, so it
   is taken together with the operation's first step.
@@ -67,8 +72,7 @@ The state space is made finite and small the way TLA+ specs do it:
   with their nodes, so a stored state may be a rank-permutation of a reachable one;
   every property checked is invariant under that.
 * **Rounds as a relative number.** The core only increments the round and compares
-  rounds for equality, so states are stored with the round renumbered to 0 and
-  results of earlier rounds dropped (a new result is never compared with them).
+  rounds for equality, so states are stored with the round renumbered to 0.
   Every round's states are then the same finite set, and the search covers every
   round, not a prefix of them. ``max_round`` turns this off and bounds the rounds
   instead.
@@ -88,7 +92,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 from immutables import Map
@@ -120,10 +124,9 @@ from rallypoint.core.actions import Action
 from rallypoint.core.errors import InvalidTransitionError
 
 from .invariants import (
-    RoundResult,
     check_admissions,
-    check_agreement,
     check_removal_published,
+    check_return,
     check_state,
     check_transition,
 )
@@ -211,7 +214,9 @@ class Local(NamedTuple):
     """One node slot's local state (its clock's ``now`` is always 0).
 
     Sightings are not kept: every step chooses their ages afresh (see
-    :meth:`Checker.expand`).
+    :meth:`Checker.expand`). Nor is what a join returned: each return is checked
+    against the state it returned on, which implies agreement (see
+    :func:`rallypoint.spec.invariants.check_return`).
     """
 
     incarnation: int
@@ -221,8 +226,6 @@ class Local(NamedTuple):
     op: str | None
     #: the operation's deadline relative to now: BEFORE, TIMED_OUT or PAST
     deadline: float | None
-    #: what the join returned, kept while the node trains
-    result: RoundResult | None
 
 
 class CoreStep(NamedTuple):
@@ -352,6 +355,8 @@ class _Found(Exception):
         self.lines: list[str] = []
         #: whether the violating step read the intent log
         self.read_log = False
+        #: the event of the violating step, when the search did not know it
+        self.event: Event | None = None
 
 
 #: Memoized core steps kept at most (a bound on memory, not on the search).
@@ -426,6 +431,10 @@ class Checker:
         #: (id of a memoized core step, a waiting node, its deadline) -> missed wake-ups
         self._wakeups: dict[tuple[object, ...], list[str]] = {}
         self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
+        #: (shared state, intent log, event kind, slot, local) -> events (see choices)
+        self._choices: dict[tuple[object, ...], tuple[list[Event], list[Event]]] = {}
+        #: transitions checked whose successors are not stored (see choices)
+        self.checked_transitions = 0
         #: whether steps describe themselves (only replay needs it)
         self._narrate = False
         #: the problems of the last replayed violation, in the trace's node names
@@ -434,7 +443,7 @@ class Checker:
     # -- states ------------------------------------------------------------------
 
     def initial(self) -> Global:
-        locals_ = tuple(Local(0, "idle", None, None, None) for _ in range(self.config.nodes))
+        locals_ = tuple(Local(0, "idle", None, None) for _ in range(self.config.nodes))
         return self._normalize(Global(RendezvousState(), locals_, 0))
 
     def _normalize(self, g: Global, shift_rounds: bool = True) -> Global:
@@ -448,8 +457,6 @@ class Checker:
           announced and were not admitted yet) matter to any decision, so a state
           keeps them as a set (``Global.intents``, computed by the step) and the
           cursor as 0. A new round's log starts empty.
-        * Results of rounds before the current one: a new result always belongs to
-          the current round, so an older one is never compared again.
         * The round number (the round abstraction, when ``max_round`` is None): the
           core only increments rounds and compares them for equality, so a state and
           its copy with every round number shifted step alike. Rounds are renumbered
@@ -457,17 +464,7 @@ class Checker:
           ``replay`` keeps concrete rounds (``shift_rounds=False``) for its trace.
         """
         shift = g.shared.round if shift_rounds and self.config.max_round is None else 0
-        state = self._normal_shared(g.shared, shift)
-        current = g.shared.round
-        locals_ = []
-        for loc in g.locals:
-            res = loc.result
-            if res is not None and (res.round != current or shift):
-                res = replace(res, round=res.round - shift) if res.round == current else None
-            if res is not loc.result:
-                loc = loc._replace(result=res)
-            locals_.append(loc)
-        return Global(state, tuple(locals_), g.crashes, g.intents)
+        return Global(self._normal_shared(g.shared, shift), g.locals, g.crashes, g.intents)
 
     def _normal_shared(self, state: RendezvousState, shift: int) -> RendezvousState:
         # Core steps are memoized, so the same written state comes back many times:
@@ -547,6 +544,67 @@ class Checker:
             yield Event(kind, slot, timers)
             if joins and self._contention_matters(g, node, timers):
                 yield Event(kind, slot, timers._replace(contended=True))
+
+    def choices(self, g: Global, event: Event) -> tuple[list[Event], list[Event]]:
+        """The concrete events of ``event`` (see :meth:`expand`), split in two: the
+        events whose successors the search stores, and the events it only checks.
+
+        Two reductions, both argued in docs/spec.md ("Deadline subsumption"):
+
+        * A step's successor is a function of what the driver decided and wrote
+          (:class:`CoreStep`) and of the deadline the step chose. Of the timer
+          choices that agree on the first, the successor of the earliest deadline
+          simulates the others: they differ only in that node's deadline, a later
+          deadline allows a subset of the node's next steps, and no other node
+          reads it. So only the earliest is stored; the others are checked.
+        * A Wait or a Beat writes nothing shared: its successor is the state
+          itself or the state with the node's deadline later, which the state
+          simulates. They are checked, not stored.
+
+        Every event is checked (a step's checks depend on its guards, which the
+        timers set); a choice whose core step is itself a violation is stored, so
+        that the search reports it. The split depends only on the shared state,
+        the intent log and the node's own local state, which many states share:
+        it is memoized on those.
+        """
+        if event.kind not in _STEPPING_EVENTS:
+            return [event], []
+        loc = g.locals[event.slot]
+        key = (g.shared, g.intents, event.kind, event.slot, loc.incarnation, loc.op, loc.deadline)
+        known = self._choices.get(key)
+        if known is not None:
+            return known
+        node = node_of(event.slot, loc.incarnation)
+        if event.kind == "heartbeat":
+            op: Operator = KeepAliveOp()
+        else:
+            op = _OPERATORS[loc.op if event.kind == "step" else event.kind]()
+        stored: dict[tuple[object, ...], Event] = {}
+        checked: list[Event] = []
+        violations: list[Event] = []
+        # expand() yields the deadlines in the order time moves them: the first
+        # event of an outcome has its earliest deadline
+        for concrete in self.expand(g, event):
+            timers = concrete.timers
+            assert timers is not None
+            deadline = self._before if event.kind == "heartbeat" else timers.deadline
+            try:
+                step = self._core_step(g.shared, node, op, timers, deadline, g.intents)
+            except _Found:
+                violations.append(concrete)
+                continue
+            instruction = step.decision.instruction
+            if isinstance(instruction, (Wait, Beat)):
+                checked.append(concrete)
+                continue
+            outcome = (instruction, step.performed, step.written, step.intents)
+            if stored.setdefault(outcome, concrete) is not concrete:
+                checked.append(concrete)
+        known = ([*violations, *stored.values()], checked)
+        if len(self._choices) >= _CORE_STEP_CACHE:
+            self._choices.clear()
+        self._choices[key] = known
+        return known
 
     def _contention_matters(self, g: Global, node: NodeDesc, timers: Timers) -> bool:
         """Whether a lost compare-and-set changes the join step of ``node`` with
@@ -639,16 +697,8 @@ class Checker:
         )
         slots: list[tuple[object, ...]] = [()] * len(g.locals)
         for i, loc in enumerate(g.locals):
-            res = loc.result
-            slots[perm[i]] = (
-                loc.incarnation,
-                loc.phase,
-                loc.op or "",
-                _deadline_code(loc.deadline),
-                (res.round, res.rank, res.world_size, tuple(sorted(map(lab, res.membership))))
-                if res
-                else (),
-            )
+            code = _deadline_code(loc.deadline)
+            slots[perm[i]] = (loc.incarnation, loc.phase, loc.op or "", code)
         return (shared, tuple(slots), g.crashes)
 
     def _permutations(self, g: Global) -> Iterator[tuple[int, ...]]:
@@ -742,7 +792,7 @@ class Checker:
             # which no other event reads, and a restarted node that stays idle acts
             # as one that never came back.
             self._expect(before, "crash", "crashed", guards, node)
-            new = Local(loc.incarnation + 1, "idle", None, None, None)
+            new = Local(loc.incarnation + 1, "idle", None, None)
             restarted = node_of(slot, loc.incarnation + 1)
             return _with(g, slot, new, crashes=g.crashes + 1), [f"crashed, restarts as {restarted}"]
         if event.kind not in _STEPPING_EVENTS:
@@ -757,7 +807,7 @@ class Checker:
         # other event reads, so it is taken together with the operation's first step
         # (the start commutes with every event between the two).
         if event.kind == "join":
-            new = loc._replace(phase="joining", op="join", deadline=self._before, result=None)
+            new = loc._replace(phase="joining", op="join", deadline=self._before)
             started = _with(g, slot, new)
             self._expect(before, "join", self._model_state(started, slot), guards, node)
         else:
@@ -868,6 +918,12 @@ class Checker:
             written, performed = state, decision.action  # a wait changes nothing
         elif isinstance(instruction, Done):
             written, performed = state, instruction.action
+            joined = instruction.joined
+            if joined is not None:
+                # agreement, through the state the join returns on (check_return)
+                problems += check_return(
+                    node, state, joined.round, joined.rank, joined.world_size, joined.members
+                )
         elif isinstance(instruction, Read):
             what = (
                 f"Read(counters={instruction.counters}, "
@@ -952,38 +1008,31 @@ class Checker:
 
         # The time that passed stays passed: the chosen deadline value is kept.
         new_deadline = loc.deadline if loc.op is None else deadline
-        phase, new_op, result = loc.phase, loc.op, loc.result
+        phase, new_op = loc.phase, loc.op
         if isinstance(instruction, Done):
             action = instruction.action
             if action is Action.FINISH:
-                joined = instruction.joined
-                if loc.op == "join" and joined is not None:
+                if loc.op == "join" and instruction.joined is not None:
                     # Done.rejoin (the round lost its rank 0) finishes here too: the
                     # handler then exits the round and joins the next one, which a
                     # trained node's exit and join events explore.
                     phase, new_op, new_deadline = "training", None, None
-                    result = RoundResult(
-                        round=joined.round,
-                        rank=joined.rank,
-                        world_size=joined.world_size,
-                        membership=joined.members,
-                    )
                 elif loc.op == "exit":
-                    phase, new_op, new_deadline, result = "exited", None, None, None
+                    phase, new_op, new_deadline = "exited", None, None
                 elif loc.op == "close":
-                    phase, new_op, new_deadline, result = "closed", None, None, None
+                    phase, new_op, new_deadline = "closed", None, None
             elif action in (Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT):
-                phase, new_op, new_deadline, result = "closed", None, None, None
+                phase, new_op, new_deadline = "closed", None, None
             elif action is Action.ERROR_TIMEOUT:
-                phase, new_op, new_deadline, result = "failed", None, None, None
+                phase, new_op, new_deadline = "failed", None, None
         elif isinstance(instruction, Write):
             if instruction.action is Action.REMOVE_FROM_PARTICIPANTS and loc.op == "exit":
-                phase, result = "exited", None
+                phase = "exited"
             if instruction.deadline is not None:
                 # a fresh deadline, as far from now as the one an operation starts with
                 new_deadline = self._before
         # Observations are not kept: every step chooses its sightings afresh.
-        new_loc = loc._replace(phase=phase, op=new_op, deadline=new_deadline, result=result)
+        new_loc = Local(loc.incarnation, phase, new_op, new_deadline)
         after = _with(g, slot, new_loc, shared=written, intents=core_step.intents)
         # Conformance depends on the core step and on every node's phase and pid;
         # many states share both, so each combination is checked once (the core
@@ -1226,6 +1275,8 @@ class Checker:
         if on_state is not None:
             on_state(init, init_fp)
         limit = self.config.max_states
+        stored_transitions = 0
+        self.checked_transitions = 0
         while frontier:
             g, fp, depth = frontier.popleft()
             result.depth = max(result.depth, depth)
@@ -1233,24 +1284,26 @@ class Checker:
                 continue
             # Many timer choices of one step lead to the same state: canonicalize once.
             local_seen: set[Global] = set()
-            for event in (e for abstract in self.events(g) for e in self.expand(g, abstract)):
+            successors = self._successors(g)
+            while True:
                 try:
-                    succ, _ = self.successor(g, event)
+                    item = next(successors, None)
+                    if item is None:
+                        break
+                    event, succ = item
                     succ = self._normalize(succ)
-                    agreement = _agreement(g, succ, event.slot)
-                    if agreement:
-                        raise _Found(agreement)
                 except _Found as found:
-                    result.transitions += 1
+                    event = found.event if found.event is not None else event
                     parents_path = [*self._path(parents, fp), event]
                     self.last_problems = found.problems
                     trace = self.replay(parents_path)
                     result.violation = Violation(self.last_problems, trace)
                     result.states = len(parents)
+                    result.transitions = stored_transitions + self.checked_transitions
                     result.seconds = time.perf_counter() - start
                     result.lifecycle_edges = set(self.edges)
                     return result
-                result.transitions += 1
+                stored_transitions += 1
                 if succ in local_seen:
                     continue
                 local_seen.add(succ)
@@ -1264,6 +1317,7 @@ class Checker:
                     on_state(stored, cfp)
                 if progress is not None and len(parents) % 50_000 == 0:
                     result.states = len(parents)
+                    result.transitions = stored_transitions + self.checked_transitions
                     result.depth = depth + 1
                     result.seconds = time.perf_counter() - start
                     progress(result)
@@ -1272,9 +1326,34 @@ class Checker:
                     frontier.clear()
                     break
         result.states = len(parents)
+        result.transitions = stored_transitions + self.checked_transitions
         result.seconds = time.perf_counter() - start
         result.lifecycle_edges = set(self.edges)
         return result
+
+    def _successors(self, g: Global) -> Iterator[tuple[Event, Global]]:
+        """The successors of ``g`` to store, each with its event, after checking
+        every transition of ``g`` (see :meth:`choices`).
+
+        Raises:
+            _Found: a transition violates a property (``event`` names it).
+        """
+        for abstract in self.events(g):
+            stored, checked = self.choices(g, abstract)
+            self.checked_transitions += len(checked)
+            for event in checked:
+                try:
+                    self.successor(g, event)
+                except _Found as found:
+                    found.event = event
+                    raise
+            for event in stored:
+                try:
+                    succ, _ = self.successor(g, event)
+                except _Found as found:
+                    found.event = event
+                    raise
+                yield event, succ
 
     @staticmethod
     def _path(parents: dict[int, tuple[int, Event | None]], fp: int) -> list[Event]:
@@ -1319,11 +1398,6 @@ class Checker:
                 break
             succ = self._normalize(succ, shift_rounds=False)
             text = _rename("; ".join(what), names)
-            agreement = [_rename(p, names) for p in _agreement(g, succ, event.slot)]
-            if agreement:
-                self.last_problems = agreement
-                lines.append(f"{k:3}. {who} {event.kind}: {text}; VIOLATES {'; '.join(agreement)}")
-                break
             lines.append(f"{k:3}. {who} {event.kind}: {text}")
             g, perm, _ = self.canonical(succ)
             moved = [""] * len(names)
@@ -1332,19 +1406,6 @@ class Checker:
             names = moved
             lines.append(f"     -> {describe(g, names)}")
         return lines
-
-
-def _agreement(before: Global, after: Global, slot: int) -> list[str]:
-    """Agreement problems when ``slot`` has just returned from a join (else none)."""
-    returned = after.locals[slot].result
-    if returned is None or returned == before.locals[slot].result:
-        return []
-    results = {
-        node_of(i, loc.incarnation): loc.result
-        for i, loc in enumerate(after.locals)
-        if loc.result is not None
-    }
-    return check_agreement(results)
 
 
 def _deadline_code(deadline: float | None) -> int:
@@ -1430,10 +1491,7 @@ def relabel(g: Global, perm: tuple[int, ...]) -> Global:
     )
     locals_: list[Local] = [g.locals[0]] * len(g.locals)
     for i, loc in enumerate(g.locals):
-        res = loc.result
-        locals_[perm[i]] = loc._replace(
-            result=replace(res, membership=frozenset(map(lab, res.membership))) if res else None,
-        )
+        locals_[perm[i]] = loc
     return Global(shared, tuple(locals_), g.crashes, frozenset(map(lab, g.intents)))
 
 

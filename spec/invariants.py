@@ -18,6 +18,7 @@ __all__ = [
     "check_admissions",
     "check_agreement",
     "check_removal_published",
+    "check_return",
     "check_state",
     "check_transition",
 ]
@@ -65,13 +66,16 @@ def check_state(state: RendezvousState, settings: Settings) -> list[str]:
 
 
 def check_transition(before: RendezvousState, after: RendezvousState) -> list[str]:
-    """Properties of one step: closed never reverts, round never decreases, and the
-    ranks of a complete round never change while it stays complete."""
+    """Properties of one step: closed never reverts, round never decreases, a
+    complete round stays complete until the round advances, and its world size and
+    ranks never change and nobody joins it."""
     problems: list[str] = []
     if before.closed and not after.closed:
         problems.append("a closed rendezvous was reopened")
     if after.round < before.round:
         problems.append(f"round went back from {before.round} to {after.round}")
+    if before.complete and not after.complete and before.round == after.round:
+        problems.append(f"complete round {after.round} became incomplete without advancing")
     if before.complete and after.complete and before.round == after.round:
         if before.world_size != after.world_size:
             problems.append(f"world size of complete round {after.round} changed")
@@ -80,6 +84,44 @@ def check_transition(before: RendezvousState, after: RendezvousState) -> list[st
                 problems.append(f"rank of {node} changed within complete round {after.round}")
             if node not in before.participants:
                 problems.append(f"{node} joined complete round {after.round}")
+    return problems
+
+
+def check_return(
+    node: NodeDesc,
+    state: RendezvousState,
+    round_: int,
+    rank: int,
+    world_size: int,
+    membership: Collection[NodeDesc],
+) -> list[str]:
+    """A join that returns on ``state`` tells what ``state`` holds: its complete
+    round, world size, ``node``'s rank and the participants.
+
+    Where every return is read atomically off the shared state (the model
+    checker), this and :func:`check_transition` together imply
+    :func:`check_agreement` for any two returns of one round: a complete round
+    keeps its world size and ranks, and only loses participants, until it
+    advances, so every view returned in it is a part of the participants it
+    completed with, ranked as they were.
+    """
+    problems: list[str] = []
+    if not state.complete:
+        problems.append(f"{node} returned from round {state.round}, which is not complete")
+    if round_ != state.round or world_size != state.world_size:
+        problems.append(
+            f"{node} returned round {round_} of world size {world_size} on round "
+            f"{state.round} of world size {state.world_size}"
+        )
+    if rank != state.participants.get(node):
+        problems.append(
+            f"{node} returned rank {rank}; the state gives it {state.participants.get(node)}"
+        )
+    if frozenset(membership) != frozenset(state.participants):
+        problems.append(
+            f"{node} returned members {sorted(map(str, membership))}; the round's "
+            f"participants are {sorted(map(str, state.participants))}"
+        )
     return problems
 
 
