@@ -359,6 +359,8 @@ class _Found(Exception):
         self.event: Event | None = None
 
 
+#: Seconds between two progress reports of a search.
+_PROGRESS_INTERVAL = 0.5
 #: Memoized core steps kept at most (a bound on memory, not on the search).
 _CORE_STEP_CACHE = 500_000
 _TERMINAL_PHASES = frozenset({"closed", "failed", "crashed"})
@@ -433,6 +435,9 @@ class Checker:
         self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
         #: (shared state, intent log, event kind, slot, local) -> events (see choices)
         self._choices: dict[tuple[object, ...], tuple[list[Event], list[Event]]] = {}
+        #: state -> (relabelling, fingerprint); (shared, intents, relabelling) -> key
+        self._fingerprints: dict[Global, tuple[tuple[int, ...], int]] = {}
+        self._shared_keys: dict[tuple[object, ...], tuple[object, ...]] = {}
         #: transitions checked whose successors are not stored (see choices)
         self.checked_transitions = 0
         #: whether steps describe themselves (only replay needs it)
@@ -561,11 +566,11 @@ class Checker:
           itself or the state with the node's deadline later, which the state
           simulates. They are checked, not stored.
 
-        Every event is checked (a step's checks depend on its guards, which the
-        timers set); a choice whose core step is itself a violation is stored, so
-        that the search reports it. The split depends only on the shared state,
-        the intent log and the node's own local state, which many states share:
-        it is memoized on those.
+        Every combination of decision and guards is checked (the guards hold the
+        timers the model's conformance reads); a choice whose core step is itself a
+        violation is stored, so that the search reports it. The split depends only
+        on the shared state, the intent log and the node's own local state, which
+        many states share: it is memoized on those.
         """
         if event.kind not in _STEPPING_EVENTS:
             return [event], []
@@ -582,6 +587,9 @@ class Checker:
         stored: dict[tuple[object, ...], Event] = {}
         checked: list[Event] = []
         violations: list[Event] = []
+        # A step's checks depend on the decision, what carrying it out did, and
+        # the guards, not on the deadline: one event checks each combination.
+        checks: set[tuple[object, ...]] = set()
         # expand() yields the deadlines in the order time moves them: the first
         # event of an outcome has its earliest deadline
         for concrete in self.expand(g, event):
@@ -594,11 +602,17 @@ class Checker:
                 violations.append(concrete)
                 continue
             instruction = step.decision.instruction
+            check = (step.decision, step.performed, step.guards, step.intents)
             if isinstance(instruction, (Wait, Beat)):
-                checked.append(concrete)
+                if check not in checks:
+                    checks.add(check)
+                    checked.append(concrete)
                 continue
             outcome = (instruction, step.performed, step.written, step.intents)
-            if stored.setdefault(outcome, concrete) is not concrete:
+            if stored.setdefault(outcome, concrete) is concrete:
+                checks.add(check)
+            elif check not in checks:
+                checks.add(check)
                 checked.append(concrete)
         known = ([*violations, *stored.values()], checked)
         if len(self._choices) >= _CORE_STEP_CACHE:
@@ -682,7 +696,25 @@ class Checker:
             return (perm[int(n.addr[1:])], n.pid)
 
         s = g.shared
-        shared = (
+        memo = (s, g.intents, perm)
+        shared = self._shared_keys.get(memo)
+        if shared is None:
+            if len(self._shared_keys) >= _CORE_STEP_CACHE:
+                self._shared_keys.clear()
+            shared = self._shared_keys[memo] = self._shared_key(s, g.intents, lab)
+        slots: list[tuple[object, ...]] = [()] * len(g.locals)
+        for i, loc in enumerate(g.locals):
+            code = _deadline_code(loc.deadline)
+            slots[perm[i]] = (loc.incarnation, loc.phase, loc.op or "", code)
+        return (shared, tuple(slots), g.crashes)
+
+    @staticmethod
+    def _shared_key(
+        s: RendezvousState,
+        intents: frozenset[NodeDesc],
+        lab: Callable[[NodeDesc], tuple[int, int]],
+    ) -> tuple[object, ...]:
+        return (
             s.round,
             s.complete,
             s.closed,
@@ -693,13 +725,8 @@ class Checker:
             tuple(sorted((lab(n), c) for n, c in s.heartbeats.items())),
             s.last_call or 0,
             tuple(sorted((lab(n), r) for n, r in s.last_ranks.items())),
-            tuple(sorted(lab(n) for n in g.intents)),
+            tuple(sorted(lab(n) for n in intents)),
         )
-        slots: list[tuple[object, ...]] = [()] * len(g.locals)
-        for i, loc in enumerate(g.locals):
-            code = _deadline_code(loc.deadline)
-            slots[perm[i]] = (loc.incarnation, loc.phase, loc.op or "", code)
-        return (shared, tuple(slots), g.crashes)
 
     def _permutations(self, g: Global) -> Iterator[tuple[int, ...]]:
         n = len(g.locals)
@@ -718,7 +745,15 @@ class Checker:
 
     def fingerprint(self, g: Global) -> tuple[tuple[int, ...], int]:
         """The relabelling to ``g``'s representative and the representative's
-        64-bit fingerprint."""
+        64-bit fingerprint (memoized: most successors were reached before)."""
+        known = self._fingerprints.get(g)
+        if known is None:
+            if len(self._fingerprints) >= _CORE_STEP_CACHE:
+                self._fingerprints.clear()
+            known = self._fingerprints[g] = self._least(g)
+        return known
+
+    def _least(self, g: Global) -> tuple[tuple[int, ...], int]:
         best_key: tuple[object, ...] | None = None
         best_perm: tuple[int, ...] = tuple(range(len(g.locals)))
         for perm in self._permutations(g):
@@ -1260,7 +1295,8 @@ class Checker:
     ) -> CheckResult:
         """Explore every reachable state (or up to ``max_states``).
 
-        ``progress`` is called with the running totals every 50,000 states, and
+        ``progress`` is called with the running totals about every
+        ``_PROGRESS_INTERVAL`` seconds, and
         ``on_state`` with every newly stored state and its fingerprint.
         """
         start = time.perf_counter()
@@ -1277,6 +1313,7 @@ class Checker:
         limit = self.config.max_states
         stored_transitions = 0
         self.checked_transitions = 0
+        reported = start
         while frontier:
             g, fp, depth = frontier.popleft()
             result.depth = max(result.depth, depth)
@@ -1315,12 +1352,15 @@ class Checker:
                 frontier.append((stored, cfp, depth + 1))
                 if on_state is not None:
                     on_state(stored, cfp)
-                if progress is not None and len(parents) % 50_000 == 0:
-                    result.states = len(parents)
-                    result.transitions = stored_transitions + self.checked_transitions
-                    result.depth = depth + 1
-                    result.seconds = time.perf_counter() - start
-                    progress(result)
+                if progress is not None and len(parents) % 1000 == 0:
+                    now = time.perf_counter()
+                    if now - reported >= _PROGRESS_INTERVAL:
+                        reported = now
+                        result.states = len(parents)
+                        result.transitions = stored_transitions + self.checked_transitions
+                        result.depth = depth + 1
+                        result.seconds = now - start
+                        progress(result)
                 if limit is not None and len(parents) >= limit:
                     result.complete = False
                     frontier.clear()

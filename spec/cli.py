@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .check import CheckConfig, CheckResult
 
 __all__ = ["simulate_main", "spec_main"]
 
@@ -42,6 +46,11 @@ def _spec_parser() -> argparse.ArgumentParser:
     check.add_argument("--stable-ranks", action="store_true", help="check the stable-ranks option")
     check.add_argument("--no-symmetry", action="store_true", help="disable symmetry reduction")
     check.add_argument("--max-states", type=int, default=None, help="stop after this many")
+    check.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress display (it shows only on a terminal anyway)",
+    )
     return parser
 
 
@@ -83,17 +92,38 @@ def spec_main(argv: list[str]) -> int:
         print(f"rallypoint spec check: {exc}", file=sys.stderr)
         return 2
 
-    def progress(r: object) -> None:
-        print(
-            f"  ... {r.states:,} states, {r.transitions:,} transitions, "  # type: ignore[attr-defined]
-            f"depth {r.depth}, {r.seconds:.0f} s",  # type: ignore[attr-defined]
-            file=sys.stderr,
-            flush=True,
-        )
-
-    result = check(config, progress)
+    if args.quiet or not sys.stderr.isatty():
+        result = check(config)
+    else:
+        result = _check_with_progress(config)
     print(result.summary())
     return 0 if result.ok else 1
+
+
+def _check_with_progress(config: CheckConfig) -> CheckResult:
+    """Run the checker with a live line on stderr: states, transitions, depth,
+    states per second and elapsed time (rich redraws it in place)."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .check import check
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn(
+            "{task.fields[states]:,} states, {task.fields[transitions]:,} transitions, "
+            "depth {task.fields[depth]}, {task.fields[rate]:,.0f} states/s"
+        ),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("checking", total=None, states=0, transitions=0, depth=0, rate=0.0)
+
+        def progress(r: CheckResult) -> None:
+            rate = r.states / r.seconds if r.seconds > 0 else 0.0
+            bar.update(task, states=r.states, transitions=r.transitions, depth=r.depth, rate=rate)
+
+        return check(config, progress)
 
 
 def _simulate_parser() -> argparse.ArgumentParser:

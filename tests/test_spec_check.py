@@ -10,6 +10,7 @@ from rallypoint.core import (
     Announce,
     Context,
     Decision,
+    Done,
     NodeDesc,
     Read,
     RendezvousState,
@@ -391,3 +392,85 @@ def test_a_joiner_that_announces_before_publishing_a_removal_is_found(
     assert any("did not publish their removal" in p for p in result.violation.problems)
     text = result.violation.format()
     assert "(contended)" in text and "announces itself" in text and "declares dead" in text
+
+
+# -- each reduction of the search keeps finding the bugs it could hide ---------------
+
+
+def test_a_bug_past_the_deadline_after_a_removal_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Deadline subsumption stores a step's successor only with the earliest
+    deadline that makes the same step: a joiner that published a removal with its
+    deadline long past is stored with its deadline still ahead. A bug that shows
+    only on such a joiner's next step is still found: that step may choose the
+    passed deadline."""
+    real = driver.decide
+
+    def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
+        decision = real(view, node, settings, op, deadline, now)
+        state = decision.state
+        if (
+            isinstance(decision.instruction, Done)
+            and decision.action is Action.FINISH
+            and deadline < now - settings.rollback_period
+            and state.complete
+            and len(state.participants) < state.world_size
+        ):
+            # the bug: a late joiner of a round that lost a member grows its world
+            bad = state.evolve(world_size=state.world_size + 1)
+            write = Write(bad, Action.SYNC, frozenset())
+            return decision._replace(instruction=write)
+        return decision
+
+    monkeypatch.setattr(driver, "decide", decide)
+    result = check(SMALL)
+    assert result.violation is not None
+    assert any("world size of complete round" in p for p in result.violation.problems)
+    text = result.violation.format()
+    assert "rollback over" in text and "declares dead" in text
+
+
+def test_a_wrong_return_is_found_without_keeping_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Returns are checked against the state they return on, not kept for a later
+    agreement check: a join that returns a rank the state does not give is found
+    where it returns."""
+    real = driver._done
+
+    def done(node, op, action, state):  # type: ignore[no-untyped-def]
+        result = real(node, op, action, state)
+        if result.joined is not None and result.joined.rank == 0:
+            return result._replace(joined=result.joined._replace(rank=1))
+        return result
+
+    monkeypatch.setattr(driver, "_done", done)
+    result = check(SMALL)
+    assert result.violation is not None
+    assert any("returned rank 1; the state gives it 0" in p for p in result.violation.problems)
+
+
+def test_a_round_that_completes_twice_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without kept returns, agreement between two returns of one round rests on
+    the step property that a complete round stays complete (with its ranks) until
+    it advances. A round that reopens after an exit, and may complete again with
+    other members under the same number, is found."""
+    real = actions.remove_participant_epilogue
+
+    def epilogue(state, settings):  # type: ignore[no-untyped-def]
+        state = real(state, settings)
+        if state.complete:
+            return state.evolve(complete=False, world_size=0)
+        return state
+
+    monkeypatch.setattr(actions, "remove_participant_epilogue", epilogue)
+    result = check(SMALL)
+    assert result.violation is not None
+    assert any("became incomplete without advancing" in p for p in result.violation.problems)
+
+
+def test_the_cli_is_quiet_off_a_terminal_and_with_quiet(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra in ([], ["--quiet"]):
+        code = spec_main(["check", "--nodes", "2", "--max", "2", "--max-states", "300", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0 and "states explored: 300" in out
+        assert err == ""
