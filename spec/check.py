@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import multiprocessing
 import re
 import time
 from collections import deque
@@ -428,16 +429,24 @@ class Checker:
         )
         self.edges: set[tuple[str, str, str]] = set()
         self._core_steps: dict[tuple[object, ...], CoreStep] = {}
-        #: (id of a memoized core step, slot, op, phases and pids) already conformed
+        #: steps already conformed (see _step)
         self._conformed: set[tuple[object, ...]] = set()
         #: (id of a memoized core step, a waiting node, its deadline) -> missed wake-ups
         self._wakeups: dict[tuple[object, ...], list[str]] = {}
         self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
         #: (shared state, intent log, event kind, slot, local) -> events (see choices)
         self._choices: dict[tuple[object, ...], tuple[list[Event], list[Event]]] = {}
+        #: (state, node) -> the view a read of it gives; (state, node, timers but
+        #: the deadline) -> the sightings a step chooses (see _view)
+        self._reads: dict[tuple[RendezvousState, NodeDesc], NodeView] = {}
+        self._sightings: dict[tuple[object, ...], Observations] = {}
         #: state -> (relabelling, fingerprint); (shared, intents, relabelling) -> key
         self._fingerprints: dict[Global, tuple[tuple[int, ...], int]] = {}
         self._shared_keys: dict[tuple[object, ...], tuple[object, ...]] = {}
+        #: fingerprints this process handed out already (see _expand)
+        self._handed_out: set[int] = set()
+        #: lifecycle edges a worker process reported already (see _expand_chunk)
+        self._edges_reported: set[tuple[str, str, str]] = set()
         #: transitions checked whose successors are not stored (see choices)
         self.checked_transitions = 0
         #: whether steps describe themselves (only replay needs it)
@@ -648,6 +657,10 @@ class Checker:
         shows, and a re-read within the step keeps its age.
         """
         expired, mine, lc = timers.expired, timers.own, timers.last_call_over
+        key = (state, node, expired, mine, lc)
+        known = self._sightings.get(key)
+        if known is not None:
+            return known
         own = {"fresh": self._fresh, "due": self._due, "expired": self._expired}[mine]
         beats = {
             n: HeartbeatSighting(
@@ -659,7 +672,10 @@ class Checker:
         if state.last_call is not None:
             since = self._call_over if lc else 0.0
             call = LastCallSighting(state.round, state.last_call, since)
-        return make_observations(beats, call)
+        if len(self._sightings) >= _CORE_STEP_CACHE:
+            self._sightings.clear()
+        known = self._sightings[key] = make_observations(beats, call)
+        return known
 
     # -- symmetry ----------------------------------------------------------------
 
@@ -810,8 +826,11 @@ class Checker:
             )
         self.edges.add((src, trigger, dst))
 
-    def successor(self, g: Global, event: Event) -> tuple[Global, list[str]]:
-        """The state after ``event``, and a line describing it.
+    def successor(
+        self, g: Global, event: Event, check_only: bool = False
+    ) -> tuple[Global, list[str]]:
+        """The state after ``event``, and a line describing it. With
+        ``check_only``, only check the step: what it returns is then undefined.
 
         Raises:
             _Found: a property or the model's conformance is violated by this step.
@@ -835,9 +854,9 @@ class Checker:
         if event.timers is None:
             raise ValueError(f"a {event.kind} event needs its timers (see expand)")
         if event.kind == "heartbeat":
-            return self._step(g, slot, KeepAliveOp(), event.timers)
+            return self._step(g, slot, KeepAliveOp(), event.timers, check_only)
         if event.kind == "step":
-            return self._step(g, slot, _OPERATORS[loc.op or ""](), event.timers)
+            return self._step(g, slot, _OPERATORS[loc.op or ""](), event.timers, check_only)
         # Starting an operation changes only the node's own local state, which no
         # other event reads, so it is taken together with the operation's first step
         # (the start commutes with every event between the two).
@@ -848,7 +867,9 @@ class Checker:
         else:
             started = _with(g, slot, loc._replace(op=event.kind, deadline=self._before))
         try:
-            after, lines = self._step(started, slot, _OPERATORS[event.kind](), event.timers)
+            after, lines = self._step(
+                started, slot, _OPERATORS[event.kind](), event.timers, check_only
+            )
         except _Found as found:
             found.lines = [f"starts {event.kind}", *found.lines]
             raise
@@ -869,7 +890,13 @@ class Checker:
         The side counters are all 0: only whether a sighting equals the counter
         matters, and every step chooses the sightings' ages afresh.
         """
-        read = core_driver.after_read(NodeView(), node, state, self._counters(state), 0.0)
+        read = self._reads.get((state, node))
+        if read is None:
+            if len(self._reads) >= _CORE_STEP_CACHE:
+                self._reads.clear()
+            counters = self._counters(state)
+            read = core_driver.after_read(NodeView(), node, state, counters, 0.0)
+            self._reads[state, node] = read
         return read._replace(
             observations=self._aged(state, node, timers),
             contended=timers.contended,
@@ -999,7 +1026,6 @@ class Checker:
         if len(self._core_steps) >= _CORE_STEP_CACHE:
             # ids of dropped steps may be reused: forget what was keyed on them
             self._core_steps.clear()
-            self._conformed.clear()
             self._wakeups.clear()
         step = self._core_steps[key] = CoreStep(
             decision, performed, written, guards, intents, read_log
@@ -1012,9 +1038,12 @@ class Checker:
         slot: int,
         op: Operator,
         timers: Timers,
+        check_only: bool = False,
     ) -> tuple[Global, list[str]]:
         """One iteration of the driving loop: the real driver decides on the node's
-        view, and the instruction is carried out atomically."""
+        view, and the instruction is carried out atomically (``check_only``: the
+        step is checked, and its successor not built when the checks were made
+        before)."""
         loc = g.locals[slot]
         node = node_of(slot, loc.incarnation)
         # A keep-alive has no deadline of its own; it never times out.
@@ -1040,6 +1069,22 @@ class Checker:
                 found = _Found(missed, decision)
                 found.lines = lines
                 raise found
+        # Conformance depends on the shared state and intent log, what the step
+        # decided and did, its guards, and every node's phase and pid; many steps
+        # share all of them (timer choices that differ in nothing the check reads),
+        # so each combination is checked once.
+        conformed = (
+            g.shared,
+            g.intents,
+            decision,
+            performed,
+            guards,
+            slot,
+            loc.op,
+            tuple((o.phase, o.incarnation) for o in g.locals),
+        )
+        if check_only and conformed in self._conformed:
+            return g, lines
 
         # The time that passed stays passed: the chosen deadline value is kept.
         new_deadline = loc.deadline if loc.op is None else deadline
@@ -1069,10 +1114,6 @@ class Checker:
         # Observations are not kept: every step chooses its sightings afresh.
         new_loc = Local(loc.incarnation, phase, new_op, new_deadline)
         after = _with(g, slot, new_loc, shared=written, intents=core_step.intents)
-        # Conformance depends on the core step and on every node's phase and pid;
-        # many states share both, so each combination is checked once (the core
-        # step's key holds the intent log).
-        conformed = (id(core_step), slot, loc.op, tuple((o.phase, o.incarnation) for o in g.locals))
         if conformed not in self._conformed:
             admitted = instruction.admitted if isinstance(instruction, Write) else ()
             try:
@@ -1081,6 +1122,8 @@ class Checker:
                 found.decision = decision
                 found.lines = lines
                 raise
+            if len(self._conformed) >= _CORE_STEP_CACHE:
+                self._conformed.clear()
             self._conformed.add(conformed)
         return after, lines
 
@@ -1292,13 +1335,18 @@ class Checker:
         self,
         progress: Callable[[CheckResult], None] | None = None,
         on_state: Callable[[Global, int], None] | None = None,
+        workers: int = 1,
     ) -> CheckResult:
         """Explore every reachable state (or up to ``max_states``).
 
         ``progress`` is called with the running totals about every
-        ``_PROGRESS_INTERVAL`` seconds, and
-        ``on_state`` with every newly stored state and its fingerprint.
+        ``_PROGRESS_INTERVAL`` seconds, and ``on_state`` with every newly stored
+        state and its fingerprint. ``workers`` > 1 expands each breadth-first level
+        in that many processes (see :meth:`_run_parallel`); the states found, the
+        transitions and the depth are the same.
         """
+        if workers > 1:
+            return self._run_parallel(workers, progress, on_state)
         start = time.perf_counter()
         result = CheckResult(self.config)
         init, _, init_fp = self.canonical(self.initial())
@@ -1383,7 +1431,7 @@ class Checker:
             self.checked_transitions += len(checked)
             for event in checked:
                 try:
-                    self.successor(g, event)
+                    self.successor(g, event, check_only=True)
                 except _Found as found:
                     found.event = event
                     raise
@@ -1394,6 +1442,113 @@ class Checker:
                     found.event = event
                     raise
                 yield event, succ
+
+    def _expand(self, g: Global, fp: int) -> tuple[list[_Successor], int]:
+        """The new successors of ``g`` as this process sees them (one per state
+        it has not handed out before), and how many transitions it stepped.
+
+        Raises:
+            _Found: a transition of ``g`` violates a property (``event`` names it).
+        """
+        found: list[_Successor] = []
+        seen: set[Global] = set()
+        stepped = 0
+        for event, succ in self._successors(g):
+            stepped += 1
+            succ = self._normalize(succ)
+            if succ in seen:
+                continue
+            seen.add(succ)
+            perm, cfp = self.fingerprint(succ)
+            if cfp in self._handed_out:
+                continue
+            self._handed_out.add(cfp)
+            found.append((fp, event, relabel(succ, perm), cfp))
+        return found, stepped
+
+    def _run_parallel(
+        self,
+        workers: int,
+        progress: Callable[[CheckResult], None] | None,
+        on_state: Callable[[Global, int], None] | None,
+    ) -> CheckResult:
+        """The breadth-first search with each level's states expanded by
+        ``workers`` forked processes.
+
+        A worker is a fork of this checker (so a bug planted in the core before
+        the search is planted in every worker): it steps a chunk of the level's
+        states and hands back their successors that it did not hand back before;
+        this process keeps the visited fingerprints and the parent pointers, and
+        builds the trace of a violation by replaying it. Chunks are merged in
+        order, so the search is as reproducible as the sequential one.
+        """
+        global _WORKER
+        start = time.perf_counter()
+        result = CheckResult(self.config)
+        init, _, init_fp = self.canonical(self.initial())
+        problems = check_state(init.shared, self.settings)
+        if problems:
+            result.violation = Violation(problems, ["initial state"])
+            return result
+        parents: dict[int, tuple[int, Event | None]] = {init_fp: (init_fp, None)}
+        if on_state is not None:
+            on_state(init, init_fp)
+        limit = self.config.max_states
+        level: list[tuple[Global, int]] = [(init, init_fp)]
+        depth, reported = 0, start
+        _WORKER = self
+        context = multiprocessing.get_context("fork")
+        try:
+            with context.Pool(workers) as pool:
+                while level:
+                    result.depth = depth
+                    if self.config.max_round is not None:
+                        level = [
+                            (g, fp) for g, fp in level if g.shared.round <= self.config.max_round
+                        ]
+                    size = max(1, min(_CHUNK, len(level) // (workers * 4)))
+                    chunks = [level[i : i + size] for i in range(0, len(level), size)]
+                    following: list[tuple[Global, int]] = []
+                    for outcome in pool.imap(_expand_chunk, chunks):
+                        successors, stepped, edges, violation = outcome
+                        result.transitions += stepped
+                        self.edges |= edges
+                        if violation is not None:
+                            parent, event, found = violation
+                            self.last_problems = found
+                            trace = self.replay([*self._path(parents, parent), event])
+                            result.violation = Violation(self.last_problems, trace)
+                            result.states = len(parents)
+                            result.seconds = time.perf_counter() - start
+                            result.lifecycle_edges = set(self.edges)
+                            return result
+                        for parent, event, stored, cfp in successors:
+                            if cfp in parents:
+                                continue
+                            parents[cfp] = (parent, event)
+                            following.append((stored, cfp))
+                            if on_state is not None:
+                                on_state(stored, cfp)
+                            if limit is not None and len(parents) >= limit:
+                                result.complete = False
+                                break
+                        if not result.complete:
+                            following = []
+                            break
+                        now = time.perf_counter()
+                        if progress is not None and now - reported >= _PROGRESS_INTERVAL:
+                            reported = now
+                            result.states, result.seconds = len(parents), now - start
+                            progress(result)
+                    level = following
+                    depth += 1 if level else 0
+        finally:
+            _WORKER = None
+        result.depth = depth
+        result.states = len(parents)
+        result.seconds = time.perf_counter() - start
+        result.lifecycle_edges = set(self.edges)
+        return result
 
     @staticmethod
     def _path(parents: dict[int, tuple[int, Event | None]], fp: int) -> list[Event]:
@@ -1446,6 +1601,46 @@ class Checker:
             names = moved
             lines.append(f"     -> {describe(g, names)}")
         return lines
+
+
+#: One successor a worker hands back: (parent fingerprint, event, state, fingerprint).
+_Successor = tuple[int, Event, Global, int]
+#: States a worker steps in one go, at most.
+_CHUNK = 256
+#: The checker a forked worker process steps states with (see _run_parallel).
+_WORKER: Checker | None = None
+
+
+def _expand_chunk(
+    chunk: list[tuple[Global, int]],
+) -> tuple[
+    list[_Successor],
+    int,
+    set[tuple[str, str, str]],
+    tuple[int, Event, list[str]] | None,
+]:
+    """A worker's part of a level: the new successors of ``chunk``, the
+    transitions stepped, the lifecycle edges first exercised, and the first
+    violation as (parent fingerprint, event, problems)."""
+    checker = _WORKER
+    assert checker is not None, "a worker runs only in a fork of Checker._run_parallel"
+    successors: list[_Successor] = []
+    checked_before = checker.checked_transitions
+    stepped = 0
+    violation = None
+    for g, fp in chunk:
+        try:
+            found, count = checker._expand(g, fp)
+        except _Found as problem:
+            assert problem.event is not None
+            violation = (fp, problem.event, problem.problems)
+            break
+        successors += found
+        stepped += count
+    edges = checker.edges - checker._edges_reported
+    checker._edges_reported |= edges
+    stepped += checker.checked_transitions - checked_before
+    return successors, stepped, edges, violation
 
 
 def _deadline_code(deadline: float | None) -> int:
@@ -1585,7 +1780,9 @@ def describe(g: Global, names: list[str] | None = None) -> str:
 
 
 def check(
-    config: CheckConfig, progress: Callable[[CheckResult], None] | None = None
+    config: CheckConfig,
+    progress: Callable[[CheckResult], None] | None = None,
+    workers: int = 1,
 ) -> CheckResult:
-    """Run the model checker on ``config``."""
-    return Checker(config).run(progress)
+    """Run the model checker on ``config`` (in ``workers`` processes)."""
+    return Checker(config).run(progress, workers=workers)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +47,12 @@ def _spec_parser() -> argparse.ArgumentParser:
     check.add_argument("--stable-ranks", action="store_true", help="check the stable-ranks option")
     check.add_argument("--no-symmetry", action="store_true", help="disable symmetry reduction")
     check.add_argument("--max-states", type=int, default=None, help="stop after this many")
+    check.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes that expand states (default: one per CPU core)",
+    )
     check.add_argument(
         "--quiet",
         action="store_true",
@@ -92,15 +99,21 @@ def spec_main(argv: list[str]) -> int:
         print(f"rallypoint spec check: {exc}", file=sys.stderr)
         return 2
 
+    workers = args.workers if args.workers is not None else os.cpu_count() or 1
+    if workers < 1:
+        print(
+            f"rallypoint spec check: --workers must be at least 1, got {workers}", file=sys.stderr
+        )
+        return 2
     if args.quiet or not sys.stderr.isatty():
-        result = check(config)
+        result = check(config, workers=workers)
     else:
-        result = _check_with_progress(config)
+        result = _check_with_progress(config, workers)
     print(result.summary())
     return 0 if result.ok else 1
 
 
-def _check_with_progress(config: CheckConfig) -> CheckResult:
+def _check_with_progress(config: CheckConfig, workers: int) -> CheckResult:
     """Run the checker with a live line on stderr: states, transitions, depth,
     states per second and elapsed time (rich redraws it in place)."""
     from rich.console import Console
@@ -123,7 +136,7 @@ def _check_with_progress(config: CheckConfig) -> CheckResult:
             rate = r.states / r.seconds if r.seconds > 0 else 0.0
             bar.update(task, states=r.states, transitions=r.transitions, depth=r.depth, rate=rate)
 
-        return check(config, progress)
+        return check(config, progress, workers)
 
 
 def _simulate_parser() -> argparse.ArgumentParser:

@@ -474,3 +474,24 @@ def test_the_cli_is_quiet_off_a_terminal_and_with_quiet(capsys: pytest.CaptureFi
         out, err = capsys.readouterr()
         assert code == 0 and "states explored: 300" in out
         assert err == ""
+
+
+def test_parallel_workers_explore_the_same_space_and_find_planted_bugs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sequential, parallel = check(SMALL), check(SMALL, workers=2)
+    assert parallel.ok and parallel.complete
+    assert (parallel.states, parallel.transitions, parallel.depth) == (
+        sequential.states,
+        sequential.transitions,
+        sequential.depth,
+    )
+    assert parallel.lifecycle_edges == sequential.lifecycle_edges
+    # a bug planted before the search is in every worker (they are forks)
+    monkeypatch.setattr(
+        actions, "assign_ranks", lambda parts, prev=None: dict.fromkeys(sorted(parts), 0)
+    )
+    result = check(SMALL, workers=2)
+    assert result.violation is not None
+    assert any("duplicate ranks" in p for p in result.violation.problems)
+    assert "0. initial" in result.violation.format()
