@@ -33,11 +33,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable
+from typing import NoReturn
+
+from immutables import Map
 
 from .errors import InvalidTransitionError
 from .state import Context, NodeDesc, RendezvousState, Settings
 
 __all__ = ["Action", "apply", "assign_ranks", "remove_participant_epilogue"]
+
+_NO_RANKS: Map[NodeDesc, int] = Map()
 
 
 class Action(enum.Enum):
@@ -71,12 +76,7 @@ class Action(enum.Enum):
     @property
     def is_terminal(self) -> bool:
         """True when the operator loop stops (successfully or with an error)."""
-        return self in (
-            Action.FINISH,
-            Action.ERROR_CLOSED,
-            Action.ERROR_GRACEFUL_EXIT,
-            Action.ERROR_TIMEOUT,
-        )
+        return self in _TERMINAL
 
     @property
     def resets_deadline(self) -> bool:
@@ -88,13 +88,26 @@ class Action(enum.Enum):
         return self is Action.REMOVE_FROM_REDUNDANCY_LIST
 
 
+#: Looked up by identity: hashing a member is a Python-level call, and reading one
+#: off the class goes through EnumType's __getattr__ hook (both on every decision).
+_TERMINAL = (Action.FINISH, Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT, Action.ERROR_TIMEOUT)
+
+
+def _beat(state: RendezvousState, node: NodeDesc, changes: dict[str, object]) -> dict[str, object]:
+    """``changes`` plus what a keep-alive of ``node`` changes (a new entry starts
+    above every counter ever handed out)."""
+    heartbeats = state.heartbeats
+    current = heartbeats.get(node)
+    seq = state.heartbeat_seq
+    counter = seq + 1 if current is None else current + 1
+    changes["heartbeats"] = heartbeats.set(node, counter)
+    if counter > seq:
+        changes["heartbeat_seq"] = counter
+    return changes
+
+
 def _keep_alive(state: RendezvousState, node: NodeDesc) -> RendezvousState:
-    current = state.heartbeats.get(node)
-    counter = state.heartbeat_seq + 1 if current is None else current + 1
-    return state.evolve(
-        heartbeats=state.heartbeats.set(node, counter),
-        heartbeat_seq=max(state.heartbeat_seq, counter),
-    )
+    return state._derive(_beat(state, node, {}))
 
 
 def remove_participant_epilogue(state: RendezvousState, settings: Settings) -> RendezvousState:
@@ -102,12 +115,12 @@ def remove_participant_epilogue(state: RendezvousState, settings: Settings) -> R
     if state.complete:
         if not state.participants:
             # A new round has a new (empty) intent log.
-            return state.evolve(
-                complete=False, world_size=0, round=state.round + 1, intent_cursor=0
+            return state._derive(
+                {"complete": False, "world_size": 0, "round": state.round + 1, "intent_cursor": 0}
             )
         return state
     if len(state.participants) < settings.min_nodes and state.last_call is not None:
-        return state.evolve(last_call=None)
+        return state._derive({"last_call": None})
     return state
 
 
@@ -122,116 +135,130 @@ def assign_ranks(
     """
     ordered = sorted(participants)
     size = len(ordered)
-    kept = {n: r for n, r in (previous or {}).items() if n in set(ordered) and 0 <= r < size}
-    free = iter(r for r in range(size) if r not in set(kept.values()))
+    if not previous:
+        return {node: rank for rank, node in enumerate(ordered)}
+    members = set(ordered)
+    kept = {n: r for n, r in previous.items() if n in members and 0 <= r < size}
+    taken = set(kept.values())
+    free = iter(r for r in range(size) if r not in taken)
     return {node: kept[node] if node in kept else next(free) for node in ordered}
 
 
 def _mark_complete(state: RendezvousState, settings: Settings) -> RendezvousState:
     previous = dict(state.last_ranks.items()) if settings.stable_ranks else None
-    ranks = assign_ranks(state.participants, previous)
-    return state.evolve(
-        complete=True,
-        last_call=None,
-        world_size=len(ranks),
-        participants=ranks,
-        last_ranks=ranks if settings.stable_ranks else {},
+    ranks = Map(assign_ranks(state.participants, previous))
+    return state._derive(
+        {
+            "complete": True,
+            "last_call": None,
+            "world_size": len(ranks),
+            "participants": ranks,
+            "last_ranks": ranks if settings.stable_ranks else _NO_RANKS,
+        }
     )
 
 
-def _require(condition: bool, action: Action, node: NodeDesc, why: str) -> None:
-    if not condition:
-        raise InvalidTransitionError(f"{action.name} by {node} is not allowed: {why}")
+def _refuse(action: Action, node: NodeDesc, why: str) -> NoReturn:
+    raise InvalidTransitionError(f"{action.name} by {node} is not allowed: {why}")
 
 
 def _add_to_participants(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
-    _require(not state.closed, Action.ADD_TO_PARTICIPANTS, node, "the rendezvous is closed")
-    _require(not state.complete, Action.ADD_TO_PARTICIPANTS, node, "the round is complete")
-    _require(node not in state.participants, Action.ADD_TO_PARTICIPANTS, node, "already joined")
-    _require(
-        len(state.participants) < s.max_nodes, Action.ADD_TO_PARTICIPANTS, node, "round is full"
-    )
-    state = state.evolve(
-        wait_list=state.wait_list - {node},
-        redundancy_list=state.redundancy_list - {node},
-        participants=state.participants.set(node, 0),
-    )
-    state = _keep_alive(state, node)
-    if len(state.participants) == s.min_nodes:
+    participants = state.participants
+    if state.closed:
+        _refuse(Action.ADD_TO_PARTICIPANTS, node, "the rendezvous is closed")
+    if state.complete:
+        _refuse(Action.ADD_TO_PARTICIPANTS, node, "the round is complete")
+    if node in participants:
+        _refuse(Action.ADD_TO_PARTICIPANTS, node, "already joined")
+    if len(participants) >= s.max_nodes:
+        _refuse(Action.ADD_TO_PARTICIPANTS, node, "round is full")
+    participants = participants.set(node, 0)
+    # One copy of the state for the whole join: its keep-alive, and the arming of
+    # the last call at min_nodes, go into the same changes.
+    changes: dict[str, object] = {"participants": participants}
+    if node in state.wait_list:
+        changes["wait_list"] = state.wait_list - {node}
+    if node in state.redundancy_list:
+        changes["redundancy_list"] = state.redundancy_list - {node}
+    if len(participants) == s.min_nodes:
         arming = state.last_call_seq + 1
-        state = state.evolve(last_call=arming, last_call_seq=arming)
-    if len(state.participants) == s.max_nodes:
+        changes["last_call"] = arming
+        changes["last_call_seq"] = arming
+    state = state._derive(_beat(state, node, changes))
+    if len(participants) == s.max_nodes:
         state = _mark_complete(state, s)
     return state
 
 
 def _add_to_wait_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
-    _require(node not in state.participants, Action.ADD_TO_WAIT_LIST, node, "is a participant")
-    state = state.evolve(
-        redundancy_list=state.redundancy_list - {node}, wait_list=state.wait_list | {node}
-    )
-    return _keep_alive(state, node)
+    if node in state.participants:
+        _refuse(Action.ADD_TO_WAIT_LIST, node, "is a participant")
+    changes: dict[str, object] = {"wait_list": state.wait_list | {node}}
+    if node in state.redundancy_list:
+        changes["redundancy_list"] = state.redundancy_list - {node}
+    return state._derive(_beat(state, node, changes))
 
 
 def _add_to_redundancy_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
-    _require(
-        node not in state.participants and node not in state.wait_list,
-        Action.ADD_TO_REDUNDANCY_LIST,
-        node,
-        "is a participant or waiting",
-    )
-    return _keep_alive(state.evolve(redundancy_list=state.redundancy_list | {node}), node)
+    if node in state.participants or node in state.wait_list:
+        _refuse(Action.ADD_TO_REDUNDANCY_LIST, node, "is a participant or waiting")
+    return state._derive(_beat(state, node, {"redundancy_list": state.redundancy_list | {node}}))
 
 
 def _remove_from_participants(
     state: RendezvousState, node: NodeDesc, s: Settings
 ) -> RendezvousState:
-    _require(node in state.participants, Action.REMOVE_FROM_PARTICIPANTS, node, "not a participant")
-    state = state.evolve(
-        participants=state.participants.delete(node), heartbeats=_without(state, node)
+    if node not in state.participants:
+        _refuse(Action.REMOVE_FROM_PARTICIPANTS, node, "not a participant")
+    state = state._derive(
+        {"participants": state.participants.delete(node), "heartbeats": _without(state, node)}
     )
     return remove_participant_epilogue(state, s)
 
 
 def _remove_from_wait_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
-    _require(node in state.wait_list, Action.REMOVE_FROM_WAIT_LIST, node, "not waiting")
-    return state.evolve(wait_list=state.wait_list - {node}, heartbeats=_without(state, node))
+    if node not in state.wait_list:
+        _refuse(Action.REMOVE_FROM_WAIT_LIST, node, "not waiting")
+    return state._derive(
+        {"wait_list": state.wait_list - {node}, "heartbeats": _without(state, node)}
+    )
 
 
 def _remove_from_redundancy_list(
     state: RendezvousState, node: NodeDesc, s: Settings
 ) -> RendezvousState:
-    _require(
-        node in state.redundancy_list, Action.REMOVE_FROM_REDUNDANCY_LIST, node, "not redundant"
-    )
-    return state.evolve(
-        redundancy_list=state.redundancy_list - {node}, heartbeats=_without(state, node)
+    if node not in state.redundancy_list:
+        _refuse(Action.REMOVE_FROM_REDUNDANCY_LIST, node, "not redundant")
+    return state._derive(
+        {"redundancy_list": state.redundancy_list - {node}, "heartbeats": _without(state, node)}
     )
 
 
 def _mark_rendezvous_complete(
     state: RendezvousState, node: NodeDesc, s: Settings
 ) -> RendezvousState:
-    _require(not state.complete, Action.MARK_RENDEZVOUS_COMPLETE, node, "already complete")
-    _require(
-        s.min_nodes <= len(state.participants) <= s.max_nodes,
-        Action.MARK_RENDEZVOUS_COMPLETE,
-        node,
-        f"{len(state.participants)} participants is outside [{s.min_nodes}, {s.max_nodes}]",
-    )
+    if state.complete:
+        _refuse(Action.MARK_RENDEZVOUS_COMPLETE, node, "already complete")
+    if not s.min_nodes <= len(state.participants) <= s.max_nodes:
+        _refuse(
+            Action.MARK_RENDEZVOUS_COMPLETE,
+            node,
+            f"{len(state.participants)} participants is outside [{s.min_nodes}, {s.max_nodes}]",
+        )
     return _mark_complete(state, s)
 
 
 def _mark_rendezvous_closed(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
-    return state.evolve(closed=True)
+    return state._derive({"closed": True})
 
 
 def _heartbeat(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
-    _require(node in state.heartbeats, Action.KEEP_ALIVE, node, "has no heartbeat entry")
+    if node not in state.heartbeats:
+        _refuse(Action.KEEP_ALIVE, node, "has no heartbeat entry")
     return _keep_alive(state, node)
 
 
-def _without(state: RendezvousState, node: NodeDesc) -> object:
+def _without(state: RendezvousState, node: NodeDesc) -> Map[NodeDesc, int]:
     return state.heartbeats.delete(node) if node in state.heartbeats else state.heartbeats
 
 

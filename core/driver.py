@@ -53,7 +53,7 @@ from typing import NamedTuple
 from immutables import Map
 
 from .actions import Action, apply
-from .liveness import heartbeat_of, observe, observe_own, sanitize
+from .liveness import heartbeat_of, observe, observe_own, observe_read, sanitize
 from .operators import JoinOp, Operator, keep_alive_due, wake_at
 from .state import Context, NodeDesc, Observations, RendezvousState, Settings
 
@@ -79,6 +79,19 @@ __all__ = [
     "monitor",
     "phase_of",
 ]
+
+
+_NOBODY: frozenset[NodeDesc] = frozenset()
+# A member read off its enum class goes through EnumType's __getattr__ hook: the
+# actions every decision compares against are read once.
+_SYNC = Action.SYNC
+_KEEP_ALIVE = Action.KEEP_ALIVE
+_FINISH = Action.FINISH
+#: ``_built(Cls, (every field, in order))``: a named tuple made without the
+#: Python-level ``__new__`` that calling the class runs. The paths taken on every
+#: step build their views, instructions and decisions this way
+#: (tests/test_core_speedups.py pins the field orders they rely on).
+_built = tuple.__new__
 
 
 class Membership(NamedTuple):
@@ -223,11 +236,8 @@ class NodeView(NamedTuple):
     announced: int = -1
 
 
-def _own(view: NodeView, node: NodeDesc, state: RendezvousState, now: float) -> Observations:
-    """The view's observations with this node's own counter pair re-observed."""
-    counter = state.heartbeats.get(node)
-    own = None if counter is None else heartbeat_of(counter, view.counters.get(node, 0))
-    return observe_own(view.observations, node, own, now)
+# The after_* functions run once per read or write of every node: each builds its
+# new view in one construction (NamedTuple._replace is a Python-level loop).
 
 
 def after_read(
@@ -242,23 +252,33 @@ def after_read(
     counters if they were read with it (None: keep the cached ones); the intent log
     of the state's round if it was read."""
     state = RendezvousState() if state is None else state
-    if view.since is None:
-        view = view._replace(since=now)
+    since = now if view.since is None else view.since
     if counters is None:
-        obs = observe(view.observations, state, now, counters=False)
-        view = view._replace(state=state, observations=obs, stale=False)
-        view = view._replace(observations=_own(view, node, state, now))
+        side = view.counters
+        counters_at = view.counters_at
+        obs = observe_read(view.observations, state, node, side.get(node, 0), now)
     else:
         side = Map(counters)
         if node in view.counters and node not in side:
             side = side.set(node, view.counters[node])  # never forget the own beats
+        counters_at = now
         obs = observe(view.observations, state, now, side)
-        view = view._replace(
-            state=state, counters=side, counters_at=now, observations=obs, stale=False
-        )
-    if intents is None:
-        return view._replace(intents=None, intents_round=-1)
-    return view._replace(intents=tuple(intents), intents_round=state.round)
+    log, log_round = (None, -1) if intents is None else (tuple(intents), state.round)
+    return _built(
+        NodeView,
+        (
+            state,
+            side,  # counters
+            counters_at,
+            since,
+            obs,  # observations
+            False,  # stale
+            log,  # intents
+            log_round,  # intents_round
+            view.contended,
+            view.announced,
+        ),
+    )
 
 
 def after_write(
@@ -267,18 +287,34 @@ def after_write(
     """The view after a compare-and-set: ``stored`` is what the backend holds now
     (the written state after a win; after a loss, what beat it, None if nothing)."""
     state = RendezvousState() if stored is None else stored
-    obs = observe(view.observations, state, now, counters=False)
-    view = view._replace(
-        state=state, observations=obs, stale=False, intents=None, intents_round=-1,
-        contended=view.contended or not won,
+    counters = view.counters
+    obs = observe_read(view.observations, state, node, counters.get(node, 0), now)
+    contended = view.contended or not won
+    return _built(
+        NodeView,
+        (
+            state,
+            counters,
+            view.counters_at,
+            view.since,
+            obs,  # observations
+            False,  # stale
+            None,  # intents
+            -1,  # intents_round
+            contended,
+            view.announced,
+        ),
     )
-    return view._replace(observations=_own(view, node, state, now))
 
 
 def after_beat(view: NodeView, node: NodeDesc, counter: int, now: float) -> NodeView:
     """The view after this node's side heartbeat counter became ``counter``."""
-    view = view._replace(counters=view.counters.set(node, counter))
-    return view._replace(observations=_own(view, node, view.state, now))
+    counters = view.counters.set(node, counter)
+    state = view.state
+    own = state.heartbeats.get(node)
+    pair = None if own is None else heartbeat_of(own, counter)
+    observations = observe_own(view.observations, node, pair, now)
+    return view._replace(counters=counters, observations=observations)
 
 
 def after_announce(view: NodeView, round_: int) -> NodeView:
@@ -289,7 +325,8 @@ def after_announce(view: NodeView, round_: int) -> NodeView:
 def after_wait(view: NodeView) -> NodeView:
     """The view after a wait ended (or a new operation starts): read before
     deciding again."""
-    return view._replace(stale=True, contended=False)
+    # (stale, contended) are fields 5 and 8; the others are kept.
+    return _built(NodeView, (*view[:5], True, *view[6:8], False, *view[9:]))
 
 
 # -- phases --------------------------------------------------------------------------
@@ -320,12 +357,21 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
     )
 
 
-def _phased(new: RendezvousState, base: RendezvousState, settings: Settings) -> Write:
+def _phased(
+    new: RendezvousState,
+    base: RendezvousState,
+    settings: Settings,
+    action: Action | None = None,
+    dead: frozenset[NodeDesc] = _NOBODY,
+    deadline: float | None = None,
+    admitted: tuple[NodeDesc, ...] = (),
+) -> Write:
     """A write of ``new`` over ``base`` (set its phase; say whether to publish it)."""
     if phase_of(new, settings) == phase_of(base, settings):
-        return Write(new, None, frozenset())
-    new = new.evolve(phase=base.phase + 1)
-    return Write(new, None, frozenset(), new.phase)
+        return _built(Write, (new, action, dead, None, deadline, admitted))
+    phase = base.phase + 1
+    new = new._derive({"phase": phase})
+    return _built(Write, (new, action, dead, phase, deadline, admitted))
 
 
 # -- decisions ---------------------------------------------------------------------
@@ -361,7 +407,7 @@ def _publish(
     view: NodeView, sanitized: RendezvousState, dead: frozenset[NodeDesc], settings: Settings
 ) -> Write:
     """Write the removal of ``dead`` so that every node converges on it at once."""
-    return _phased(sanitized, view.state, settings)._replace(dead=dead)
+    return _phased(sanitized, view.state, settings, dead=dead)
 
 
 _ADMISSIONS = frozenset(
@@ -447,28 +493,34 @@ def decide(
     local time ``now``."""
     if view.stale:
         read = Read(_counters_due(view, settings, now))
-        return Decision(read, None, view.state, frozenset())
-    sanitized, dead = sanitize(view.state, view.observations, settings, now, node)
-    if _must_reread(view, dead, settings, now):
-        return Decision(Read(True), None, sanitized, frozenset())
-    ctx = Context(node, sanitized, settings, now, view.observations)
+        return Decision(read, None, view.state, _NOBODY)
+    state = view.state
+    observations = view.observations
+    oldest = observations.oldest
+    if oldest is None or now - oldest <= settings.liveness_window:
+        # sanitize's own first test, made here: no sighting is old enough for
+        # anybody to be dead (nearly every decision).
+        sanitized, dead = state, _NOBODY
+    else:
+        sanitized, dead = sanitize(state, observations, settings, now, node)
+        if _must_reread(view, dead, settings, now):
+            return Decision(Read(True), None, sanitized, _NOBODY)
+    ctx = Context(node, sanitized, settings, now, observations)
     action = op(ctx, deadline)
-    if action.is_terminal or action is Action.SYNC:
+    if action is _SYNC or action.is_terminal:
         if dead:
             return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
-        if action is Action.SYNC:
-            wait = Wait(wake_at(ctx, deadline), view.state.phase)
+        if action is _SYNC:
+            wait = Wait(wake_at(ctx, deadline), state.phase)
             return Decision(wait, action, sanitized, dead)
-        return Decision(_done(node, op, action, sanitized), action, sanitized, dead)
-    if node in view.state.heartbeats and not dead and (
-        action is Action.KEEP_ALIVE or keep_alive_due(ctx)
-    ):
+        return _built(Decision, (_done(node, op, action, sanitized), action, sanitized, dead))
+    if not dead and node in state.heartbeats and (action is _KEEP_ALIVE or keep_alive_due(ctx)):
         # A member beats when its keep-alive is due, also before another write: a
         # node that keeps losing compare-and-sets must not look dead meanwhile.
         return Decision(Beat(), action, sanitized, dead)
     admitted: tuple[NodeDesc, ...] = ()
     new = apply(sanitized, action, ctx)
-    if action in _ADMISSIONS and (view.contended or view.announced == sanitized.round):
+    if (view.contended or view.announced == sanitized.round) and action in _ADMISSIONS:
         # Others are joining too: join through the intent log, and admit them all
         # (a node in the log joins only with a batch that moves the cursor past
         # it, or a later batch could admit it again after it left). Dead peers'
@@ -477,28 +529,27 @@ def decide(
             return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
         if view.announced != sanitized.round:
             return Decision(Announce(sanitized.round), action, sanitized, dead)
-        if view.intents_round != view.state.round:
+        if view.intents_round != state.round:
             # Read the state again with the log: the one the lost CAS returned is a
             # round trip old, and a batch based on it loses to single joiners.
             read = Read(_counters_due(view, settings, now), intents=True)
             return Decision(read, action, sanitized, dead)
         new, admitted = _admit_batch(view, node, settings, op, new, now)
     reset = now + settings.join_timeout if action.resets_deadline else None
-    write = _phased(new, view.state, settings)
-    write = write._replace(action=action, dead=dead, deadline=reset, admitted=admitted)
-    return Decision(write, action, sanitized, dead)
+    write = _phased(new, state, settings, action, dead, reset, admitted)
+    return _built(Decision, (write, action, sanitized, dead))
 
 
 def _done(node: NodeDesc, op: Operator, action: Action, state: RendezvousState) -> Done:
-    if action is not Action.FINISH or not isinstance(op, JoinOp):
-        return Done(action, state)
+    if action is not _FINISH or not isinstance(op, JoinOp):
+        return _built(Done, (action, state, None, False))
     ranks = state.participants
-    joined = Membership(state.round, ranks[node], state.world_size, ranks)
+    joined = _built(Membership, (state.round, ranks[node], state.world_size, ranks))
     # The round completed, but its rank-0 node was declared dead before this node
     # saw it complete: nobody can host the workers' store for it. (While nobody has
     # left, ranks are exactly 0..world-1: no scan.)
     rejoin = len(ranks) != state.world_size and 0 not in set(ranks.values())
-    return Done(action, state, joined, rejoin)
+    return _built(Done, (action, state, joined, rejoin))
 
 
 def monitor(

@@ -18,7 +18,8 @@ the state alone costs no per-node work.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 
 from immutables import Map
 
@@ -38,12 +39,18 @@ __all__ = [
     "heartbeat_of",
     "observe",
     "observe_own",
+    "observe_read",
     "sanitize",
 ]
 
 #: Bits of a sighting's counter that hold the side counter.
 SIDE_BITS = 32
 _SIDE_MASK = (1 << SIDE_BITS) - 1
+_NOBODY: frozenset[NodeDesc] = frozenset()
+#: A named tuple from all its fields, without the Python-level ``__new__`` that
+#: calling the class runs (sightings are renewed on nearly every read and write).
+_built = tuple.__new__
+_since: Callable[[HeartbeatSighting], float] = operator.attrgetter("since")
 
 
 def heartbeat_of(state_counter: int, side_counter: int) -> int:
@@ -52,7 +59,22 @@ def heartbeat_of(state_counter: int, side_counter: int) -> int:
 
 
 def _oldest(sightings: Map[NodeDesc, HeartbeatSighting]) -> float | None:
-    return min((s.since for s in sightings.values()), default=None)
+    if not sightings:
+        return None
+    return min(map(_since, sightings.values()))
+
+
+def _last_call_seen(
+    seen: LastCallSighting | None, state: RendezvousState, now: float
+) -> LastCallSighting | None:
+    """The last-call sighting after reading ``state`` (``seen`` itself if it still
+    stands)."""
+    arming = state.last_call
+    if arming is None:
+        return None
+    if seen is not None and seen.arming == arming and seen.round == state.round:
+        return seen
+    return _built(LastCallSighting, (state.round, arming, now))
 
 
 def observe(
@@ -72,54 +94,91 @@ def observe(
     ``counters`` (the state was read alone), only the last call is observed. A
     newly armed last call starts this node's last-call timer.
     """
-    seen = observations.heartbeats
-    updated = seen
-    source, source_side, oldest = observations.source, observations.source_side, observations.oldest
     counts = state.heartbeats
-    if counters and (source is not counts or source_side is not side):
-        changed = False
-        mutable = seen.mutate()
-        for node, counter in counts.items():
-            value = counter if side is None else heartbeat_of(counter, side.get(node, 0))
-            sighting = seen.get(node)
-            if sighting is None or sighting.counter != value:
-                mutable[node] = HeartbeatSighting(value, now)
-                changed = True
-        if len(mutable) != len(counts):  # some nodes left the state
-            for node in seen:
-                if node not in counts:
-                    del mutable[node]
-                    changed = True
-        finished = mutable.finish()
-        if changed:
-            updated = finished
-        if updated is not seen:
-            oldest = _oldest(updated)
-        source, source_side = counts, side
-
-    last_call = observations.last_call
-    if state.last_call is None:
-        last_call = None
-    elif last_call is None or (last_call.round, last_call.arming) != (
-        state.round,
-        state.last_call,
-    ):
-        last_call = LastCallSighting(state.round, state.last_call, now)
-
-    if (
-        updated is seen
-        and last_call is observations.last_call
-        and source is observations.source
-        and source_side is observations.source_side
-    ):
+    if counters and (observations.source is not counts or observations.source_side is not side):
+        return _observe_counters(observations, state, now, side)
+    # Most reads and writes: only the last call can have changed.
+    last_call = _last_call_seen(observations.last_call, state, now)
+    if last_call is observations.last_call:
         return observations
-    return Observations(
-        heartbeats=updated,
-        last_call=last_call,
-        source=source,
-        source_side=source_side,
-        oldest=oldest,
+    return Observations._derived(
+        observations.heartbeats,
+        last_call,
+        observations.source,
+        observations.source_side,
+        observations.oldest,
     )
+
+
+def _observe_counters(
+    observations: Observations,
+    state: RendezvousState,
+    now: float,
+    side: Mapping[NodeDesc, int] | None,
+) -> Observations:
+    """:func:`observe` of counters that are not the ones last observed."""
+    seen = observations.heartbeats
+    counts = state.heartbeats
+    oldest = observations.oldest
+    mutable = seen.mutate()
+    restarted = False  # some sighting now starts at ``now``
+    lost_oldest = False  # the sighting ``oldest`` came from was replaced or dropped
+    for node, counter in counts.items():
+        value = counter if side is None else heartbeat_of(counter, side.get(node, 0))
+        sighting = seen.get(node)
+        if sighting is None or sighting.counter != value:
+            if sighting is not None and sighting.since == oldest:
+                lost_oldest = True
+            mutable[node] = _built(HeartbeatSighting, (value, now))
+            restarted = True
+    dropped = False
+    if len(mutable) != len(counts):  # some nodes left the state
+        for node, sighting in seen.items():
+            if node not in counts:
+                if sighting.since == oldest:
+                    lost_oldest = True
+                del mutable[node]
+                dropped = True
+    updated = mutable.finish() if restarted or dropped else seen
+    if lost_oldest:
+        oldest = _oldest(updated)
+    elif restarted and (oldest is None or now < oldest):
+        # Every other sighting is unchanged, and the new ones all start at now.
+        oldest = now
+    last_call = _last_call_seen(observations.last_call, state, now)
+    return Observations._derived(updated, last_call, counts, side, oldest)
+
+
+def observe_read(
+    observations: Observations,
+    state: RendezvousState,
+    node: NodeDesc,
+    side_counter: int,
+    now: float,
+) -> Observations:
+    """What ``node`` sees in a ``state`` read (or written) without the side
+    counters, its own side counter being ``side_counter``: exactly
+    ``observe_own(observe(observations, state, now, counters=False), node, pair,
+    now)`` for its own counter pair, in one call. Most reads change neither
+    sighting, and then cost no new object."""
+    last_call = _last_call_seen(observations.last_call, state, now)
+    counter = state.heartbeats.get(node)
+    sighting = observations.heartbeats.get(node)
+    if counter is None:
+        own = None
+        moved = sighting is not None
+    else:
+        own = (counter << SIDE_BITS) | (side_counter & _SIDE_MASK)  # heartbeat_of, inlined
+        moved = sighting is None or sighting.counter != own
+    if last_call is not observations.last_call:
+        observations = Observations._derived(
+            observations.heartbeats,
+            last_call,
+            observations.source,
+            observations.source_side,
+            observations.oldest,
+        )
+    return observe_own(observations, node, own, now) if moved else observations
 
 
 def observe_own(
@@ -136,16 +195,14 @@ def observe_own(
     elif sighting is not None and sighting.counter == counter:
         return observations
     else:
-        updated = seen.set(node, HeartbeatSighting(counter, now))
+        updated = seen.set(node, _built(HeartbeatSighting, (counter, now)))
     oldest = observations.oldest
     if (sighting is not None and sighting.since == oldest) or oldest is None:
-        oldest = _oldest(updated)
-    return Observations(
-        heartbeats=updated,
-        last_call=observations.last_call,
-        source=observations.source,
-        source_side=observations.source_side,
-        oldest=oldest,
+        # A node that reads no side counters holds its own new sighting alone.
+        only_own = counter is not None and len(updated) == 1
+        oldest = now if only_own else _oldest(updated)
+    return Observations._derived(
+        updated, observations.last_call, observations.source, observations.source_side, oldest
     )
 
 
@@ -166,7 +223,7 @@ def dead_nodes(
     window = settings.liveness_window
     oldest = observations.oldest
     if oldest is None or now - oldest <= window:
-        return frozenset()
+        return _NOBODY
     return frozenset(
         node
         for node in state.heartbeats
@@ -188,6 +245,9 @@ def sanitize(
     Call :func:`observe` first, so that every node has a sighting: a node never seen
     is never declared dead, and neither is the ``observer`` (see :func:`dead_nodes`).
     """
+    oldest = observations.oldest
+    if oldest is None or now - oldest <= settings.liveness_window:
+        return state, _NOBODY  # dead_nodes' own first test: no sighting is that old
     dead = dead_nodes(state, observations, settings, now, observer)
     if not dead:
         return state, dead

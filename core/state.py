@@ -16,6 +16,7 @@ and a transition can never mutate its input.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ __all__ = [
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+# Bound once: the copies below run on every write and every decision.
+_new_instance = object.__new__
+_set_attribute = object.__setattr__
 
 
 def _frozen_map(items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()) -> Map[_K, _V]:
@@ -137,7 +141,8 @@ class Settings:
         if not isinstance(self.stable_ranks, bool):
             raise ValueError(f"stable_ranks must be a bool, got {self.stable_ranks!r}")
 
-    @property
+    # Read before every decision: computed once (the fields are frozen).
+    @functools.cached_property
     def liveness_window(self) -> float:
         """Seconds without a heartbeat counter moving after which a node is dead."""
         return self.keep_alive_interval * self.keep_alive_max_attempt
@@ -213,7 +218,8 @@ class RendezvousState:
         return cached
 
     def __getstate__(self) -> dict[str, object]:
-        # String hashes differ between processes: a pickled copy hashes anew.
+        # String hashes differ between processes: a copy made in another process
+        # hashes anew.
         return {name: self.__dict__[name] for name in _FIELD_NAMES}
 
     def members(self) -> frozenset[NodeDesc]:
@@ -230,22 +236,30 @@ class RendezvousState:
         Every transition goes through here; it copies the field dictionary instead
         of re-running the constructor, converting only the fields it is given.
         """
-        new = object.__new__(RendezvousState)
-        fields = new.__dict__
-        fields.update(self.__dict__)
-        fields.pop("_hash", None)  # the copy's fields change: hash them anew
         for name, value in changes.items():
-            if name not in _FIELD_NAMES:
+            if name not in _FIELD_SET:
                 raise TypeError(f"RendezvousState has no field {name!r}")
             if name in _MAP_FIELDS and not isinstance(value, Map):
-                value = Map(value)  # type: ignore[call-overload]
+                changes[name] = Map(value)  # type: ignore[call-overload]
             elif name in _SET_FIELDS and not isinstance(value, frozenset):
-                value = frozenset(value)  # type: ignore[call-overload]
-            fields[name] = value
+                changes[name] = frozenset(value)  # type: ignore[call-overload]
+        return self._derive(changes)
+
+    def _derive(self, changes: dict[str, object]) -> RendezvousState:
+        """:meth:`evolve` for the core's own transitions, whose ``changes`` are
+        known to be fields of the stored types: no per-field checks."""
+        fields = self.__dict__.copy()
+        fields.pop("_hash", None)  # the copy's fields change: hash them anew
+        fields.update(changes)
+        new = _new_instance(RendezvousState)
+        # Handing the copy over whole costs half of filling the new instance's own
+        # (key-sharing) dictionary field by field.
+        _set_attribute(new, "__dict__", fields)
         return new
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RendezvousState))
+_FIELD_SET = frozenset(_FIELD_NAMES)
 _MAP_FIELDS = frozenset({"participants", "heartbeats", "last_ranks"})
 _SET_FIELDS = frozenset({"wait_list", "redundancy_list"})
 
@@ -289,8 +303,34 @@ class Observations:
         if self.oldest is None and self.heartbeats:
             object.__setattr__(self, "oldest", min(s.since for s in self.heartbeats.values()))
 
+    @classmethod
+    def _derived(
+        cls,
+        heartbeats: Map[NodeDesc, HeartbeatSighting],
+        last_call: LastCallSighting | None,
+        source: Map[NodeDesc, int] | None,
+        source_side: object,
+        oldest: float | None,
+    ) -> Observations:
+        """Observations made by :mod:`rallypoint.core.liveness`, whose arguments
+        are already of the stored types and whose ``oldest`` is already right: the
+        constructor's conversion and scan are skipped (a node observes on every
+        read and write)."""
+        new = _new_instance(cls)
+        fields = new.__dict__
+        fields["heartbeats"] = heartbeats
+        fields["last_call"] = last_call
+        fields["source"] = source
+        fields["source_side"] = source_side
+        fields["oldest"] = oldest
+        return new
 
-@dataclass(frozen=True)
+
+#: Observations of nothing: immutable, so every context without its own shares it.
+_NO_OBSERVATIONS = Observations()
+
+
+@dataclass(frozen=True, init=False)
 class Context:
     """Everything one decision may depend on.
 
@@ -306,7 +346,25 @@ class Context:
     state: RendezvousState
     settings: Settings
     now: float
-    observations: Observations = field(default_factory=Observations)
+    observations: Observations = _NO_OBSERVATIONS
+
+    def __init__(
+        self,
+        node: NodeDesc,
+        state: RendezvousState,
+        settings: Settings,
+        now: float,
+        observations: Observations = _NO_OBSERVATIONS,
+    ) -> None:
+        # One context is built per decision (and per admitted joiner): filling the
+        # field dictionary directly costs a fraction of the frozen dataclass's
+        # per-field object.__setattr__ calls.
+        fields = self.__dict__
+        fields["node"] = node
+        fields["state"] = state
+        fields["settings"] = settings
+        fields["now"] = now
+        fields["observations"] = observations
 
     @property
     def is_participant(self) -> bool:

@@ -1,0 +1,504 @@
+"""The core's fast paths decide exactly what their plain definitions decide.
+
+Each fast path (the join operator's hand-ordered rows, the incremental ``oldest``,
+``observe_read``, one-copy effects, views built without ``_replace``) is compared
+with a plain reference over random inputs: the table walk, a from-scratch
+observation, the composition it stands for, the effect written field by field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from immutables import Map
+
+from rallypoint.core import (
+    Action,
+    Context,
+    Decision,
+    Done,
+    ExitOp,
+    HeartbeatSighting,
+    InvalidTransitionError,
+    JoinOp,
+    LastCallSighting,
+    Membership,
+    NodeDesc,
+    NodeView,
+    Observations,
+    RendezvousState,
+    Settings,
+    Write,
+    after_beat,
+    after_read,
+    after_wait,
+    after_write,
+    apply,
+    assign_ranks,
+    heartbeat_of,
+    join_row,
+    observe,
+    observe_own,
+    sanitize,
+)
+from rallypoint.core import operators as core_operators
+from rallypoint.core.liveness import observe_read
+
+POOL = [NodeDesc(addr, pid, 0) for addr in ("a", "b") for pid in (1, 2, 3)]
+nodes = st.sampled_from(POOL)
+node_sets = st.frozensets(nodes)
+counters = st.integers(0, 6)
+times = st.sampled_from([0.0, 0.5, 1.0, 4.0, 5.0, 5.5, 15.0, 30.0, 100.0])
+
+
+@st.composite
+def any_settings(draw: st.DrawFn) -> Settings:
+    high = draw(st.integers(1, 5))
+    return Settings(
+        "speedups",
+        draw(st.integers(1, high)),
+        high,
+        last_call_timeout=draw(st.sampled_from([0.5, 1.0, 30.0])),
+        keep_alive_interval=draw(st.sampled_from([1.0, 5.0])),
+        keep_alive_max_attempt=draw(st.integers(1, 3)),
+        rollback_period=draw(st.sampled_from([0.0, 5.0])),
+        stable_ranks=draw(st.booleans()),
+    )
+
+
+@st.composite
+def any_states(draw: st.DrawFn) -> RendezvousState:
+    """States of every shape, valid or not: a decision must agree on all of them."""
+    participants = draw(st.dictionaries(nodes, st.integers(0, 4), max_size=5))
+    heartbeats = draw(st.dictionaries(nodes, counters, max_size=6))
+    last_call = draw(st.none() | st.integers(1, 3))
+    return RendezvousState(
+        round=draw(st.integers(0, 2)),
+        complete=draw(st.booleans()),
+        closed=draw(st.booleans()),
+        world_size=draw(st.integers(0, 5)),
+        participants=participants,
+        wait_list=draw(node_sets),
+        redundancy_list=draw(node_sets),
+        heartbeats=heartbeats,
+        last_call=last_call,
+        last_call_seq=(last_call or 0) + draw(st.integers(0, 2)),
+        last_ranks=draw(st.dictionaries(nodes, st.integers(-1, 5), max_size=4)),
+        heartbeat_seq=max(heartbeats.values(), default=0) + draw(st.integers(0, 2)),
+    )
+
+
+@st.composite
+def any_observations(draw: st.DrawFn) -> Observations:
+    sightings = draw(
+        st.dictionaries(nodes, st.builds(HeartbeatSighting, counters, times), max_size=6)
+    )
+    last_call = draw(
+        st.none() | st.builds(LastCallSighting, st.integers(0, 2), st.integers(1, 3), times)
+    )
+    return Observations(heartbeats=sightings, last_call=last_call)
+
+
+# -- the join operator ---------------------------------------------------------------
+
+
+@settings(max_examples=1500)
+@given(nodes, any_states(), any_settings(), times, any_observations(), times)
+def test_join_op_answers_what_the_table_answers(node, state, s, now, obs, deadline):
+    ctx = Context(node, state, s, now, obs)
+    for limit in (deadline, float("inf"), now, now - s.rollback_period):
+        assert JoinOp()(ctx, limit) is join_row(ctx, limit).action
+
+
+@given(nodes, any_states(), any_settings(), times, times)
+def test_exit_op_leaves_a_round_it_is_in(node, state, s, now, deadline):
+    action = ExitOp()(Context(node, state, s, now), deadline)
+    if node not in state.participants:
+        assert action is Action.FINISH
+    elif now > deadline:
+        assert action is Action.ERROR_TIMEOUT
+    else:
+        assert action is Action.REMOVE_FROM_PARTICIPANTS
+
+
+def test_join_op_walks_a_table_swapped_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    always = core_operators.JoinRow("always wait", lambda c, d: True, Action.SYNC)
+    monkeypatch.setattr(core_operators, "JOIN_TABLE", (always,))
+    s = Settings("speedups", 1, 2)
+    assert JoinOp()(Context(POOL[0], RendezvousState(), s, 0.0), 1.0) is Action.SYNC
+
+
+# -- observations --------------------------------------------------------------------
+
+
+def _reference_observe(
+    observations: Observations,
+    state: RendezvousState,
+    now: float,
+    side: Map[NodeDesc, int] | None,
+    watch_counters: bool,
+) -> tuple[Map[NodeDesc, HeartbeatSighting], LastCallSighting | None]:
+    """Sightings and last call, computed from scratch (no caches consulted)."""
+    sightings = dict(observations.heartbeats.items())
+    if watch_counters:
+        for node, counter in state.heartbeats.items():
+            value = counter if side is None else heartbeat_of(counter, side.get(node, 0))
+            seen = sightings.get(node)
+            if seen is None or seen.counter != value:
+                sightings[node] = HeartbeatSighting(value, now)
+        sightings = {n: h for n, h in sightings.items() if n in state.heartbeats}
+    last_call = observations.last_call
+    if state.last_call is None:
+        last_call = None
+    elif last_call is None or (last_call.round, last_call.arming) != (
+        state.round,
+        state.last_call,
+    ):
+        last_call = LastCallSighting(state.round, state.last_call, now)
+    return Map(sightings), last_call
+
+
+def _oldest(observations: Observations) -> float | None:
+    return min((h.since for h in observations.heartbeats.values()), default=None)
+
+
+_reads = st.tuples(
+    any_states(),
+    st.none() | st.dictionaries(nodes, counters, max_size=6),
+    st.booleans(),
+    st.floats(0, 5),
+)
+
+
+@settings(max_examples=500)
+@given(any_observations(), st.lists(_reads, min_size=1, max_size=12), st.booleans())
+def test_observe_keeps_its_caches_equal_to_a_from_scratch_observe(start, reads, repeat):
+    """Sightings, last call and ``oldest`` after every read of a sequence are what a
+    from-scratch observation gives; reading the same counters again (the identity
+    shortcut) changes nothing but the last call."""
+    obs = start
+    now = 0.0
+    for state, side_counters, watch, step in reads:
+        now += step
+        side = None if side_counters is None else Map(side_counters)
+        for _ in range(2 if repeat else 1):
+            expected = _reference_observe(obs, state, now, side, watch)
+            obs = observe(obs, state, now, side, counters=watch)
+            assert (obs.heartbeats, obs.last_call) == expected
+            assert obs.oldest == _oldest(obs)
+
+
+def _later(obs: Observations, step: float) -> float:
+    """A local time no earlier than any sighting (a node's clock never goes back)."""
+    return max((h.since for h in obs.heartbeats.values()), default=0.0) + step
+
+
+@settings(max_examples=500)
+@given(any_observations(), any_states(), nodes, counters, times)
+def test_observe_read_is_observe_without_counters_then_the_own_pair(
+    obs, state, node, side_counter, step
+):
+    now = _later(obs, step)
+    counter = state.heartbeats.get(node)
+    pair = None if counter is None else heartbeat_of(counter, side_counter)
+    expected = observe_own(observe(obs, state, now, counters=False), node, pair, now)
+    got = observe_read(obs, state, node, side_counter, now)
+    assert got == expected
+    assert got.oldest == expected.oldest == _oldest(got)
+    assert (got.source, got.source_side) == (obs.source, obs.source_side)
+
+
+@given(any_observations(), nodes, st.none() | counters, times)
+def test_observe_own_keeps_oldest_exact(obs, node, counter, step):
+    got = observe_own(obs, node, counter, _later(obs, step))
+    assert got.oldest == _oldest(got)
+
+
+@given(any_states(), any_observations(), any_settings(), times, nodes)
+def test_sanitize_first_test_matches_dead_nodes(state, obs, s, now, observer):
+    obs = observe(obs, state, now / 2)  # every member has a sighting
+    sanitized, dead = sanitize(state, obs, s, now, observer)
+    silent = frozenset(
+        n
+        for n in state.heartbeats
+        if n != observer and now - obs.heartbeats[n].since > s.liveness_window
+    )
+    assert dead == silent
+    if not dead:
+        assert sanitized is state
+
+
+# -- effects -------------------------------------------------------------------------
+
+
+def _reference_keep_alive(state: RendezvousState, node: NodeDesc) -> RendezvousState:
+    current = state.heartbeats.get(node)
+    counter = state.heartbeat_seq + 1 if current is None else current + 1
+    return state.evolve(
+        heartbeats=state.heartbeats.set(node, counter),
+        heartbeat_seq=max(state.heartbeat_seq, counter),
+    )
+
+
+def _reference_epilogue(state: RendezvousState, s: Settings) -> RendezvousState:
+    if state.complete:
+        if not state.participants:
+            return state.evolve(
+                complete=False, world_size=0, round=state.round + 1, intent_cursor=0
+            )
+        return state
+    if len(state.participants) < s.min_nodes and state.last_call is not None:
+        return state.evolve(last_call=None)
+    return state
+
+
+def _reference_ranks(participants, previous):  # type: ignore[no-untyped-def]
+    ordered = sorted(participants)
+    size = len(ordered)
+    kept = {n: r for n, r in (previous or {}).items() if n in set(ordered) and 0 <= r < size}
+    free = iter(r for r in range(size) if r not in set(kept.values()))
+    return {node: kept[node] if node in kept else next(free) for node in ordered}
+
+
+def _reference_complete(state: RendezvousState, s: Settings) -> RendezvousState:
+    previous = dict(state.last_ranks.items()) if s.stable_ranks else None
+    ranks = _reference_ranks(state.participants, previous)
+    return state.evolve(
+        complete=True,
+        last_call=None,
+        world_size=len(ranks),
+        participants=ranks,
+        last_ranks=ranks if s.stable_ranks else {},
+    )
+
+
+def _reference_apply(
+    state: RendezvousState, action: Action, node: NodeDesc, s: Settings
+) -> RendezvousState | str:
+    """Each effect as a sequence of field-by-field evolves; a refusal as its reason."""
+    a = Action
+    without = state.heartbeats.delete(node) if node in state.heartbeats else state.heartbeats
+    if action is a.ADD_TO_PARTICIPANTS:
+        if state.closed:
+            return "the rendezvous is closed"
+        if state.complete:
+            return "the round is complete"
+        if node in state.participants:
+            return "already joined"
+        if len(state.participants) >= s.max_nodes:
+            return "round is full"
+        state = state.evolve(
+            wait_list=state.wait_list - {node},
+            redundancy_list=state.redundancy_list - {node},
+            participants=state.participants.set(node, 0),
+        )
+        state = _reference_keep_alive(state, node)
+        if len(state.participants) == s.min_nodes:
+            state = state.evolve(last_call=state.last_call_seq + 1)
+            state = state.evolve(last_call_seq=state.last_call)
+        if len(state.participants) == s.max_nodes:
+            state = _reference_complete(state, s)
+        return state
+    if action is a.ADD_TO_WAIT_LIST:
+        if node in state.participants:
+            return "is a participant"
+        state = state.evolve(
+            redundancy_list=state.redundancy_list - {node}, wait_list=state.wait_list | {node}
+        )
+        return _reference_keep_alive(state, node)
+    if action is a.ADD_TO_REDUNDANCY_LIST:
+        if node in state.participants or node in state.wait_list:
+            return "is a participant or waiting"
+        state = state.evolve(redundancy_list=state.redundancy_list | {node})
+        return _reference_keep_alive(state, node)
+    if action is a.REMOVE_FROM_PARTICIPANTS:
+        if node not in state.participants:
+            return "not a participant"
+        state = state.evolve(participants=state.participants.delete(node), heartbeats=without)
+        return _reference_epilogue(state, s)
+    if action is a.REMOVE_FROM_WAIT_LIST:
+        if node not in state.wait_list:
+            return "not waiting"
+        return state.evolve(wait_list=state.wait_list - {node}, heartbeats=without)
+    if action is a.REMOVE_FROM_REDUNDANCY_LIST:
+        if node not in state.redundancy_list:
+            return "not redundant"
+        return state.evolve(redundancy_list=state.redundancy_list - {node}, heartbeats=without)
+    if action is a.MARK_RENDEZVOUS_COMPLETE:
+        if state.complete:
+            return "already complete"
+        count = len(state.participants)
+        if not s.min_nodes <= count <= s.max_nodes:
+            return f"{count} participants is outside [{s.min_nodes}, {s.max_nodes}]"
+        return _reference_complete(state, s)
+    if action is a.MARK_RENDEZVOUS_CLOSED:
+        return state.evolve(closed=True)
+    assert action is a.KEEP_ALIVE
+    if node not in state.heartbeats:
+        return "has no heartbeat entry"
+    return _reference_keep_alive(state, node)
+
+
+_EFFECTFUL = [a for a in Action if a.changes_state]
+
+
+@settings(max_examples=1000)
+@given(any_states(), st.sampled_from(_EFFECTFUL), nodes, any_settings())
+def test_each_effect_gives_the_state_its_field_by_field_definition_gives(state, action, node, s):
+    hash(state)  # a cached hash must not leak into the result
+    expected = _reference_apply(state, action, node, s)
+    ctx = Context(node, state, s, 0.0)
+    if isinstance(expected, str):
+        with pytest.raises(InvalidTransitionError, match=f"{action.name} by {node}") as error:
+            apply(state, action, ctx)
+        assert str(error.value).endswith(f"is not allowed: {expected}")
+        return
+    new = apply(state, action, ctx)
+    assert new == expected
+    assert hash(new) == hash(expected)
+    assert "_hash" not in vars(new) or vars(new)["_hash"] == hash(expected)
+    for name in ("participants", "heartbeats", "last_ranks"):
+        assert isinstance(getattr(new, name), Map)
+    for name in ("wait_list", "redundancy_list"):
+        assert isinstance(getattr(new, name), frozenset)
+
+
+@given(st.frozensets(nodes), st.none() | st.dictionaries(nodes, st.integers(-2, 7)))
+def test_assign_ranks_matches_its_definition(participants, previous):
+    assert assign_ranks(participants, previous) == _reference_ranks(participants, previous)
+
+
+def test_evolve_converts_checks_and_drops_the_cached_hash():
+    state = RendezvousState()
+    hash(state)
+    new = state.evolve(participants={POOL[0]: 0}, wait_list=[POOL[1]])
+    assert isinstance(new.participants, Map) and isinstance(new.wait_list, frozenset)
+    assert "_hash" not in vars(new)
+    assert new == RendezvousState(participants={POOL[0]: 0}, wait_list={POOL[1]})
+    assert state == RendezvousState()  # the input is untouched
+    with pytest.raises(TypeError, match="no field 'rounds'"):
+        state.evolve(rounds=1)
+
+
+# -- values --------------------------------------------------------------------------
+
+
+def test_context_is_still_a_frozen_dataclass():
+    s = Settings("speedups", 1, 2)
+    ctx = Context(POOL[0], RendezvousState(), s, 1.0)
+    assert ctx.observations == Observations()
+    assert ctx == Context(node=POOL[0], state=RendezvousState(), settings=s, now=1.0)
+    assert hash(ctx) == hash(dataclasses.replace(ctx))
+    assert dataclasses.replace(ctx, now=2.0).now == 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.now = 3.0  # type: ignore[misc]
+
+
+def test_liveness_window_follows_the_settings_it_belongs_to():
+    s = Settings("speedups", 1, 2, keep_alive_interval=2.0, keep_alive_max_attempt=3)
+    assert s.liveness_window == 6.0
+    assert dataclasses.replace(s, keep_alive_max_attempt=4).liveness_window == 8.0
+    assert s == Settings("speedups", 1, 2, keep_alive_interval=2.0, keep_alive_max_attempt=3)
+
+
+# -- the driver's views and instructions ----------------------------------------------
+
+
+def test_the_field_orders_the_driver_builds_by_position():
+    assert NodeView._fields == (
+        "state",
+        "counters",
+        "counters_at",
+        "since",
+        "observations",
+        "stale",
+        "intents",
+        "intents_round",
+        "contended",
+        "announced",
+    )
+    assert Write._fields == ("state", "action", "dead", "phase", "deadline", "admitted")
+    assert Decision._fields == ("instruction", "action", "state", "dead")
+    assert Done._fields == ("action", "state", "joined", "rejoin")
+    assert Membership._fields == ("round", "rank", "world_size", "participants")
+
+
+def _reference_own(view: NodeView, node: NodeDesc, state: RendezvousState, now: float):  # type: ignore[no-untyped-def]
+    counter = state.heartbeats.get(node)
+    own = None if counter is None else heartbeat_of(counter, view.counters.get(node, 0))
+    return observe_own(view.observations, node, own, now)
+
+
+@st.composite
+def any_views(draw: st.DrawFn) -> NodeView:
+    return NodeView(
+        state=draw(any_states()),
+        counters=Map(draw(st.dictionaries(nodes, counters, max_size=3))),
+        counters_at=draw(st.none() | times),
+        since=draw(st.none() | times),
+        observations=draw(any_observations()),
+        stale=draw(st.booleans()),
+        intents=draw(st.none() | st.tuples(nodes)),
+        intents_round=draw(st.integers(-1, 2)),
+        contended=draw(st.booleans()),
+        announced=draw(st.integers(-1, 2)),
+    )
+
+
+@settings(max_examples=500)
+@given(
+    any_views(),
+    nodes,
+    st.none() | any_states(),
+    st.none() | st.dictionaries(nodes, counters, max_size=3),
+    times,
+    st.none() | st.lists(nodes, max_size=3),
+)
+def test_after_read_builds_the_view_replace_would(view, node, state, side, now, intents):
+    got = after_read(view, node, state, side, now, intents)
+    read = RendezvousState() if state is None else state
+    expected = view._replace(since=now) if view.since is None else view
+    if side is None:
+        obs = observe(expected.observations, read, now, counters=False)
+        expected = expected._replace(state=read, observations=obs, stale=False)
+        expected = expected._replace(observations=_reference_own(expected, node, read, now))
+    else:
+        counters_read = Map(side)
+        if node in view.counters and node not in counters_read:
+            counters_read = counters_read.set(node, view.counters[node])
+        obs = observe(expected.observations, read, now, counters_read)
+        expected = expected._replace(
+            state=read, counters=counters_read, counters_at=now, observations=obs, stale=False
+        )
+    if intents is None:
+        expected = expected._replace(intents=None, intents_round=-1)
+    else:
+        expected = expected._replace(intents=tuple(intents), intents_round=read.round)
+    assert got == expected and type(got) is NodeView
+
+
+@given(any_views(), nodes, st.booleans(), st.none() | any_states(), times, counters)
+def test_after_write_wait_and_beat_build_the_views_replace_would(
+    view, node, won, stored, now, beat
+):
+    state = RendezvousState() if stored is None else stored
+    obs = observe(view.observations, state, now, counters=False)
+    expected = view._replace(
+        state=state,
+        observations=obs,
+        stale=False,
+        intents=None,
+        intents_round=-1,
+        contended=view.contended or not won,
+    )
+    expected = expected._replace(observations=_reference_own(expected, node, state, now))
+    assert after_write(view, node, won, stored, now) == expected
+
+    assert after_wait(view) == view._replace(stale=True, contended=False)
+
+    beaten = view._replace(counters=view.counters.set(node, beat))
+    beaten = beaten._replace(observations=_reference_own(beaten, node, beaten.state, now))
+    assert after_beat(view, node, beat, now) == beaten
