@@ -68,6 +68,20 @@ def test_routine_reads_fetch_the_counters_every_half_liveness_window() -> None:
     assert decide(first, node(0), S, JoinOp(), FAR, 11.6).instruction == Read(True)
 
 
+def test_due_counters_are_read_even_on_a_view_that_is_not_stale() -> None:
+    """A view kept fresh by reads without counters (an agent's closed-check, a
+    keep-alive on the cached view) must still see its peers' counters every half
+    window, or a killed peer goes unnoticed until its state entry ages out."""
+    state = joined([node(0), node(1), node(2)], S)
+    view = _view(state, now=0.0)
+    membership = decide(view, node(0), S, JoinOp(), FAR, 0.0).instruction.joined
+    # re-read without counters at 1.4: fresh, but its counters were read at 0
+    refreshed = after_read(view, node(0), state, None, 1.4)
+    assert monitor(refreshed, node(0), S, membership, 1.5).instruction == Verdict(0, frozenset())
+    assert monitor(refreshed, node(0), S, membership, 1.6).instruction == Read(True)
+    assert decide(refreshed, node(0), S, KeepAliveOp(), FAR, 1.6).instruction == Read(True)
+
+
 def test_join_writes_the_core_action_in_blob_form() -> None:
     d = decide(_view(RendezvousState()), node(0), S, JoinOp(), FAR, 0.0)
     assert isinstance(d.instruction, Write)

@@ -445,7 +445,8 @@ def test_the_scenario_covers_what_it_claims() -> None:
     assert [w.admitted for w in batch] == [(X2,)] and batch[0].phase is not None
     assert set(batch[0].state.participants) == {node, X1, X2}
     assert any(isinstance(i, Beat) for i in run)
-    assert any(isinstance(i, Write) and i.dead == {X1, X2} and i.action is None for i in run)
+    # (by the keep-alive or the monitor, whichever finds them silent first)
+    assert any(isinstance(i, Write) and i.dead == {X1, X2} for i in run)
     assert Verdict(0, frozenset({X1, X2})) in run
     assert Verdict(1, frozenset()) in run  # the monitor saw X3 waiting
     removals = [

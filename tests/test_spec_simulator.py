@@ -111,15 +111,18 @@ def test_keep_alives_are_beats_not_blob_writes() -> None:
 # -- planted bugs: the simulator executes the core's driver, so it catches them ----
 
 #: Training nodes whose monitor passes (fresh reads) are further apart than the
-#: liveness window: their keep-alive ticks decide on cached counters.
+#: liveness window, and a window of two keep-alive intervals: counters are read
+#: every half window, so a sighting can be nearly a window old while its peer beat
+#: after the last read; a death declared without re-reading is then false.
 CACHED_COUNTERS = SimConfig(
     nodes=8,
     min_nodes=4,
-    duration=120.0,
+    duration=300.0,
     monitor_interval=30.0,
+    keep_alive_max_attempt=2,
     clock_offset=60.0,
     drift=0.01,
-    seed=1,
+    seed=2,
 )
 STEADY = SimConfig(nodes=8, min_nodes=4, duration=60.0, clock_offset=60.0, drift=0.01, seed=1)
 
