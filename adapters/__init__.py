@@ -5,12 +5,13 @@
 names ``rallypoint-c10d``/``rallypoint-etcd``). See docs/adapters.md.
 """
 
-from .backend import BackendStats, MemoryBackend, RendezvousBackend, Token
+from .backend import BackendStats, MemoryBackend, RendezvousBackend, StateSizeLimit, Token
 from .config import BACKENDS, RendezvousConfig, parse_endpoint, parse_params
 from .errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousGracefulExitError,
+    RendezvousSettingsError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -28,8 +29,10 @@ __all__ = [
     "RendezvousConfig",
     "RendezvousConnectionError",
     "RendezvousGracefulExitError",
+    "RendezvousSettingsError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "StateSizeLimit",
     "StateSync",
     "Token",
     "create_handler",

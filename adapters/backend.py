@@ -36,6 +36,16 @@ every implementation):
   ``get_heartbeats(nodes)`` reads the counters (0 for a node that never beat).
 * ``close()`` releases connections; the backend is unusable afterwards.
 
+Optional, for messages and limits (the sync engine looks them up with ``getattr``,
+so a backend without them still works):
+
+* ``key(suffix)``: the full name of this run's key ``suffix`` (``state``,
+  ``hb/<node>``, ``intents/<round>``) as the backend's own tools show it, so that
+  an error about a bad value names the key to inspect.
+* ``state_size_limit``: a :class:`StateSizeLimit`, the largest state blob the
+  backend stores (None: no limit of its own), so that a state that outgrew it is
+  refused with a message saying so, before the write fails in the backend.
+
 Implementations: :class:`MemoryBackend` (tests, simulation, one process),
 :class:`rallypoint.adapters.c10d.C10dBackend` (torch TCPStore/FileStore) and
 :class:`rallypoint.adapters.etcd.EtcdBackend` (etcd v3).
@@ -47,9 +57,16 @@ import threading
 import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["BackendStats", "MemoryBackend", "RendezvousBackend", "Token", "check_intent_entry"]
+__all__ = [
+    "BackendStats",
+    "MemoryBackend",
+    "RendezvousBackend",
+    "StateSizeLimit",
+    "Token",
+    "check_intent_entry",
+]
 
 #: An opaque fencing token: a version, a revision, or the stored bytes themselves.
 Token = Any
@@ -72,6 +89,16 @@ class BackendStats:
     def as_dict(self) -> dict[str, int]:
         """A plain copy of the figures."""
         return asdict(self)
+
+
+class StateSizeLimit(NamedTuple):
+    """The largest state blob a backend stores, why, and what a user can do."""
+
+    max_bytes: int
+    #: e.g. "a c10d TCPStore holds values of at most 8 MiB"
+    reason: str
+    #: e.g. "start etcd with a larger --max-request-bytes"
+    remedy: str
 
 
 def check_intent_entry(entry: bytes) -> bytes:
@@ -180,6 +207,10 @@ class MemoryBackend:
     @property
     def stats(self) -> BackendStats:
         return self._stats
+
+    def key(self, suffix: str) -> str:
+        """The name of this run's key ``suffix`` (for messages)."""
+        return f"{self._run_id}/{suffix}"
 
     def get_state(self) -> tuple[bytes, Token] | None:
         with self._cond:

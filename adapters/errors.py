@@ -19,6 +19,7 @@ __all__ = [
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousGracefulExitError",
+    "RendezvousSettingsError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "describe",
@@ -41,6 +42,12 @@ class RendezvousConnectionError(
 
 class RendezvousStateError(_core.RendezvousStateError, _torch_api.RendezvousStateError):
     """The shared state on the backend is malformed or of an unknown version."""
+
+
+class RendezvousSettingsError(_core.RendezvousSettingsError, _torch_api.RendezvousError):
+    """This node was started with other settings (node counts, keep-alive, stable
+    ranks) than the run it joins; torch has no such class, so it is torch's base
+    rendezvous error."""
 
 
 class RendezvousGracefulExitError(

@@ -19,6 +19,13 @@ it ever joins; the rank-0 node's server serves the round (torch also keeps one
 server per rank-0 agent across rounds). Publishing ahead means that when a round
 completes, no node waits for rank 0 to start a server and announce it: the
 address is one read away.
+
+The settings every node must share (:data:`rallypoint.core.codec.SHARED_SETTINGS`:
+node counts, keep-alive, stable ranks) are published under
+``rallypoint/<run_id>/settings`` by the first node that joins; every later node
+compares its own with them before it touches the state, and one started with other
+settings gets a :class:`RendezvousSettingsError` naming each difference, instead of
+a state that is valid only for some of the nodes.
 """
 
 from __future__ import annotations
@@ -49,12 +56,15 @@ from rallypoint.core import (
     Settings,
 )
 from rallypoint.core import errors as core_errors
+from rallypoint.core.codec import encode_shared_settings, shared_settings_differences
 
 from .backend import RendezvousBackend
 from .errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousGracefulExitError,
+    RendezvousSettingsError,
+    RendezvousStateError,
     RendezvousTimeoutError,
     describe,
 )
@@ -117,7 +127,9 @@ class RallypointHandler(RendezvousHandler):
         self._joined: Membership | None = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self._boot_store = PrefixStore(f"rallypoint/{settings.run_id}/boot", store)
+        self._boot_prefix = f"rallypoint/{settings.run_id}/boot"
+        self._boot_store = PrefixStore(self._boot_prefix, store)
+        self._settings_checked = False
         self._bootstrap_server: TCPStore | None = None
         self._bootstrap_info: RendezvousStoreInfo | None = None
         #: Monitor queries re-read the backend at most this often.
@@ -202,6 +214,7 @@ class RallypointHandler(RendezvousHandler):
         """
         self._stop_heartbeats()
         self._publish_bootstrap()
+        self._check_settings()
         join_timeout = self._settings.join_timeout
         deadline = self._sync.now() + join_timeout
         log.info("%s joins the next round of rendezvous %r", self.node, self._settings.run_id)
@@ -229,6 +242,7 @@ class RallypointHandler(RendezvousHandler):
         )
         store = PrefixStore(f"rallypoint/{self._settings.run_id}/round/{self._round}", self._store)
         return RendezvousInfo(store, joined.rank, joined.world_size, self._bootstrap_of(rank0))
+
     def _publish_bootstrap(self) -> None:
         """Start this node's bootstrap server and publish its address (once)."""
         if self._bootstrap_info is not None:
@@ -255,13 +269,62 @@ class RallypointHandler(RendezvousHandler):
         )
         self._bootstrap_server, self._bootstrap_info = server, info
 
+    def _check_settings(self) -> None:
+        """Publish this node's shared settings if it is the run's first, else compare
+        them with the published ones (once per handler, before the first join).
+
+        Raises:
+            RendezvousSettingsError: they differ (each difference is named).
+            RendezvousStateError: the settings key holds something else.
+        """
+        if self._settings_checked:
+            return
+        key = f"rallypoint/{self._settings.run_id}/settings"
+        ours = encode_shared_settings(self._settings)
+        # compare_set with an empty expected value creates a missing key and returns
+        # what is stored either way: the first node's settings win, atomically.
+        published = self._call_store(
+            lambda: bytes(self._store.compare_set(key, "", ours)),
+            "publishing this node's settings",
+        )
+        if published != ours:
+            try:
+                differences = shared_settings_differences(self._settings, published)
+            except core_errors.RendezvousStateError as exc:
+                raise RendezvousStateError(
+                    self._describe(
+                        f"{exc}, read from key {key!r} of the rendezvous store",
+                        "that nothing else writes to this run id; start a fresh run id",
+                    )
+                ) from exc
+            if differences:
+                raise RendezvousSettingsError(
+                    self._describe(
+                        f"{self.node} was started with other settings than the run it joins; "
+                        f"the nodes disagree on {'; '.join(differences)}",
+                        "that every node is started with the same --nnodes (min:max) and "
+                        "rendezvous options; if an earlier job used this run id, start with "
+                        "a fresh run id",
+                    )
+                )
+        self._settings_checked = True
+
     def _bootstrap_of(self, node: NodeDesc) -> RendezvousStoreInfo:
         if node == self.node and self._bootstrap_info is not None:
             return self._bootstrap_info
         raw = self._call_store(
             lambda: self._boot_store.get(str(node)), "reading the rank-0 bootstrap store address"
         )
-        host, _, port = bytes(raw).decode().rpartition(":")
+        host, _, port = bytes(raw).decode("utf-8", "replace").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise RendezvousStateError(
+                self._describe(
+                    f"the bootstrap store address of rank 0 ({node}) under key "
+                    f"{self._boot_prefix}/{node!s} of the rendezvous store is "
+                    f"{bytes(raw)[:60]!r}, not <host>:<port>",
+                    "that nothing else writes to this run id; start a fresh run id",
+                )
+            )
         return RendezvousStoreInfo(host, int(port))
 
     def _call_store(self, op: Callable[[], _T], what: str) -> _T:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from rallypoint.core import (
+    MAX_STATE_BYTES,
     Announce,
     Beat,
     Decision,
@@ -48,7 +49,7 @@ from rallypoint.core import (
 )
 from rallypoint.core import errors as core_errors
 
-from .backend import RendezvousBackend, Token
+from .backend import RendezvousBackend, StateSizeLimit, Token
 from .errors import RendezvousConnectionError, RendezvousStateError, describe
 
 __all__ = ["StateSync"]
@@ -59,6 +60,15 @@ log = logging.getLogger(__name__)
 _WAKE_EPSILON = 0.002
 #: The largest backoff after lost compare-and-sets, in seconds.
 _MAX_BACKOFF = 0.05
+#: Beyond this many losses in a row the backoff is at its cap anyway; the exponent
+#: stops growing there (2.0 ** 1024 overflows a float).
+_MAX_BACKOFF_EXPONENT = 16
+#: What every backend is held to: a larger state could be written but not read back.
+_DECODER_LIMIT = StateSizeLimit(
+    MAX_STATE_BYTES,
+    f"rallypoint reads states of at most {MAX_STATE_BYTES // (1024 * 1024)} MiB",
+    "fewer nodes per run (max_nodes) or shorter node addresses",
+)
 
 
 class StateSync:
@@ -110,6 +120,10 @@ class StateSync:
         #: Counters of CAS attempts and losses, for benchmarks.
         self.cas_attempts = 0
         self.cas_losses = 0
+        limit = getattr(backend, "state_size_limit", None)
+        self._size_limit: StateSizeLimit = (
+            limit if limit is not None and limit.max_bytes < MAX_STATE_BYTES else _DECODER_LIMIT
+        )
 
     # -- the view ----------------------------------------------------------------
 
@@ -132,18 +146,26 @@ class StateSync:
     def now(self) -> float:
         return self._clock()
 
+    def key(self, suffix: str) -> str:
+        """The backend's full name of this run's key ``suffix``, for messages."""
+        name = getattr(self.backend, "key", None)
+        return str(name(suffix)) if callable(name) else suffix
+
+    def _state_error(self, what: str, check: str) -> RendezvousStateError:
+        return RendezvousStateError(
+            describe(what, run_id=self.settings.run_id, endpoint=self.backend.endpoint, check=check)
+        )
+
     def _decode(self, blob: bytes) -> RendezvousState:
         try:
-            return decode_state(blob)
+            # With this node's settings: a state that is valid only for other node
+            # counts is an error here, not a join that fails later.
+            return decode_state(blob, self.settings)
         except core_errors.RendezvousStateError as exc:
-            raise RendezvousStateError(
-                describe(
-                    str(exc),
-                    run_id=self.settings.run_id,
-                    endpoint=self.backend.endpoint,
-                    check="that every node runs the same rallypoint version and that nothing "
-                    "else writes to this run id; start a fresh run id to recover",
-                )
+            raise self._state_error(
+                f"{exc}, read from key {self.key('state')!r}",
+                "that every node runs the same rallypoint version with the same settings "
+                "and that nothing else writes to this run id; start a fresh run id to recover",
             ) from exc
 
     # -- carrying out instructions ----------------------------------------------------
@@ -177,14 +199,10 @@ class StateSync:
             try:
                 entries.append(NodeDesc.parse(bytes(raw).decode("ascii")))
             except (UnicodeDecodeError, ValueError) as exc:
-                raise RendezvousStateError(
-                    describe(
-                        f"the intent log of round {round_} holds an entry that is not a "
-                        f"node ({exc})",
-                        run_id=self.settings.run_id,
-                        endpoint=self.backend.endpoint,
-                        check="that nothing else writes to this run id",
-                    )
+                raise self._state_error(
+                    f"the intent log of round {round_} (key {self.key(f'intents/{round_}')!r}) "
+                    f"holds an entry that is not a node ({exc})",
+                    "that nothing else writes to this run id",
                 ) from exc
         return entries
 
@@ -193,8 +211,10 @@ class StateSync:
             if self._view is not base:
                 return False  # another thread changed the view: decide again
             token = self._token
+        blob = encode_state(write.state)
+        self._check_size(blob, write.state)
         self.cas_attempts += 1
-        result = self.backend.set_state(encode_state(write.state), token, phase=write.phase)
+        result = self.backend.set_state(blob, token, phase=write.phase)
         won = result is not None and result[2]
         stored = None if result is None else self._decode(result[0])
         now = self._clock()
@@ -205,6 +225,20 @@ class StateSync:
         if not won:
             self.cas_losses += 1
         return won
+
+    def _check_size(self, blob: bytes, state: RendezvousState) -> None:
+        """Refuse a state the backend would not store (or nobody could read back),
+        with a message that says whose limit it is, before the write fails there
+        (a TCPStore drops the connection, etcd answers "request is too large")."""
+        limit = self._size_limit
+        if len(blob) <= limit.max_bytes:
+            return
+        raise self._state_error(
+            f"the rendezvous state would grow to {len(blob):,} bytes "
+            f"({len(state.members())} nodes), over the limit of {limit.max_bytes:,} bytes "
+            f"of the {self.backend.name} backend: {limit.reason}",
+            limit.remedy,
+        )
 
     def beat(self) -> None:
         """Bump this node's heartbeat counter (O(1) bytes) and record it."""
@@ -288,7 +322,8 @@ class StateSync:
                 losses += 1
                 # Spreads out a herd of simultaneous joiners without adding a fixed
                 # delay to the first retry; the exponent is capped (no overflow).
-                time.sleep(self._rng.uniform(0, min(_MAX_BACKOFF, 0.001 * 2 ** min(losses, 16))))
+                exponent = min(losses, _MAX_BACKOFF_EXPONENT)
+                time.sleep(self._rng.uniform(0, min(_MAX_BACKOFF, 0.001 * 2**exponent)))
             elif isinstance(instruction, Write):
                 losses = 0
                 if instruction.deadline is not None and deadline is not None:

@@ -28,7 +28,15 @@ Store the state as :func:`encode_state` bytes; :func:`decode_state` validates.
 """
 
 from .actions import Action, apply, assign_ranks
-from .codec import FORMAT_VERSION, MAX_STATE_BYTES, decode_state, encode_state
+from .codec import (
+    FORMAT_VERSION,
+    MAX_STATE_BYTES,
+    SHARED_SETTINGS,
+    decode_state,
+    encode_shared_settings,
+    encode_state,
+    shared_settings_differences,
+)
 from .driver import (
     Announce,
     Beat,
@@ -56,6 +64,7 @@ from .errors import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousSettingsError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -94,6 +103,7 @@ __all__ = [
     "FORMAT_VERSION",
     "JOIN_TABLE",
     "MAX_STATE_BYTES",
+    "SHARED_SETTINGS",
     "SIDE_BITS",
     "Action",
     "Announce",
@@ -120,6 +130,7 @@ __all__ = [
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousSettingsError",
     "RendezvousState",
     "RendezvousStateError",
     "RendezvousTimeoutError",
@@ -137,6 +148,7 @@ __all__ = [
     "dead_nodes",
     "decide",
     "decode_state",
+    "encode_shared_settings",
     "encode_state",
     "heartbeat_of",
     "join_row",
@@ -147,5 +159,6 @@ __all__ = [
     "observe_own",
     "phase_of",
     "sanitize",
+    "shared_settings_differences",
     "wake_at",
 ]

@@ -15,6 +15,18 @@ Format, version 2 (keys are short because the state is rewritten often)::
      "lr": [[addr, pid, local_id, rank], ...],    # last ranks (stable-ranks option)
      "hs": heartbeat_seq,
      "ph": phase, "ic": intent_cursor}                # version 2 added these two
+
+Decoding checks more than the format: a state that breaks a safety property, or
+that no node could make progress from (a member without a heartbeat entry, so
+nobody can tell whether it is alive; a complete round nobody is in), is rejected
+as well, so that a bad write surfaces as an error at once instead of stalling every
+node until its join timeout. Given the node's :class:`Settings`, the checks that
+depend on min/max nodes run too.
+
+The settings the state's validity depends on are published once per run beside
+it (:func:`encode_shared_settings`); :func:`shared_settings_differences` compares
+a node's own with them, so nodes started with different node counts are told so
+instead of failing on a state that is valid only for some of them.
 """
 
 from __future__ import annotations
@@ -25,12 +37,22 @@ from typing import Any
 from immutables import Map
 
 from .errors import RendezvousStateError
-from .state import NodeDesc, RendezvousState
+from .state import NodeDesc, RendezvousState, Settings
 
-__all__ = ["FORMAT_VERSION", "MAX_STATE_BYTES", "decode_state", "encode_state"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_STATE_BYTES",
+    "SHARED_SETTINGS",
+    "decode_state",
+    "encode_shared_settings",
+    "encode_state",
+    "shared_settings_differences",
+]
 
 FORMAT_VERSION = 2
-#: Larger input is rejected before parsing (about 100k nodes' worth of state).
+#: Larger input is rejected before parsing (about 100k nodes' worth of state). The
+#: backends hold less (a TCPStore value 8 MiB, an etcd request 1.5 MiB by default):
+#: the adapters check a write against the smaller of the two.
 MAX_STATE_BYTES = 16 * 1024 * 1024
 _MAX_ADDR_LEN = 1024
 _KEYS = frozenset(
@@ -132,21 +154,26 @@ def _node_set(doc: dict[str, Any], key: str, what: str) -> frozenset[NodeDesc]:
     if not isinstance(entries, list):
         raise _fail(f"{what} must be a list")
     nodes = [
-        NodeDesc(e[0], e[1], e[2]) if _valid_node(e, 3) else _node(e, what, 0)[0]
-        for e in entries
+        NodeDesc(e[0], e[1], e[2]) if _valid_node(e, 3) else _node(e, what, 0)[0] for e in entries
     ]
     if len(set(nodes)) != len(nodes):
         raise _fail(f"a node appears twice in {what}")
     return frozenset(nodes)
 
 
-def decode_state(data: bytes) -> RendezvousState:
+def decode_state(data: bytes, settings: Settings | None = None) -> RendezvousState:
     """Parse and validate bytes written by :func:`encode_state`.
+
+    Args:
+        data: the stored bytes.
+        settings: the reading node's settings; with them, the properties that
+            depend on min/max nodes are checked too (see :func:`_check_against`).
 
     Raises:
         RendezvousStateError: the input is oversize, not JSON, of another format
             version, has missing/unknown/ill-typed fields, negative or duplicate
-            ranks, or violates a structural invariant of the state.
+            ranks, breaks a safety property of the state, or is a state no node
+            could make progress from.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise _fail(f"expected bytes, got {type(data).__name__}")
@@ -181,7 +208,12 @@ def decode_state(data: bytes) -> RendezvousState:
     phase = _int(doc["ph"], "phase")
     intent_cursor = _int(doc["ic"], "intent cursor")
 
+    if settings is not None:
+        _check_against(settings, round_, complete, world, len(participants), last_call)
     if complete:
+        if not participants:
+            # The departure of a complete round's last participant advances the round.
+            raise _fail(f"complete round {round_} has no participants")
         ranks = list(participants.values())
         if len(set(ranks)) != len(ranks):
             raise _fail("two participants share a rank")
@@ -194,14 +226,16 @@ def decode_state(data: bytes) -> RendezvousState:
             raise _fail("an incomplete round has a world size")
         if any(ranks := [r for r in participants.values() if r != 0]):
             raise _fail(f"an incomplete round has assigned ranks {ranks}")
-    if len(set(last_ranks.values())) != len(last_ranks):
-        raise _fail("two nodes share a rank in the last ranks")
+    if sorted(last_ranks.values()) != list(range(len(last_ranks))):
+        # They are the ranks a round completed with: exactly 0..n-1.
+        raise _fail(f"the last ranks {sorted(last_ranks.values())[:20]} are not 0..n-1")
     if last_call is not None and last_call > last_call_seq:
         raise _fail("the last call is newer than its sequence")
     if set(participants) & wait_list or set(participants) & redundancy_list:
         raise _fail("a node is both a participant and waiting or redundant")
     if wait_list & redundancy_list:
         raise _fail("a node is both waiting and redundant")
+    _check_heartbeats(participants, wait_list, redundancy_list, heartbeats, heartbeat_seq)
 
     return RendezvousState(
         round=round_,
@@ -219,3 +253,148 @@ def decode_state(data: bytes) -> RendezvousState:
         phase=phase,
         intent_cursor=intent_cursor,
     )
+
+
+def _check_heartbeats(
+    participants: dict[NodeDesc, int],
+    wait_list: frozenset[NodeDesc],
+    redundancy_list: frozenset[NodeDesc],
+    heartbeats: dict[NodeDesc, int],
+    heartbeat_seq: int,
+) -> None:
+    """Every member has a heartbeat entry and nobody else does; every counter is one
+    the sequence handed out (1..heartbeat_seq)."""
+    members = participants.keys() | wait_list | redundancy_list
+    if members != heartbeats.keys():
+        # A member without an entry could never be found dead (nor alive): the
+        # round would wait for it forever. An entry without a member is a
+        # removal that was half written.
+        if without := sorted(members - heartbeats.keys()):
+            raise _fail(
+                f"node {without[0]} is a member but has no heartbeat entry "
+                f"({len(without)} such node(s))"
+            )
+        stray = sorted(heartbeats.keys() - members)
+        raise _fail(
+            f"node {stray[0]} has a heartbeat entry but is not a member ({len(stray)} such node(s))"
+        )
+    if heartbeats:
+        if (low := min(heartbeats.values())) < 1:
+            raise _fail(f"a heartbeat counter is {low}; counters start at 1")
+        if (high := max(heartbeats.values())) > heartbeat_seq:
+            # A new entry starts above the sequence: it would repeat this counter.
+            raise _fail(
+                f"a heartbeat counter ({high}) is above the heartbeat sequence ({heartbeat_seq})"
+            )
+
+
+def _check_against(
+    settings: Settings,
+    round_: int,
+    complete: bool,
+    world: int,
+    count: int,
+    last_call: int | None,
+) -> None:
+    """The properties that depend on min/max nodes (``check_state``'s, and what the
+    protocol needs to move on): a complete round's world size is within them; an
+    incomplete round has room for one more participant (one that reaches max_nodes
+    completes at once), and its last call is armed exactly while it has min_nodes
+    participants (armed on reaching min_nodes, disarmed on dropping below)."""
+    low, high = settings.min_nodes, settings.max_nodes
+    hint = (
+        f" (this node has min_nodes={low}, max_nodes={high}: were the nodes started "
+        "with different node counts?)"
+    )
+    if complete:
+        if not low <= world <= high:
+            raise _fail(
+                f"complete round {round_} has world size {world}, outside [{low}, {high}]{hint}"
+            )
+        return
+    if count >= high:
+        raise _fail(
+            f"incomplete round {round_} already holds {count} participants: nobody can join "
+            f"it and it never completes{hint}"
+        )
+    if last_call is None and count >= low:
+        raise _fail(
+            f"incomplete round {round_} has {count} participants but no last call is armed: "
+            f"it would never complete{hint}"
+        )
+    if last_call is not None and count < low:
+        raise _fail(
+            f"incomplete round {round_} has a last call armed with {count} participants, "
+            f"below min_nodes{hint}"
+        )
+
+
+# -- the settings a run shares -----------------------------------------------------
+
+#: The settings every node of one run must agree on: the ones the validity of the
+#: shared state (min/max nodes), the ranks (stable ranks) and the liveness window
+#: (a node beats every keep_alive_interval; its peers declare it dead after their
+#: own interval times attempts) depend on. Timeouts are each node's own business.
+SHARED_SETTINGS = (
+    "min_nodes",
+    "max_nodes",
+    "stable_ranks",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+)
+_SETTINGS_VERSION = 1
+
+
+def encode_shared_settings(settings: Settings) -> bytes:
+    """The canonical bytes of the :data:`SHARED_SETTINGS` of ``settings``."""
+    doc: dict[str, Any] = {"v": _SETTINGS_VERSION}
+    doc.update((name, getattr(settings, name)) for name in SHARED_SETTINGS)
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("ascii")
+
+
+def _settings_fail(what: str) -> RendezvousStateError:
+    return RendezvousStateError(f"corrupt published settings: {what}")
+
+
+def _decode_shared_settings(data: bytes) -> dict[str, Any]:
+    if len(data) > 4096:
+        raise _settings_fail(f"{len(data)} bytes is far more than settings take")
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _settings_fail(f"not valid JSON ({exc.__class__.__name__})") from None
+    if not isinstance(doc, dict):
+        raise _settings_fail("the top level must be an object")
+    if doc.get("v") != _SETTINGS_VERSION or isinstance(doc.get("v"), bool):
+        raise _settings_fail(f"format version {doc.get('v')!r} is not supported")
+    # Fields a later version adds are not ours to compare; every field of ours must be
+    # there, of the type Settings holds.
+    for name in SHARED_SETTINGS:
+        if name not in doc:
+            raise _settings_fail(f"field {name!r} is missing")
+        value = doc[name]
+        if name == "stable_ranks":
+            ok = isinstance(value, bool)
+        elif name == "keep_alive_interval":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        if not ok:
+            raise _settings_fail(f"field {name!r} has a value of type {type(value).__name__}")
+    return doc
+
+
+def shared_settings_differences(settings: Settings, published: bytes) -> list[str]:
+    """How ``settings`` differ from the ``published`` ones (bytes of
+    :func:`encode_shared_settings`), one ``"<name>: <ours> on this node, <theirs>
+    for the run"`` line per field; empty when they agree.
+
+    Raises:
+        RendezvousStateError: ``published`` is not settings this module wrote.
+    """
+    theirs = _decode_shared_settings(published)
+    return [
+        f"{name}: {getattr(settings, name)!r} on this node, {theirs[name]!r} for the run"
+        for name in SHARED_SETTINGS
+        if getattr(settings, name) != theirs[name]
+    ]

@@ -1,8 +1,9 @@
 """Typed errors of the rendezvous. Every error carries a message a user can act on.
 
-The adapters raise the connection/timeout/closed errors; the core raises only
-:class:`RendezvousStateError` (bad shared state) and :class:`InvalidTransitionError`
-(an action applied to a state it does not fit: a programming error in a caller).
+The adapters raise the connection/timeout/closed/settings errors; the core raises
+only :class:`RendezvousStateError` (bad shared state) and
+:class:`InvalidTransitionError` (an action applied to a state it does not fit: a
+programming error in a caller).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ __all__ = [
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousSettingsError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
 ]
@@ -24,6 +26,11 @@ class RendezvousError(Exception):
 
 class RendezvousStateError(RendezvousError):
     """The shared state is malformed, of an unknown version, or violates an invariant."""
+
+
+class RendezvousSettingsError(RendezvousError):
+    """This node's settings differ from the ones the run was started with (e.g. nodes
+    launched with different ``--nnodes`` on one run id)."""
 
 
 class RendezvousTimeoutError(RendezvousError):

@@ -47,9 +47,9 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Protocol, TypeVar, cast
 
-from torch.distributed import Store
+from torch.distributed import PrefixStore, Store, TCPStore
 
-from ..backend import BackendStats, Token, check_intent_entry
+from ..backend import BackendStats, StateSizeLimit, Token, check_intent_entry
 from ..errors import RendezvousConnectionError, RendezvousStateError, describe
 
 __all__ = ["C10dBackend"]
@@ -61,6 +61,11 @@ _EMPTY = b"0::"
 #: (``get`` blocks on a missing key). Every intent log ends with a newline, so no
 #: log can equal it.
 _MISSING = "\x00rallypoint:missing\x00"
+#: A TCPStore server drops the connection of a client that sends a value over 8 MiB.
+_TCPSTORE_MAX_VALUE = 8 * 1024 * 1024
+#: The ``<version>:<nonce>:`` head of the state value: a version of up to 20 digits,
+#: 12 hex digits of nonce, two colons.
+_STATE_HEAD_BYTES = 34
 
 
 class _ExtendedStore(Protocol):
@@ -72,13 +77,16 @@ class _ExtendedStore(Protocol):
     def multi_set(self, keys: list[str], values: list[bytes]) -> None: ...
 
 
-def _version(value: bytes, *, run_id: str, endpoint: str) -> tuple[int, bytes]:
+def _version(value: bytes, *, key: str, run_id: str, endpoint: str) -> tuple[int, bytes]:
     head, sep, rest = bytes(value).partition(b":")
     _, sep2, blob = rest.partition(b":")
-    if not sep or not sep2 or not head.isdigit():
+    # Version 0 is only ever the empty marker: any other version-0 value would read
+    # as "no state yet" while every create loses against it (a spin, not an error).
+    if not sep or not sep2 or not head.isdigit() or (int(head) == 0 and value != _EMPTY):
         raise RendezvousStateError(
             describe(
-                "the rendezvous state key holds a value rallypoint did not write",
+                f"the rendezvous state key {key!r} holds a value rallypoint did not write "
+                f"({bytes(value)[:40]!r})",
                 run_id=run_id,
                 endpoint=endpoint,
                 check="that no other program (or another rendezvous backend) uses the same "
@@ -86,6 +94,13 @@ def _version(value: bytes, *, run_id: str, endpoint: str) -> tuple[int, bytes]:
             )
         )
     return int(head), blob
+
+
+def _tcp_store_of(store: Store) -> TCPStore | None:
+    """The TCPStore under ``store`` (through PrefixStores), if it is one."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, TCPStore) else None
 
 
 class C10dBackend:
@@ -142,6 +157,40 @@ class C10dBackend:
         return self._stats
 
     @property
+    def state_size_limit(self) -> StateSizeLimit | None:
+        """A TCPStore's value limit (less the version head); none for a FileStore."""
+        if _tcp_store_of(self._store) is None:
+            return None
+        return StateSizeLimit(
+            _TCPSTORE_MAX_VALUE - _STATE_HEAD_BYTES,
+            "a c10d TCPStore holds values of at most 8 MiB",
+            "fewer nodes per run (max_nodes) or shorter node addresses",
+        )
+
+    def key(self, suffix: str) -> str:
+        """The store key of this run's ``suffix`` (for messages)."""
+        return self._prefix + suffix
+
+    def _state_error(self, what: str) -> RendezvousStateError:
+        return RendezvousStateError(
+            describe(
+                what,
+                run_id=self._run_id,
+                endpoint=self._endpoint,
+                check="that no other program (or another rendezvous backend) uses the same "
+                "store and run id",
+            )
+        )
+
+    def _counter(self, key: str, raw: bytes) -> int:
+        text = bytes(raw)
+        if not text.isdigit():
+            raise self._state_error(
+                f"the heartbeat key {key!r} holds {text[:40]!r}, not a counter rallypoint wrote"
+            )
+        return int(text)
+
+    @property
     def store(self) -> Store:
         """The underlying store (the handler hands a per-round prefix of it to workers)."""
         return self._store
@@ -176,7 +225,7 @@ class C10dBackend:
         return result
 
     def _decode(self, value: bytes) -> tuple[int, bytes]:
-        return _version(value, run_id=self._run_id, endpoint=self._endpoint)
+        return _version(value, key=self._key, run_id=self._run_id, endpoint=self._endpoint)
 
     def get_state(self) -> tuple[bytes, Token] | None:
         value = bytes(self._call(lambda: self._store.get(self._key), written=len(self._key)))
@@ -326,7 +375,13 @@ class C10dBackend:
         key = self._hbkey(node)
         try:
             value = int(self._store.add(key, 1))
-        except (RuntimeError, ValueError) as exc:
+        except ValueError as exc:
+            # FileStore and HashStore: the stored value is not an integer. (A
+            # TCPStore server drops the connection instead: a connection error.)
+            raise self._state_error(
+                f"the heartbeat key {key!r} holds a value that is not a counter ({exc})"
+            ) from exc
+        except RuntimeError as exc:
             raise self._failure(exc) from exc
         self._count(written=len(key) + 8, heartbeat=True)
         return value
@@ -341,12 +396,21 @@ class C10dBackend:
         # multi_get normally finds every key in one round trip.
         check = self._call(lambda: self._store.check(keys), written=sum(map(len, keys)))
         if not check:
-            values = [self._call(lambda k=k: self._store.add(k, 0)) for k in keys]  # type: ignore[misc]
-            return {n: int(v) for n, v in zip(names, values, strict=True)}
+            return {n: self._counter_or_zero(k) for n, k in zip(names, keys, strict=True)}
         raw = self._call(lambda: self._store.multi_get(keys), written=sum(map(len, keys)))
         with self._stats_lock:
             self._stats.bytes_read += sum(len(v) for v in raw)
-        return {n: int(bytes(v)) for n, v in zip(names, raw, strict=True)}
+        return {n: self._counter(k, v) for n, k, v in zip(names, keys, raw, strict=True)}
+
+    def _counter_or_zero(self, key: str) -> int:
+        """The counter under ``key``; a missing key is created as 0 (``add(key, 0)``),
+        so that later reads find every key and take the one-round-trip path."""
+        raw = self._read_log(key)
+        if raw is not None:
+            # Read first: a TCPStore server drops the connection that adds to a
+            # value that is not an integer, so only a missing key gets the add.
+            return self._counter(key, raw)
+        return int(self._call(lambda: self._store.add(key, 0)))
 
     def close(self) -> None:
         if self._on_close is not None:

@@ -48,12 +48,18 @@ import threading
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
-from ..backend import BackendStats, Token, check_intent_entry
+from ..backend import BackendStats, StateSizeLimit, Token, check_intent_entry
 from ..errors import RendezvousConnectionError, RendezvousStateError, describe
 
 __all__ = ["EtcdBackend"]
 
 _T = TypeVar("_T")
+
+#: etcd's default ``--max-request-bytes`` (1.5 MiB): the server refuses larger requests.
+DEFAULT_MAX_REQUEST_BYTES = 1536 * 1024
+#: What a state write's txn carries besides the state value and the keys: the
+#: compare, the phase value, a lease id, the protobuf framing of the raft entry.
+_TXN_OVERHEAD_BYTES = 512
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
@@ -82,6 +88,8 @@ class EtcdBackend:
         endpoint: ``host:port``, for messages.
         key_prefix: the root of this library's keys.
         ttl: optional lifetime (seconds) of the state after the last write or beat.
+        max_request_bytes: the server's ``--max-request-bytes``; a state write
+            larger than it allows is refused with a message before it is sent.
     """
 
     def __init__(
@@ -93,6 +101,7 @@ class EtcdBackend:
         key_prefix: str = "/rallypoint",
         ttl: float | None = None,
         name: str = "rallypoint-etcd",
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         if not run_id:
             raise ValueError("run_id must be a non-empty string")
@@ -109,6 +118,7 @@ class EtcdBackend:
         self._stats = BackendStats()
         self._lock = threading.Lock()
         self._errors = _client_errors()
+        self._max_request_bytes = max_request_bytes
 
     @property
     def name(self) -> str:
@@ -121,6 +131,38 @@ class EtcdBackend:
     @property
     def stats(self) -> BackendStats:
         return self._stats
+
+    @property
+    def state_size_limit(self) -> StateSizeLimit:
+        """The largest state whose write txn fits in ``max_request_bytes``."""
+        keys = 3 * len(self._key.encode()) + len(self._phase_key.encode())
+        default = self._max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+        return StateSizeLimit(
+            self._max_request_bytes - keys - _TXN_OVERHEAD_BYTES,
+            f"etcd refuses requests over --max-request-bytes "
+            f"({self._max_request_bytes:,} bytes{', its default' if default else ''})",
+            "fewer nodes per run (max_nodes) or shorter node addresses, or an etcd server "
+            "started with a larger --max-request-bytes (and the same value given to "
+            "rallypoint)",
+        )
+
+    def _state_error(self, what: str) -> RendezvousStateError:
+        return RendezvousStateError(
+            describe(
+                what,
+                run_id=self._run_id,
+                endpoint=self._endpoint,
+                check="that no other program uses the same etcd prefix and run id",
+            )
+        )
+
+    def _counter(self, key: str, value: bytes) -> int:
+        text = bytes(value)
+        if not text.isdigit():
+            raise self._state_error(
+                f"the heartbeat key {key!r} holds {text[:40]!r}, not a counter rallypoint wrote"
+            )
+        return int(text)
 
     @property
     def client(self) -> Any:
@@ -219,13 +261,9 @@ class EtcdBackend:
     def _phase_of(self, value: bytes) -> int:
         text = bytes(value)
         if not text.isdigit():
-            raise RendezvousStateError(
-                describe(
-                    "the rendezvous phase key holds a value rallypoint did not write",
-                    run_id=self._run_id,
-                    endpoint=self._endpoint,
-                    check="that no other program uses the same etcd prefix and run id",
-                )
+            raise self._state_error(
+                f"the rendezvous phase key {self._phase_key!r} holds {text[:40]!r}, "
+                "a value rallypoint did not write"
             )
         return int(text)
 
@@ -324,7 +362,7 @@ class EtcdBackend:
         key = self._hbkey(node)
         if node not in self._counters:
             value, _ = self.call(lambda: self._client.get(key), written=len(key))
-            self._counters[node] = int(value) if value else 0
+            self._counters[node] = self._counter(key, value) if value else 0
         counter = self._counters[node] + 1
         payload = str(counter).encode()
         self.call(lambda: self._client.put(key, payload), written=len(key) + len(payload))
@@ -352,7 +390,7 @@ class EtcdBackend:
                 name = bytes(meta.key).decode()[len(prefix) :]
                 self._read_bytes(len(value) + len(meta.key))
                 if name in wanted:
-                    found[name] = int(value)
+                    found[name] = self._counter(prefix + name, value)
 
         self.call(read, written=len(prefix))
         return {node: found.get(node, 0) for node in nodes}

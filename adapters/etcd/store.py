@@ -110,7 +110,16 @@ class EtcdStore(Store):
                 return bytes(new)
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._swap(key, lambda old: str(int(old or b"0") + amount).encode()))
+        def update(old: bytes | None) -> bytes:
+            if old is not None and not old.lstrip(b"-").isdigit():
+                # What a store raises for a value add() cannot count on, naming the key.
+                raise DistStoreError(
+                    f"add() on key {key!r} of the etcd store at {self._backend.endpoint}: "
+                    f"its value {old[:40]!r} is not an integer"
+                )
+            return str(int(old or b"0") + amount).encode()
+
+        return int(self._swap(key, update))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         want, data = _bytes(expected), _bytes(desired)
