@@ -23,9 +23,12 @@ _USAGE = """usage: rallypoint {run,spec,simulate} ...
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # a usage error: the usage goes to stderr, as argparse does
+        print(_USAGE, end="", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(_USAGE, end="")
-        return 0 if args else 2
+        return 0
     command, rest = args[0], args[1:]
     if command == "run":
         from rallypoint.agent.launcher import main as run_main

@@ -2,19 +2,36 @@
 
 ``--rdzv-conf`` values arrive as strings (``"true"``, ``"5"``) or typed values;
 both are accepted, as in torch. Defaults follow torch's c10d rendezvous.
+
+Unlike torch's handlers, an option this handler does not read is an error naming
+the closest known one: a misspelt ``join_timout=5`` silently left the join timeout
+at 600 s. torch's handlers cannot do this because ``RendezvousParameters`` is one
+bag shared by every backend and torch's launcher puts ``timeout`` in it for all of
+them (``torch/distributed/launcher/api.py``); that key is accepted and ignored.
 """
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import math
+import re
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from rallypoint.core import Settings
 
-__all__ = ["BACKENDS", "RendezvousConfig", "parse_endpoint", "parse_params"]
+__all__ = [
+    "BACKENDS",
+    "OPTIONS",
+    "RendezvousConfig",
+    "RendezvousConfigError",
+    "parse_endpoint",
+    "parse_params",
+]
 
 #: Accepted ``params.backend`` names: the plain ones and the torchrun entry points.
 BACKENDS: dict[str, str] = {
@@ -24,8 +41,43 @@ BACKENDS: dict[str, str] = {
     "rallypoint-etcd": "etcd",
 }
 
+#: The options each kind of backend reads (``--rdzv-conf`` keys); any other key is
+#: rejected, so a new option must be added here.
+_COMMON_OPTIONS = frozenset(
+    {
+        "join_timeout",
+        "last_call_timeout",
+        "close_timeout",
+        "heartbeat_timeout",
+        "keep_alive_interval",
+        "keep_alive_max_attempt",
+        "stable_ranks",
+        "local_addr",
+        "read_timeout",
+    }
+)
+OPTIONS: dict[str, frozenset[str]] = {
+    "c10d": _COMMON_OPTIONS | {"is_host", "store_type"},
+    "etcd": _COMMON_OPTIONS | {"ttl"},
+}
+
+#: Keys torch's launcher adds to every backend's parameters, whatever the user wrote.
+_LAUNCHER_KEYS = frozenset({"timeout"})
+
+#: Longest duration a seconds option takes (a week): the store clients' timeouts
+#: overflow long before infinity.
+_MAX_SECONDS = 7 * 24 * 3600.0
+
 _TRUE = {"1", "true", "t", "yes", "y", "on"}
 _FALSE = {"0", "false", "f", "no", "n", "off"}
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+class RendezvousConfigError(ValueError):
+    """A rendezvous parameter (endpoint, run id or option) is invalid; the message says
+    which and what is accepted."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +103,9 @@ def _bool(value: object, key: str) -> bool | None:
         return True
     if text in _FALSE:
         return False
-    raise ValueError(f"rendezvous option {key}={value!r} is not a boolean (use true or false)")
+    raise RendezvousConfigError(
+        f"rendezvous option {key}={value!r} is not a boolean (use true or false)"
+    )
 
 
 def _seconds(value: object, key: str, default: float) -> float:
@@ -60,9 +114,14 @@ def _seconds(value: object, key: str, default: float) -> float:
     try:
         seconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(f"rendezvous option {key}={value!r} is not a number of seconds") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"rendezvous option {key}={value!r} must be a positive number of seconds")
+        raise RendezvousConfigError(
+            f"rendezvous option {key}={value!r} is not a number of seconds"
+        ) from None
+    if not math.isfinite(seconds) or not 0 < seconds <= _MAX_SECONDS:
+        raise RendezvousConfigError(
+            f"rendezvous option {key}={value!r} must be more than 0 and at most "
+            f"{_MAX_SECONDS:.0f} seconds"
+        )
     return seconds
 
 
@@ -72,63 +131,127 @@ def _int(value: object, key: str, default: int) -> int:
     try:
         number = int(str(value))
     except ValueError:
-        raise ValueError(f"rendezvous option {key}={value!r} is not an integer") from None
+        raise RendezvousConfigError(
+            f"rendezvous option {key}={value!r} is not an integer"
+        ) from None
     return number
+
+
+def _check_keys(keys: Iterable[object], kind: str, backend_name: str) -> None:
+    known = OPTIONS[kind]
+    for key in sorted(str(k) for k in keys):
+        if key in known or key in _LAUNCHER_KEYS:
+            continue
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise RendezvousConfigError(
+            f"unknown rendezvous option {key!r} for the {backend_name} backend; "
+            f"{hint}known options: {', '.join(sorted(known))}"
+        )
+
+
+def _check_host(host: str, endpoint: str) -> None:
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise RendezvousConfigError(
+                f"rendezvous endpoint {endpoint!r}: {host!r} is not an IPv6 address"
+            ) from None
+        return
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise RendezvousConfigError(
+            f"rendezvous endpoint {endpoint!r}: the host must be a host name (letters, "
+            "digits, '-', '_' between dots), an IPv4 address or an IPv6 address in brackets"
+        )
 
 
 def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     """``host[:port]`` (IPv6 in brackets) -> (host, port).
 
+    The host is checked too: a malformed one (a space, a second ``:``) would
+    otherwise be retried by the resolver and the store client for a minute.
+
     Raises:
-        ValueError: the port is not an integer in 0..65535.
+        RendezvousConfigError: a malformed host, or a port that is not a decimal
+            integer in 0..65535.
     """
     text = endpoint.strip()
     if not text:
         return "localhost", default_port
     if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise RendezvousConfigError(
+                f"rendezvous endpoint {endpoint!r}: expected [IPv6] or [IPv6]:PORT"
+            )
+        port_text = rest[1:]
+    elif text.count(":") > 1:
+        raise RendezvousConfigError(
+            f"rendezvous endpoint {endpoint!r}: expected HOST:PORT with one ':' "
+            "(an IPv6 address goes in brackets, [::1]:29400)"
+        )
     else:
-        host, port_text = text, ""
+        host, _, port_text = text.partition(":")
+    _check_host(host, endpoint)
     if not port_text:
         return host, default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) < 65536:
-        raise ValueError(f"the port in rendezvous endpoint {endpoint!r} is not in 0..65535")
+    if not _PORT.fullmatch(port_text) or int(port_text) > 65535:
+        raise RendezvousConfigError(
+            f"the port in rendezvous endpoint {endpoint!r} is not in 0..65535"
+        )
     return host, int(port_text)
+
+
+def _check_run_id(run_id: str) -> None:
+    # Keys live under rallypoint/<run_id>/: a '/' would reach into another run's keys.
+    if not isinstance(run_id, str) or not run_id:
+        raise RendezvousConfigError("the rendezvous run id must be a non-empty string")
+    if "/" in run_id or not run_id.isprintable():
+        raise RendezvousConfigError(
+            f"rendezvous run id {run_id!r}: must not contain '/' or control characters"
+        )
 
 
 def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     """Validate ``params`` and turn them into a :class:`RendezvousConfig`.
 
     Raises:
-        ValueError: an unknown backend name (the message lists the accepted ones)
-            or an option of the wrong type or range.
+        RendezvousConfigError: an unknown backend name (the message lists the
+            accepted ones), an unknown option (the message suggests the closest
+            known one), an option of the wrong type or range, or a run id with '/'.
     """
     kind = BACKENDS.get(params.backend)
     if kind is None:
-        raise ValueError(
+        raise RendezvousConfigError(
             f"unknown rendezvous backend {params.backend!r}; rallypoint accepts "
             f"{', '.join(sorted(BACKENDS))}"
         )
+    _check_keys(params.config, kind, params.backend)
+    _check_run_id(params.run_id)
     get = params.config.get
-    settings = Settings(
-        run_id=params.run_id,
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        join_timeout=_seconds(get("join_timeout"), "join_timeout", 600.0),
-        last_call_timeout=_seconds(get("last_call_timeout"), "last_call_timeout", 30.0),
-        close_timeout=_seconds(get("close_timeout"), "close_timeout", 30.0),
-        heartbeat_timeout=_seconds(get("heartbeat_timeout"), "heartbeat_timeout", 5.0),
-        keep_alive_interval=_seconds(get("keep_alive_interval"), "keep_alive_interval", 5.0),
-        keep_alive_max_attempt=_int(get("keep_alive_max_attempt"), "keep_alive_max_attempt", 3),
-        stable_ranks=bool(_bool(get("stable_ranks"), "stable_ranks")),
-    )
+    try:
+        settings = Settings(
+            run_id=params.run_id,
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            join_timeout=_seconds(get("join_timeout"), "join_timeout", 600.0),
+            last_call_timeout=_seconds(get("last_call_timeout"), "last_call_timeout", 30.0),
+            close_timeout=_seconds(get("close_timeout"), "close_timeout", 30.0),
+            heartbeat_timeout=_seconds(get("heartbeat_timeout"), "heartbeat_timeout", 5.0),
+            keep_alive_interval=_seconds(get("keep_alive_interval"), "keep_alive_interval", 5.0),
+            keep_alive_max_attempt=_int(get("keep_alive_max_attempt"), "keep_alive_max_attempt", 3),
+            stable_ranks=bool(_bool(get("stable_ranks"), "stable_ranks")),
+        )
+    except RendezvousConfigError:
+        raise
+    except ValueError as exc:  # Settings' own range checks
+        raise RendezvousConfigError(f"rendezvous settings: {exc}") from None
     local_addr = get("local_addr") or params.local_addr or socket.getfqdn()
     store_type = str(get("store_type", "tcp")).strip().lower()
     if store_type not in ("tcp", "file"):
-        raise ValueError(f"rendezvous option store_type={store_type!r}: use tcp or file")
+        raise RendezvousConfigError(f"rendezvous option store_type={store_type!r}: use tcp or file")
     ttl = get("ttl")
     return RendezvousConfig(
         kind=kind,

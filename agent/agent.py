@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from rallypoint.agent.config import LaunchConfig, Std
 from rallypoint.agent.errors import AgentError, ProcessFailure
+from rallypoint.agent.logs import make_log_root
 from rallypoint.agent.rendezvous import HandlerView
 from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
 
@@ -155,6 +155,11 @@ class ElasticAgent:
         handler: the rendezvous handler (from :func:`rallypoint.agent.rendezvous.build_handler`).
         return_values: tell each worker where to write its return value
             (``RALLYPOINT_RETURN_FILE``); used by the function API.
+        log_root: this agent's log directory, already made by
+            :func:`rallypoint.agent.logs.make_log_root` (None: make it now).
+
+    Raises:
+        ConfigError: the log directory cannot be created.
     """
 
     def __init__(
@@ -164,6 +169,7 @@ class ElasticAgent:
         handler: RendezvousHandler,
         *,
         return_values: bool = False,
+        log_root: str | None = None,
     ) -> None:
         self.config = config
         self.argv = list(argv)
@@ -177,7 +183,7 @@ class ElasticAgent:
         self._last_round = -1
         self._assignment: Assignment | None = None
         self._store: Store | None = None
-        self._log_root = self._make_log_root()
+        self._log_root = log_root or make_log_root(config.log_dir, config.run_id)
         self._next_closed_check = 0.0
         self._closed = False
 
@@ -637,14 +643,6 @@ class ElasticAgent:
             )
             for lr in range(self.config.nproc_per_node)
         }
-
-    def _make_log_root(self) -> str:
-        parent = self.config.log_dir
-        if parent is None:
-            return tempfile.mkdtemp(prefix=f"rallypoint_{self.config.run_id}_")
-        root = os.path.join(parent, f"{self.config.run_id}_{os.getpid()}")
-        os.makedirs(root, exist_ok=True)
-        return root
 
     @property
     def log_root(self) -> str:

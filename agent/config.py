@@ -9,24 +9,165 @@ the same one-line :class:`ConfigError`.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
+    "BACKENDS",
+    "DEFAULT_PORTS",
     "DEFAULT_ROLE",
+    "MAX_NPROC_PER_NODE",
+    "MAX_RUN_ID_LENGTH",
+    "MAX_SECONDS",
     "ConfigError",
     "LaunchConfig",
     "Std",
+    "check_host",
+    "check_run_id",
+    "parse_endpoint",
     "parse_std",
 ]
 
 DEFAULT_ROLE = "default"
 
+#: Most workers one agent starts. Far above any real node, yet a typo (10**30)
+#: fails here instead of exhausting memory in the per-rank tables.
+MAX_NPROC_PER_NODE = 4096
+
+#: Longest duration a seconds option takes (a week): longer ones overflow the
+#: store client's timeouts, and nobody means them.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+#: Longest ``--rdzv-id``: it prefixes every store key, so a pasted blob would
+#: make every key as large.
+MAX_RUN_ID_LENGTH = 255
+
+#: Accepted ``--rdzv-backend`` values and the implementation behind each.
+BACKENDS: dict[str, str] = {
+    "c10d": "rallypoint",
+    "etcd": "rallypoint",
+    "rallypoint-c10d": "rallypoint",
+    "rallypoint-etcd": "rallypoint",
+    "torch-c10d": "torch",
+    "torch-etcd": "torch",
+    "static": "torch",
+}
+
+#: Default port when an endpoint names only a host (None: the port is required).
+DEFAULT_PORTS: dict[str, int | None] = {
+    "c10d": None,
+    "rallypoint-c10d": None,
+    "torch-c10d": None,
+    "etcd": 2379,
+    "rallypoint-etcd": 2379,
+    "torch-etcd": 2379,
+    "static": None,
+}
+
+# A DNS name or an IPv4 address: dot-separated labels of letters, digits, '-' and
+# '_' (underscores appear in container and cluster host names).
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}")
+_PORT = re.compile(r"[0-9]{1,5}")
+
 
 class ConfigError(ValueError):
     """A launch option is invalid. The message is one line a user can act on."""
+
+
+def check_host(host: str, option: str) -> str:
+    """Return ``host`` if it is a host name, an IPv4 or an IPv6 address.
+
+    A malformed host (a space, a stray ``:``) would otherwise reach the resolver
+    and the store client, which retry it for a minute before failing.
+
+    Raises:
+        ConfigError: naming ``option`` and the accepted forms.
+    """
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{option} {host!r}: not a valid IPv6 address") from None
+        return host
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise ConfigError(
+            f"{option} {host!r}: expected a host name (letters, digits, '-', '_' "
+            "between dots), an IPv4 address or an IPv6 address"
+        )
+    return host
+
+
+def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:port``); fill a backend's default port.
+
+    Raises:
+        ConfigError: empty or malformed host, missing port where the backend has no
+            default, or a port that is not a decimal integer in 0..65535.
+    """
+    option = "--rdzv-endpoint"
+    text = endpoint.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ConfigError(f"{option} {endpoint!r}: missing ']' after the IPv6 host")
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"{option} {endpoint!r}: expected [IPv6]:PORT")
+        port_text = rest[1:]
+    elif text.count(":") > 1:
+        raise ConfigError(
+            f"{option} {endpoint!r}: expected HOST:PORT with one ':' "
+            "(an IPv6 address goes in brackets, [::1]:29400)"
+        )
+    else:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise ConfigError(f"{option} {endpoint!r}: missing host (expected host:port)")
+    check_host(host, f"{option} {endpoint!r}: host")
+    if not port_text:
+        default = DEFAULT_PORTS.get(backend)
+        if default is None:
+            raise ConfigError(f"{option} {endpoint!r}: the {backend} backend needs host:port")
+        return host, default
+    if not _PORT.fullmatch(port_text):
+        raise ConfigError(f"{option} {endpoint!r}: port {port_text!r} is not a number")
+    port = int(port_text)
+    if port > 65535:
+        raise ConfigError(f"{option} {endpoint!r}: port {port} is out of range 0..65535")
+    return host, port
+
+
+def _check_seconds(value: float, option: str, *, allow_zero: bool) -> None:
+    if allow_zero:
+        ok, accepted = value >= 0, f"between 0 and {MAX_SECONDS:.0f} seconds"
+    else:
+        ok, accepted = value > 0, f"more than 0 and at most {MAX_SECONDS:.0f} seconds"
+    # NaN fails every comparison, infinity the upper bound.
+    if not (ok and value <= MAX_SECONDS):
+        raise ConfigError(f"{option} must be {accepted}, got {value}")
+
+
+def check_run_id(run_id: str) -> None:
+    """Reject a run id that would break the store's key layout or the log directory.
+
+    Keys live under ``rallypoint/<run_id>/``: a ``/`` in one run id can reach into
+    another run's keys.
+
+    Raises:
+        ConfigError: the id is empty, too long, or has a ``/`` or a control character.
+    """
+    if not run_id:
+        raise ConfigError("--rdzv-id must not be empty")
+    if len(run_id) > MAX_RUN_ID_LENGTH:
+        raise ConfigError(
+            f"--rdzv-id must be at most {MAX_RUN_ID_LENGTH} characters, got {len(run_id)}"
+        )
+    if "/" in run_id or not run_id.isprintable():
+        raise ConfigError(f"--rdzv-id {run_id!r}: must not contain '/' or control characters")
 
 
 class Std(enum.IntFlag):
@@ -142,18 +283,24 @@ class LaunchConfig:
                 f"--nnodes {self.min_nodes}:{self.max_nodes}: "
                 "the minimum is larger than the maximum"
             )
-        if self.nproc_per_node < 1:
-            raise ConfigError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if not 1 <= self.nproc_per_node <= MAX_NPROC_PER_NODE:
+            raise ConfigError(
+                f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE}, "
+                f"got {self.nproc_per_node}"
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.monitor_interval <= 0:
-            raise ConfigError(f"--monitor-interval must be positive, got {self.monitor_interval}")
-        if self.stop_grace < 0:
-            raise ConfigError(f"--stop-grace must be >= 0, got {self.stop_grace}")
-        if not self.run_id:
-            raise ConfigError("--rdzv-id must not be empty")
+        _check_seconds(self.monitor_interval, "--monitor-interval", allow_zero=False)
+        _check_seconds(self.stop_grace, "--stop-grace", allow_zero=True)
+        _check_seconds(self.exit_barrier_timeout, "--exit-barrier-timeout", allow_zero=True)
+        check_run_id(self.run_id)
         if not self.role:
             raise ConfigError("--role must not be empty")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port must be between 0 and 65535, got {self.master_port}")
+        check_host(self.master_addr, "--master-addr")
+        if self.local_addr is not None:
+            check_host(self.local_addr, "--local-addr")
         if self.rdzv_backend == "static" and self.min_nodes != self.max_nodes:
             raise ConfigError(
                 "the static backend needs a fixed --nnodes N (use c10d or etcd to be elastic)"

@@ -16,6 +16,7 @@ printing the failure table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
@@ -25,7 +26,15 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from rallypoint.agent.config import ConfigError, LaunchConfig, parse_std
+from rallypoint.agent.config import (
+    BACKENDS,
+    MAX_NPROC_PER_NODE,
+    ConfigError,
+    LaunchConfig,
+    parse_endpoint,
+    parse_std,
+)
+from rallypoint.agent.logs import make_log_root
 
 __all__ = ["build_parser", "config_from_args", "main", "worker_argv"]
 
@@ -35,8 +44,8 @@ logger = logging.getLogger("rallypoint.agent")
 _AGENT_ONLY_ENV = "RALLYPOINT_AGENT_ONLY_ENV"
 
 
-class _UsageError(Exception):
-    pass
+class _UsageError(ConfigError):
+    """argparse's complaint about the command line (or a ``PET_*`` default)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,11 +54,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _EnvDefault(argparse.Action):
-    """torchrun's rule: ``PET_<DEST>`` in the environment is the flag's default."""
+    """torchrun's rule: ``PET_<DEST>`` in the environment is the flag's default.
+
+    argparse converts a string default with the flag's ``type`` (so a bad number
+    is reported as usual) but never checks it against ``choices``: that is done
+    here, naming the variable.
+    """
 
     def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any) -> None:
         env_name = f"PET_{dest.upper()}"
         default = os.environ.get(env_name, default)
+        choices = kw.get("choices")
+        if env_name in os.environ and choices is not None and default not in choices:
+            raise _UsageError(
+                f"{env_name}={default!r}: expected one of {', '.join(map(str, choices))}"
+            )
         if default is not None:
             required = False
         super().__init__(dest=dest, default=default, required=required, **kw)
@@ -58,10 +77,30 @@ class _EnvDefault(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+_TRUE_WORDS = frozenset({"true", "yes", "on"})
+_FALSE_WORDS = frozenset({"false", "no", "off", ""})
+
+
+def _env_bool(env_name: str, text: str) -> bool:
+    # torchrun reads an integer (non-zero is true); the usual words are accepted too.
+    word = text.strip().lower()
+    if word in _TRUE_WORDS or word in _FALSE_WORDS:
+        return word in _TRUE_WORDS
+    try:
+        return int(word) != 0
+    except ValueError:
+        raise _UsageError(
+            f"{env_name}={text!r}: expected 1 or 0 (or true/false, yes/no, on/off)"
+        ) from None
+
+
 class _EnvFlag(argparse.Action):
+    """A switch whose default is ``PET_<DEST>`` (torchrun's rule)."""
+
     def __init__(self, dest: str, default: bool = False, **kw: Any) -> None:
         env_name = f"PET_{dest.upper()}"
-        default = bool(int(os.environ.get(env_name, "1" if default else "0")))
+        if env_name in os.environ:
+            default = _env_bool(env_name, os.environ[env_name])
         super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
@@ -222,8 +261,11 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if min_nodes > max_nodes:
         raise ConfigError(f"--nnodes {args.nnodes}: the minimum is larger than the maximum")
     nproc = _parse_nproc(str(args.nproc_per_node))
-    if nproc < 1:
-        raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc}")
+    # Checked here, before the per-rank tables below are built from it.
+    if not 1 <= nproc <= MAX_NPROC_PER_NODE:
+        raise ConfigError(
+            f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE}, got {nproc}"
+        )
     _check_entrypoint(args)
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone:
@@ -248,8 +290,6 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 f"--local-ranks-filter {args.local_ranks_filter!r}: expected e.g. 0,1"
             ) from None
     devices = _cuda_devices() if args.bind_gpus else ()
-    from rallypoint.agent.rendezvous import BACKENDS, parse_endpoint
-
     if backend not in BACKENDS:
         raise ConfigError(
             f"--rdzv-backend {backend!r} is unknown; use one of {', '.join(sorted(BACKENDS))}"
@@ -313,22 +353,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rallypoint run`` with ``argv``; return the process exit status."""
     _quiet_agent_cpp_logs()
     _setup_logging()
-    parser = build_parser()
+    log_root: str | None = None
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        # Parsing and validation import torch only to count GPUs, so that bad
+        # input is reported at once rather than after torch's 2-5 s import.
+        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
         config = config_from_args(args)
+        log_root = make_log_root(config.log_dir, config.run_id)
         from rallypoint.agent.agent import AgentState, ElasticAgent
         from rallypoint.agent.errors import format_failures
         from rallypoint.agent.rendezvous import build_handler
 
         handler = build_handler(config)
-    except (_UsageError, ConfigError) as exc:
+    except ConfigError as exc:  # also argparse's complaints (_UsageError)
+        _remove_empty(log_root)
         print(f"rallypoint run: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # the backend could not be reached or set up
+        _remove_empty(log_root)
         print(f"rallypoint run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    agent = ElasticAgent(config, worker_argv(args), handler)
+    agent = ElasticAgent(config, worker_argv(args), handler, log_root=log_root)
     try:
         result = agent.run()
     except OSError as exc:
@@ -343,3 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif result.state is not AgentState.SUCCEEDED or result.message:
         print(f"rallypoint run: {result.message}", file=sys.stderr)
     return result.exit_code
+
+
+def _remove_empty(log_root: str | None) -> None:
+    # A run that never started leaves no empty log directory behind.
+    if log_root is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(log_root)

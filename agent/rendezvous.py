@@ -22,7 +22,13 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from rallypoint.agent.config import ConfigError, LaunchConfig
+from rallypoint.agent.config import (
+    BACKENDS,
+    DEFAULT_PORTS,
+    ConfigError,
+    LaunchConfig,
+    parse_endpoint,
+)
 
 __all__ = [
     "BACKENDS",
@@ -32,69 +38,13 @@ __all__ = [
     "parse_endpoint",
 ]
 
-#: Accepted ``--rdzv-backend`` values and the implementation behind each.
-BACKENDS: dict[str, str] = {
-    "c10d": "rallypoint",
-    "etcd": "rallypoint",
-    "rallypoint-c10d": "rallypoint",
-    "rallypoint-etcd": "rallypoint",
-    "torch-c10d": "torch",
-    "torch-etcd": "torch",
-    "static": "torch",
-}
-
-#: Default port when an endpoint names only a host (None: the port is required).
-DEFAULT_PORTS: dict[str, int | None] = {
-    "c10d": None,
-    "rallypoint-c10d": None,
-    "torch-c10d": None,
-    "etcd": 2379,
-    "rallypoint-etcd": 2379,
-    "torch-etcd": 2379,
-    "static": None,
-}
-
-
-def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
-    """Split ``host:port`` (IPv6 as ``[::1]:port``); fill a backend's default port.
-
-    Raises:
-        ConfigError: empty host, missing port where the backend has no default, or
-            a port that is not an integer in 0..65535.
-    """
-    text = endpoint.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-        if not sep:
-            raise ConfigError(f"--rdzv-endpoint {endpoint!r}: missing ']' after the IPv6 host")
-    else:
-        host, _, port_text = text.rpartition(":") if ":" in text else (text, "", "")
-    if not host:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: missing host (expected host:port)")
-    if not port_text:
-        default = DEFAULT_PORTS.get(backend)
-        if default is None:
-            raise ConfigError(
-                f"--rdzv-endpoint {endpoint!r}: the {backend} backend needs host:port"
-            )
-        return host, default
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ConfigError(
-            f"--rdzv-endpoint {endpoint!r}: port {port_text!r} is not a number"
-        ) from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port} is out of range 0..65535")
-    return host, port
-
 
 def build_handler(config: LaunchConfig) -> RendezvousHandler:
     """Create the rendezvous handler ``config`` asks for.
 
     Raises:
-        ConfigError: unknown backend or malformed endpoint.
+        ConfigError: unknown backend, malformed endpoint, or (rallypoint's backends)
+            an unknown or out-of-range ``--rdzv-conf`` option.
     """
 
     backend = config.rdzv_backend
@@ -131,9 +81,20 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
     )
     if BACKENDS[backend] == "rallypoint":
         from rallypoint.adapters import create_handler
+        from rallypoint.adapters.config import RendezvousConfigError
 
+        if "timeout" in configs:
+            # Accepted from torch's launcher, which always adds it; from a user it
+            # would be silently ignored.
+            raise ConfigError(
+                f"--rdzv-conf timeout: the {backend} backend has no such option "
+                "(torch's static and etcd-v1 rendezvous do); use join_timeout"
+            )
         params.backend = backend
-        return create_handler(params)
+        try:
+            return create_handler(params)
+        except RendezvousConfigError as exc:
+            raise ConfigError(str(exc)) from None
     return get_rendezvous_handler(params)
 
 

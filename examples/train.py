@@ -20,8 +20,10 @@ to watch the restart happen (use it with ``--max-restarts 1``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import stat
 import tempfile
 import time
 
@@ -35,6 +37,10 @@ from rallypoint.agent import record
 IN_FEATURES = 16
 
 
+class CheckpointDirError(RuntimeError):
+    """The default checkpoint directory is not safe to use."""
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60, help="total training steps")
@@ -44,18 +50,35 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--checkpoint-dir",
         default=None,
-        help="shared directory for the checkpoint (default: a temp dir named after the run id)",
+        help="shared directory for the checkpoint (default: a private temp dir named after "
+        "the user and the run id)",
     )
     p.add_argument("--crash-at-step", type=int, default=-1, help="fail once at this step")
     return p.parse_args()
 
 
 def checkpoint_path(args: argparse.Namespace) -> str:
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, mode=0o700, exist_ok=True)
+        return os.path.join(args.checkpoint_dir, "checkpoint.json")
+    # Restarted workers must find the checkpoint again, so the default name cannot be
+    # random as mkdtemp's are; it is made safe instead: created 0700 by this user, and
+    # refused if someone else made it first (a symlink, a directory they can write).
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    directory = args.checkpoint_dir or os.path.join(
-        tempfile.gettempdir(), f"rallypoint-train-{run_id}"
-    )
-    os.makedirs(directory, exist_ok=True)
+    safe_run_id = "".join(c if c.isalnum() or c in "._-" else "_" for c in run_id)[:64]
+    directory = os.path.join(tempfile.gettempdir(), f"rallypoint-train-{os.getuid()}-{safe_run_id}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    info = os.lstat(directory)
+    if (
+        not stat.S_ISDIR(info.st_mode)
+        or info.st_uid != os.getuid()
+        or stat.S_IMODE(info.st_mode) & 0o077
+    ):
+        raise CheckpointDirError(
+            f"{directory} exists but is not a private directory of this user (a symlink, "
+            "someone else's, or open to others): remove it or pass --checkpoint-dir"
+        )
     return os.path.join(directory, "checkpoint.json")
 
 
@@ -64,10 +87,17 @@ def save_checkpoint(path: str, model: nn.Module, step: int) -> None:
         "step": step,
         "params": {k: v.detach().cpu().tolist() for k, v in model.state_dict().items()},
     }
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fp:
-        json.dump(state, fp)
-    os.replace(tmp, path)
+    # A fresh temp file, then an atomic rename: a reader never sees half a checkpoint,
+    # and no fixed temp name exists for anyone to plant a symlink at.
+    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fp:
+            json.dump(state, fp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
 
 
 def load_checkpoint(path: str, model: nn.Module, device: torch.device) -> int:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -65,22 +66,7 @@ def spec_main(argv: list[str]) -> int:
     """Entry point of ``rallypoint spec``; returns the exit status."""
     args = _spec_parser().parse_args(argv)
     if args.command == "diagram":
-        from .model import ModelUnavailableError, diagram_source, write_diagram
-
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".dot").write_text(diagram_source("graphviz"))
-        out.with_suffix(".mmd").write_text(diagram_source("mermaid"))
-        print(f"wrote {out.with_suffix('.dot')} and {out.with_suffix('.mmd')}")
-        if args.source:
-            return 0
-        try:
-            write_diagram(out)
-        except ModelUnavailableError as exc:
-            print(f"rallypoint spec diagram: {exc}", file=sys.stderr)
-            return 1
-        print(f"wrote {out}")
-        return 0
+        return _diagram(Path(args.output), source_only=args.source)
     from .check import CheckConfig, CheckerConfigError, check
 
     try:
@@ -113,6 +99,66 @@ def spec_main(argv: list[str]) -> int:
     return 0 if result.ok else 1
 
 
+def _diagram(out: Path, *, source_only: bool) -> int:
+    prog = "rallypoint spec diagram"
+    problem = _unwritable(out, "--output")
+    if problem is None and not source_only:
+        problem = _unknown_image_format(out)
+    if problem is not None:
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return 2
+    from .model import ModelUnavailableError, diagram_source, write_diagram
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".dot").write_text(diagram_source("graphviz"))
+        out.with_suffix(".mmd").write_text(diagram_source("mermaid"))
+        print(f"wrote {out.with_suffix('.dot')} and {out.with_suffix('.mmd')}")
+        if source_only:
+            return 0
+        write_diagram(out)
+    except ModelUnavailableError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"{prog}: cannot write {exc.filename or out}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def _unwritable(path: Path, option: str) -> str | None:
+    """Why ``path`` cannot be written (None: nothing found), checked before any work.
+
+    Catches what is wrong with the path itself: a directory, a file where a
+    directory is needed, a directory this user cannot write. Failures the file
+    system only shows when writing (a full disk, a read-only mount) remain.
+    """
+    if path.is_dir():
+        return f"{option} {str(path)!r} is a directory; give a file name"
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{option} {str(path)!r}: {str(ancestor)!r} is not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{option} {str(path)!r}: no permission to write in {str(ancestor)!r}"
+    return None
+
+
+def _unknown_image_format(path: Path) -> str | None:
+    fmt = path.suffix.lstrip(".") or "png"
+    try:
+        from graphviz import FORMATS
+    except ImportError:  # write_diagram reports what is missing
+        return None
+    if fmt.lower() not in FORMATS:
+        return (
+            f"--output {str(path)!r}: graphviz cannot write {fmt!r} images; use .png, .svg or .pdf"
+        )
+    return None
+
+
 def _check_with_progress(config: CheckConfig, workers: int) -> CheckResult:
     """Run the checker with a live line on stderr: states, transitions, depth,
     states per second and elapsed time (rich redraws it in place)."""
@@ -137,6 +183,11 @@ def _check_with_progress(config: CheckConfig, workers: int) -> CheckResult:
             bar.update(task, states=r.states, transitions=r.transitions, depth=r.depth, rate=rate)
 
         return check(config, progress, workers)
+
+
+#: Most nodes ``rallypoint simulate`` takes: 10x the largest size the docs measure
+#: (10,000 nodes in seconds); far beyond, a run takes hours or exhausts memory.
+MAX_SIMULATED_NODES = 100_000
 
 
 def _simulate_parser() -> argparse.ArgumentParser:
@@ -168,6 +219,21 @@ def _simulate_parser() -> argparse.ArgumentParser:
 def simulate_main(argv: list[str]) -> int:
     """Entry point of ``rallypoint simulate``; returns the exit status."""
     args = _simulate_parser().parse_args(argv)
+    prog = "rallypoint simulate"
+    problem = _simulate_input_problem(args)
+    if problem is not None:
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return 2
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            print(
+                f"{prog}: --plot needs matplotlib: pip install 'rallypoint[plot]'", file=sys.stderr
+            )
+            return 1
+        problem = _unknown_plot_format(args.plot)
+        if problem is not None:
+            print(f"{prog}: {problem}", file=sys.stderr)
+            return 2
     from .simulator import SimConfig, SimConfigError, simulate
 
     try:
@@ -212,9 +278,38 @@ def simulate_main(argv: list[str]) -> int:
             f"wall {report.wall_seconds:.2f} s, {report.steps_per_second:,.0f} node-steps/s"
         )
     if args.plot is not None:
-        _plot(report, args.plot)
+        try:
+            _plot(report, args.plot)
+        except OSError as exc:
+            print(
+                f"{prog}: cannot write {exc.filename or args.plot}: {exc.strerror}",
+                file=sys.stderr,
+            )
+            return 1
         console.print(f"wrote {args.plot}")
     return 0 if report.ok else 1
+
+
+def _simulate_input_problem(args: argparse.Namespace) -> str | None:
+    for option, value in (
+        ("--nodes", args.nodes),
+        ("--min", args.min_nodes),
+        ("--max", args.max_nodes),
+    ):
+        if value is not None and value > MAX_SIMULATED_NODES:
+            return f"{option} must be at most {MAX_SIMULATED_NODES:,}, got {value:,}"
+    if args.plot is not None:
+        return _unwritable(args.plot, "--plot")
+    return None
+
+
+def _unknown_plot_format(path: Path) -> str | None:
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = path.suffix.lstrip(".").lower()
+    if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():
+        return f"--plot {str(path)!r}: matplotlib cannot write {suffix!r} files; use .png or .svg"
+    return None
 
 
 def _plot(report: object, path: Path) -> None:
