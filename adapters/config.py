@@ -15,10 +15,11 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import math
+import os
 import re
 import socket
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -27,8 +28,11 @@ from rallypoint.core import Settings
 __all__ = [
     "BACKENDS",
     "OPTIONS",
+    "EtcdAuth",
+    "EtcdTLS",
     "RendezvousConfig",
     "RendezvousConfigError",
+    "check_local_addr",
     "parse_endpoint",
     "parse_params",
 ]
@@ -58,8 +62,27 @@ _COMMON_OPTIONS = frozenset(
 )
 OPTIONS: dict[str, frozenset[str]] = {
     "c10d": _COMMON_OPTIONS | {"is_host", "store_type"},
-    "etcd": _COMMON_OPTIONS | {"ttl"},
+    "etcd": _COMMON_OPTIONS
+    | {
+        "ttl",
+        # TLS: the names of torch's etcd rendezvous (etcd_rendezvous.py), and of its
+        # etcd-v2 backend (ssl_cert, ssl_cert_key, ca_cert) as aliases.
+        "protocol",
+        "cacert",
+        "cert",
+        "key",
+        "ca_cert",
+        "ssl_cert",
+        "ssl_cert_key",
+        # etcd's own authentication (torch has none).
+        "user",
+        "password",
+        "password_file",
+    },
 }
+
+#: torch's etcd-v2 backend names for the TLS options -> the names used here.
+_ETCD_ALIASES = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
 
 #: Keys torch's launcher adds to every backend's parameters, whatever the user wrote.
 _LAUNCHER_KEYS = frozenset({"timeout"})
@@ -81,6 +104,29 @@ class RendezvousConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class EtcdTLS:
+    """Files for an https connection to etcd (PEM paths, checked readable).
+
+    ``cacert``: the CA that signed the server's certificate (None: the system's
+    trusted CAs). ``cert`` and ``key``: this client's certificate and private key,
+    for a server started with ``--client-cert-auth`` (both or neither).
+    """
+
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class EtcdAuth:
+    """etcd user name and password (a server with ``etcdctl auth enable``)."""
+
+    user: str
+    # Kept out of repr: configs end up in logs and error messages.
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True)
 class RendezvousConfig:
     """Everything :func:`rallypoint.adapters.create_handler` reads from the parameters."""
 
@@ -93,6 +139,8 @@ class RendezvousConfig:
     store_type: str
     read_timeout: float
     etcd_ttl: float | None
+    etcd_tls: EtcdTLS | None = None
+    etcd_auth: EtcdAuth | None = None
 
 
 def _bool(value: object, key: str) -> bool | None:
@@ -214,13 +262,150 @@ def _check_run_id(run_id: str) -> None:
         )
 
 
+def check_local_addr(addr: str) -> None:
+    """``addr`` must name this host: each node serves its workers' store there, and a
+    server on another host's address waited for itself until join_timeout.
+
+    Raises:
+        RendezvousConfigError: ``addr`` does not resolve, or no address it resolves
+            to can be bound here.
+    """
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise RendezvousConfigError(
+            f"local address {addr!r} does not resolve ({exc.strerror or exc}); give an "
+            "address or host name of this host"
+        ) from None
+    addresses = list(dict.fromkeys((info[0], str(info[4][0])) for info in infos))
+    for family, address in addresses:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))
+            except OSError:
+                continue
+            return
+    shown = ", ".join(address for _, address in addresses)
+    raise RendezvousConfigError(
+        f"local address {addr!r} ({shown}) is not an address of this host; give one of "
+        "its addresses or host names (local_addr, --local-addr)"
+    )
+
+
+def _readable_file(value: object, key: str) -> str:
+    path = os.path.expanduser(str(value).strip())
+    if not path or not os.path.isfile(path) or not os.access(path, os.R_OK):
+        raise RendezvousConfigError(
+            f"rendezvous option {key}={value!r}: not a readable file (a PEM file on every node)"
+        )
+    return path
+
+
+def _split_scheme(endpoint: str) -> tuple[str | None, str]:
+    """``https://host:port`` -> ("https", "host:port"); no scheme -> (None, endpoint)."""
+    scheme, sep, rest = endpoint.strip().partition("://")
+    if not sep:
+        return None, endpoint
+    scheme = scheme.lower()
+    if scheme not in ("http", "https"):
+        raise RendezvousConfigError(
+            f"rendezvous endpoint {endpoint!r}: the scheme must be http:// or https://"
+        )
+    return scheme, rest.removesuffix("/")
+
+
+def _etcd_tls(conf: Mapping[str, object], scheme: str | None) -> EtcdTLS | None:
+    protocol = conf.get("protocol")
+    if protocol is not None:
+        protocol = str(protocol).strip().lower()
+        if protocol not in ("http", "https"):
+            raise RendezvousConfigError(
+                f"rendezvous option protocol={conf.get('protocol')!r}: use http or https"
+            )
+        if scheme is not None and scheme != protocol:
+            raise RendezvousConfigError(
+                f"rendezvous option protocol={protocol} contradicts the endpoint's "
+                f"{scheme}:// scheme; give one of them"
+            )
+    files = {name: conf.get(name) for name in ("cacert", "cert", "key")}
+    given = sorted(name for name, value in files.items() if value is not None)
+    # Certificates without a protocol mean https: torch would send them nowhere
+    # (plain http) and the user would believe the connection is protected.
+    protocol = protocol or scheme or ("https" if given else "http")
+    if protocol == "http":
+        if given:
+            raise RendezvousConfigError(
+                f"rendezvous options {', '.join(given)} need protocol=https "
+                "(or an https:// endpoint); with http they would not be used"
+            )
+        return None
+    if (files["cert"] is None) != (files["key"] is None):
+        raise RendezvousConfigError(
+            "rendezvous options cert and key go together: the client certificate and "
+            "its private key (PEM files)"
+        )
+    paths = {
+        name: None if value is None else _readable_file(value, name)
+        for name, value in files.items()
+    }
+    return EtcdTLS(cacert=paths["cacert"], cert=paths["cert"], key=paths["key"])
+
+
+def _etcd_auth(conf: Mapping[str, object]) -> EtcdAuth | None:
+    user, password, password_file = (
+        conf.get("user"),
+        conf.get("password"),
+        conf.get("password_file"),
+    )
+    if password is not None and password_file is not None:
+        raise RendezvousConfigError(
+            "rendezvous options password and password_file: give one of them"
+        )
+    if password_file is not None:
+        path = _readable_file(password_file, "password_file")
+        try:
+            with open(path, encoding="utf-8") as file:
+                password = file.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RendezvousConfigError(
+                f"rendezvous option password_file={password_file!r}: cannot read it ({exc})"
+            ) from None
+    if user is None and password is None:
+        return None
+    if not user or password is None:
+        raise RendezvousConfigError(
+            "rendezvous options user and password (or password_file) go together: "
+            "the etcd user and its password"
+        )
+    return EtcdAuth(user=str(user), password=str(password))
+
+
+def _etcd_conf(config: Mapping[str, object]) -> dict[str, object]:
+    """``config`` with torch's etcd-v2 aliases renamed; an option given twice under
+    two names must agree."""
+    conf = dict(config)
+    for alias, name in _ETCD_ALIASES.items():
+        if alias not in conf:
+            continue
+        value = conf.pop(alias)
+        if name in conf and str(conf[name]) != str(value):
+            raise RendezvousConfigError(
+                f"rendezvous options {name} and {alias} name the same file but differ; "
+                "give one of them"
+            )
+        conf[name] = value
+    return conf
+
+
 def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     """Validate ``params`` and turn them into a :class:`RendezvousConfig`.
 
     Raises:
         RendezvousConfigError: an unknown backend name (the message lists the
             accepted ones), an unknown option (the message suggests the closest
-            known one), an option of the wrong type or range, or a run id with '/'.
+            known one), an option of the wrong type or range, a run id with '/',
+            a local address that is not this host's, or (etcd) contradicting or
+            incomplete TLS and authentication options or an unreadable file.
     """
     kind = BACKENDS.get(params.backend)
     if kind is None:
@@ -248,19 +433,29 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
         raise
     except ValueError as exc:  # Settings' own range checks
         raise RendezvousConfigError(f"rendezvous settings: {exc}") from None
-    local_addr = get("local_addr") or params.local_addr or socket.getfqdn()
+    given_addr = get("local_addr") or params.local_addr
+    if given_addr:
+        check_local_addr(str(given_addr))
+    local_addr = given_addr or socket.getfqdn()
     store_type = str(get("store_type", "tcp")).strip().lower()
     if store_type not in ("tcp", "file"):
         raise RendezvousConfigError(f"rendezvous option store_type={store_type!r}: use tcp or file")
     ttl = get("ttl")
+    endpoint, tls, auth = params.endpoint, None, None
+    if kind == "etcd":
+        scheme, endpoint = _split_scheme(params.endpoint)
+        conf = _etcd_conf(params.config)
+        tls, auth = _etcd_tls(conf, scheme), _etcd_auth(conf)
     return RendezvousConfig(
         kind=kind,
         backend_name=params.backend,
-        endpoint=params.endpoint,
+        endpoint=endpoint,
         settings=settings,
         local_addr=str(local_addr),
         is_host=_bool(get("is_host"), "is_host"),
         store_type=store_type,
         read_timeout=_seconds(get("read_timeout"), "read_timeout", 60.0),
         etcd_ttl=None if ttl is None else _seconds(ttl, "ttl", 1.0),
+        etcd_tls=tls,
+        etcd_auth=auth,
     )

@@ -59,6 +59,7 @@ from rallypoint.core import errors as core_errors
 from rallypoint.core.codec import encode_shared_settings, shared_settings_differences
 
 from .backend import RendezvousBackend
+from .c10d.store import StoreBindError, host_tcp_store
 from .errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -248,14 +249,11 @@ class RallypointHandler(RendezvousHandler):
         if self._bootstrap_info is not None:
             return
         try:
-            server = TCPStore(
-                self._local_addr,
-                0,
-                is_master=True,
-                multi_tenant=True,
-                timeout=timedelta(seconds=self._settings.join_timeout),
+            # listening only on local_addr: the store is unauthenticated (docs/security.md)
+            server = host_tcp_store(
+                self._local_addr, 0, timedelta(seconds=self._settings.join_timeout)
             )
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, StoreBindError) as exc:
             raise RendezvousConnectionError(
                 self._describe(
                     f"cannot host the workers' store on {self._local_addr} ({exc})",

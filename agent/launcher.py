@@ -21,10 +21,13 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import uuid
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+from typing import Any, NoReturn, TypeVar
 
 from rallypoint.agent.config import (
     BACKENDS,
@@ -42,6 +45,87 @@ logger = logging.getLogger("rallypoint.agent")
 
 #: Names of environment variables the launcher set for the agent process only.
 _AGENT_ONLY_ENV = "RALLYPOINT_AGENT_ONLY_ENV"
+
+
+_T = TypeVar("_T")
+
+#: The signals that stop the launcher before the agent takes over (the agent's own).
+_SETUP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+class _SetupInterrupted(BaseException):
+    """A stop signal arrived before the agent started (parsing, connecting).
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the
+    way (in torch's imports, say) swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise _SetupInterrupted(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt() -> Iterator[None]:
+    """While setting up, a stop signal ends the launcher with 128 + its number and one
+    line (no KeyboardInterrupt traceback, and no SIGTERM left pending)."""
+    previous: dict[int, Any] = {}
+    try:
+        for sig in _SETUP_SIGNALS:
+            try:
+                previous[sig] = signal.signal(sig, _raise_interrupted)
+            except ValueError:  # not the main thread: the caller handles signals
+                break
+        yield
+    finally:
+        for restored, old in previous.items():
+            signal.signal(restored, old)
+
+
+def _interruptible(call: Callable[[], _T]) -> _T:
+    """``call()`` in a helper thread, the main thread waiting on it.
+
+    Store clients block in C++ (TCPStore connects and retries, name resolution)
+    where Python cannot run a signal handler until the call returns: 47 to 90 s
+    after the signal. Waiting on a thread is interruptible, so the handler runs at
+    once; the helper is a daemon and is abandoned with the process.
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed to the main thread as is
+            outcome["error"] = exc
+
+    helper = threading.Thread(target=run, name="rallypoint-connect", daemon=True)
+    helper.start()
+    helper.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]  # type: ignore[no-any-return]
+
+
+class _InterruptibleRendezvous:
+    """torch's handler, its ``next_rendezvous`` run through :func:`_interruptible`.
+
+    torch's handlers open their store inside ``next_rendezvous`` (the static one
+    connects to ``--master-addr`` there, retrying for its whole timeout), so the
+    agent's signal handler could not run until that C++ call gave up. Everything
+    else is the handler's own.
+    """
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+
+    def next_rendezvous(self) -> Any:
+        return _interruptible(self._handler.next_rendezvous)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
 
 
 class _UsageError(ConfigError):
@@ -215,6 +299,36 @@ def _parse_rdzv_conf(text: str) -> dict[str, str]:
     return result
 
 
+def _split_etcd_scheme(
+    backend: str, endpoint: str, rdzv_conf: dict[str, str]
+) -> tuple[str, dict[str, str]]:
+    """``https://HOST:PORT`` for rallypoint's etcd backends -> (``HOST:PORT``, the
+    options with ``protocol=https``): the scheme is how torch's etcd users name TLS."""
+    scheme, sep, rest = endpoint.strip().partition("://")
+    if not sep or backend not in ("etcd", "rallypoint-etcd"):
+        return endpoint, rdzv_conf
+    scheme = scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: the scheme must be http:// or https://")
+    given = rdzv_conf.get("protocol")
+    if given is not None and given.strip().lower() != scheme:
+        raise ConfigError(
+            f"--rdzv-conf protocol={given} contradicts the {scheme}:// of --rdzv-endpoint; "
+            "give one of them"
+        )
+    return rest.removesuffix("/"), {**rdzv_conf, "protocol": scheme}
+
+
+def _check_local_addr(addr: str) -> None:
+    # torch's backends would also serve (and wait for) the workers' store there.
+    from rallypoint.adapters.config import RendezvousConfigError, check_local_addr
+
+    try:
+        check_local_addr(addr)
+    except RendezvousConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _check_entrypoint(args: argparse.Namespace) -> None:
     script = args.training_script
     if args.no_python and args.module:
@@ -290,6 +404,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 f"--local-ranks-filter {args.local_ranks_filter!r}: expected e.g. 0,1"
             ) from None
     devices = _cuda_devices() if args.bind_gpus else ()
+    rdzv_conf = _parse_rdzv_conf(args.rdzv_conf)
+    endpoint, rdzv_conf = _split_etcd_scheme(backend, endpoint, rdzv_conf)
     if backend not in BACKENDS:
         raise ConfigError(
             f"--rdzv-backend {backend!r} is unknown; use one of {', '.join(sorted(BACKENDS))}"
@@ -308,7 +424,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         run_id=run_id,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_configs=_parse_rdzv_conf(args.rdzv_conf),
+        rdzv_configs=rdzv_conf,
         role=args.role,
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
@@ -355,16 +471,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging()
     log_root: str | None = None
     try:
-        # Parsing and validation import torch only to count GPUs, so that bad
-        # input is reported at once rather than after torch's 2-5 s import.
-        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-        config = config_from_args(args)
-        log_root = make_log_root(config.log_dir, config.run_id)
-        from rallypoint.agent.agent import AgentState, ElasticAgent
-        from rallypoint.agent.errors import format_failures
-        from rallypoint.agent.rendezvous import build_handler
+        with _stop_signals_interrupt():
+            # Parsing and validation import torch only to count GPUs, so that bad
+            # input is reported at once rather than after torch's 2-5 s import.
+            args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+            config = config_from_args(args)
+            log_root = make_log_root(config.log_dir, config.run_id)
+            from rallypoint.agent.agent import AgentState, ElasticAgent
+            from rallypoint.agent.errors import format_failures
+            from rallypoint.agent.rendezvous import build_handler
 
-        handler = build_handler(config)
+            if config.local_addr:
+                _check_local_addr(config.local_addr)
+            handler = _interruptible(lambda: build_handler(config))
+            if BACKENDS[config.rdzv_backend] == "torch":
+                handler = _InterruptibleRendezvous(handler)
+    except _SetupInterrupted as stop:
+        _remove_empty(log_root)
+        print(f"rallypoint run: stopped by {stop} before the job started", file=sys.stderr)
+        return 128 + stop.signum
     except ConfigError as exc:  # also argparse's complaints (_UsageError)
         _remove_empty(log_root)
         print(f"rallypoint run: error: {exc}", file=sys.stderr)

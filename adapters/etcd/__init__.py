@@ -1,7 +1,7 @@
 """rallypoint.adapters.etcd: the rendezvous state in etcd v3, and a test server."""
 
 from .backend import EtcdBackend
-from .server import EtcdServer, EtcdServerError, find_etcd_binary, free_port
+from .server import EtcdServer, EtcdServerError, EtcdServerTLS, find_etcd_binary, free_port
 from .store import DEFAULT_PORT, EtcdStore, create_etcd_backend
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "EtcdBackend",
     "EtcdServer",
     "EtcdServerError",
+    "EtcdServerTLS",
     "EtcdStore",
     "create_etcd_backend",
     "find_etcd_binary",

@@ -15,15 +15,34 @@ import atexit
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EtcdServer", "EtcdServerError", "find_etcd_binary", "free_port"]
+__all__ = ["EtcdServer", "EtcdServerError", "EtcdServerTLS", "find_etcd_binary", "free_port"]
+
+
+@dataclass(frozen=True)
+class EtcdServerTLS:
+    """Serve clients over https (PEM paths).
+
+    ``cert``/``key``: the server's certificate (valid for 127.0.0.1) and key;
+    ``client_ca``: require client certificates signed by this CA
+    (``--client-cert-auth``); ``client_cert``/``client_key``: the certificate the
+    server's own health check presents when client certificates are required.
+    """
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
 
 
 class EtcdServerError(RuntimeError):
@@ -68,6 +87,7 @@ class EtcdServer:
             :meth:`cleanup` removes).
         binary: the etcd executable (default: :func:`find_etcd_binary`).
         startup_timeout: seconds to wait for the server to report healthy.
+        tls: serve clients over https (peers stay on plain http on 127.0.0.1).
     """
 
     def __init__(
@@ -76,11 +96,13 @@ class EtcdServer:
         *,
         binary: str | None = None,
         startup_timeout: float = 30.0,
+        tls: EtcdServerTLS | None = None,
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="rallypoint-etcd-"))
         self.binary = binary or find_etcd_binary()
         self.startup_timeout = startup_timeout
+        self.tls = tls
         self.host = "127.0.0.1"
         self.client_port = free_port()
         self.peer_port = free_port()
@@ -109,7 +131,7 @@ class EtcdServer:
         """
         if self.is_running():
             return self
-        client_url = f"http://{self.host}:{self.client_port}"
+        client_url = f"{self.scheme}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         args = [
             self.binary,
@@ -122,6 +144,10 @@ class EtcdServer:
             f"--initial-cluster=rallypoint={peer_url}",
             "--log-level=warn",
         ]
+        if self.tls is not None:
+            args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
+            if self.tls.client_ca is not None:
+                args += ["--client-cert-auth", f"--trusted-ca-file={self.tls.client_ca}"]
         with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout
@@ -136,10 +162,26 @@ class EtcdServer:
             f"etcd was not healthy within {self.startup_timeout} s: {self._tail()}"
         )
 
+    @property
+    def scheme(self) -> str:
+        """``https`` with :attr:`tls`, else ``http``."""
+        return "http" if self.tls is None else "https"
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        # Only "is the process up": the test that started it checks the certificates.
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        if self.tls.client_cert is not None:
+            context.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        return context
+
     def _healthy(self) -> bool:
-        url = f"http://{self.host}:{self.client_port}/health"
+        url = f"{self.scheme}://{self.host}:{self.client_port}/health"
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
+            with urllib.request.urlopen(url, timeout=1.0, context=self._ssl_context()) as response:
                 return b'"true"' in response.read()
         except (urllib.error.URLError, OSError):
             return False

@@ -20,7 +20,8 @@ from typing import Any
 from torch.distributed import DistStoreError, Store
 
 from ..config import RendezvousConfig, parse_endpoint
-from .backend import EtcdBackend
+from ..errors import RendezvousConnectionError, describe
+from .backend import EtcdBackend, _client_errors
 
 __all__ = ["DEFAULT_PORT", "EtcdStore", "create_etcd_backend"]
 
@@ -139,27 +140,133 @@ class EtcdStore(Store):
         return sum(1 for _ in self._backend.call(lambda: list(self._client.get_prefix(self._root))))
 
 
+def _read_pem(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def _connect(host: str, port: int, config: RendezvousConfig) -> Any:
+    """A pyetcd client for ``config``: plain, or TLS with the configured CA and
+    client certificate; authenticated when a user is configured (the client asks
+    etcd for a token as it is built)."""
+    import pyetcd
+
+    tls, auth = config.etcd_tls, config.etcd_auth
+    user, password = (auth.user, auth.password) if auth is not None else (None, None)
+    if tls is None:
+        client = pyetcd.client(
+            host, port, timeout=config.read_timeout, user=user, password=password
+        )
+        # grpc refuses call credentials on a plain channel; pyetcd also sends the
+        # token as request metadata, which is all etcd reads.
+        client.call_credentials = None
+        return client
+    import grpc
+
+    # Built here rather than by pyetcd.client, which needs a CA file: without
+    # cacert the system's trusted CAs verify the server, as for any https URL.
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(tls.cacert),
+        private_key=_read_pem(tls.key),
+        certificate_chain=_read_pem(tls.cert),
+    )
+    endpoint = pyetcd.Endpoint(host, port, secure=True, creds=credentials)
+    return pyetcd.MultiEndpointEtcd3Client(
+        endpoints=[endpoint], timeout=config.read_timeout, user=user, password=password
+    )
+
+
+def _access_check(config: RendezvousConfig) -> str:
+    """What to check when the first requests fail, given the security settings."""
+    checks = [
+        "that the etcd server is running and reachable at this address "
+        "(etcdctl --endpoints=<endpoint> endpoint health)"
+    ]
+    if config.etcd_tls is not None:
+        checks.append(
+            "that it serves https with a certificate for this host name signed by "
+            + ("cacert" if config.etcd_tls.cacert else "a CA this system trusts (or set cacert)")
+            + (
+                ", and trusts the CA of the client certificate (cert, key)"
+                if config.etcd_tls.cert
+                else "; a server started with --client-cert-auth also needs cert and key"
+            )
+        )
+    else:
+        checks.append("a server started with TLS needs protocol=https and cacert")
+    if config.etcd_auth is not None:
+        checks.append(
+            f"that user {config.etcd_auth.user!r} exists with this password and has a role "
+            "granting readwrite on the /rallypoint/ prefix"
+        )
+    else:
+        checks.append("a server with authentication enabled needs user and password")
+    return "; ".join(checks)
+
+
 def create_etcd_backend(
     config: RendezvousConfig, client: Any = None
 ) -> tuple[EtcdBackend, EtcdStore]:
-    """Connect to the etcd server named by ``config.endpoint`` (default port 2379).
+    """Connect to the etcd server named by ``config.endpoint`` (default port 2379),
+    over TLS with ``config.etcd_tls`` and as ``config.etcd_auth``'s user if set.
 
     Returns the backend and the store handed to the agent (same client).
 
     Raises:
-        RendezvousConnectionError: etcd does not answer a status request.
+        RendezvousConnectionError: etcd does not answer a status request and a
+            read of this run's state (TLS, authentication and permission
+            failures included; the message says what to check).
     """
     host, port = parse_endpoint(config.endpoint, DEFAULT_PORT)
-    if client is None:
-        import pyetcd
+    scheme = "https" if config.etcd_tls is not None else "http"
+    endpoint = f"{scheme}://{host}:{port}" if config.etcd_tls is not None else f"{host}:{port}"
+    check = _access_check(config)
 
-        client = pyetcd.client(host, port, timeout=config.read_timeout)
+    def failed(exc: BaseException) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            describe(
+                f"cannot use etcd ({exc.__class__.__name__}: {_grpc_details(exc)})",
+                run_id=config.settings.run_id,
+                endpoint=endpoint,
+                check=check,
+            )
+        )
+
+    if client is None:
+        # OSError, ValueError: an unreadable or malformed PEM file.
+        connect_errors: tuple[type[BaseException], ...] = (*_client_errors(), OSError, ValueError)
+        try:
+            client = _connect(host, port, config)
+        except connect_errors as exc:
+            # Authentication happens while the client is built.
+            raise failed(exc) from exc
     backend = EtcdBackend(
         client,
         config.settings.run_id,
-        endpoint=f"{host}:{port}",
+        endpoint=endpoint,
         ttl=config.etcd_ttl,
         name=config.backend_name,
     )
-    backend.call(client.status)
+    state_key = backend.key("state")
+    try:
+        backend.call(client.status)
+        # A status request needs no permission: read this run's key too, so a
+        # user without access to the prefix fails here and not mid-rendezvous.
+        backend.call(lambda: client.get_response(state_key))
+    except RendezvousConnectionError as exc:
+        raise failed(exc.__cause__ or exc) from exc
     return backend, EtcdStore(backend, timedelta(seconds=config.read_timeout))
+
+
+def _grpc_details(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    if callable(details):
+        try:
+            text = details()
+        except Exception:  # a message is best effort
+            text = None
+        if text:
+            return str(text)[:300]
+    return str(exc)[:300]
