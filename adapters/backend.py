@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -108,6 +108,17 @@ def check_intent_entry(entry: bytes) -> bytes:
     if b"\n" in entry:
         raise ValueError(f"an intent entry must not contain a newline byte: {entry[:60]!r}")
     return entry
+
+
+def parse_counter(key: str, raw: bytes, error: Callable[[str], Exception]) -> int:
+    """The heartbeat counter under ``key`` (decimal digits, as the backends write
+    it); anything else raises ``error(message)``, the message naming the key."""
+    text = bytes(raw)
+    if not text.isdigit():
+        raise error(
+            f"the heartbeat key {key!r} holds {text[:40]!r}, not a counter rallypoint wrote"
+        )
+    return int(text)
 
 
 @runtime_checkable

@@ -49,7 +49,7 @@ from typing import Protocol, TypeVar, cast
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from ..backend import BackendStats, StateSizeLimit, Token, check_intent_entry
+from ..backend import BackendStats, StateSizeLimit, Token, check_intent_entry, parse_counter
 from ..errors import RendezvousConnectionError, RendezvousStateError, describe
 
 __all__ = ["C10dBackend"]
@@ -183,12 +183,7 @@ class C10dBackend:
         )
 
     def _counter(self, key: str, raw: bytes) -> int:
-        text = bytes(raw)
-        if not text.isdigit():
-            raise self._state_error(
-                f"the heartbeat key {key!r} holds {text[:40]!r}, not a counter rallypoint wrote"
-            )
-        return int(text)
+        return parse_counter(key, raw, self._state_error)
 
     @property
     def store(self) -> Store:

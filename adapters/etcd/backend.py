@@ -48,7 +48,7 @@ import threading
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
-from ..backend import BackendStats, StateSizeLimit, Token, check_intent_entry
+from ..backend import BackendStats, StateSizeLimit, Token, check_intent_entry, parse_counter
 from ..errors import RendezvousConnectionError, RendezvousStateError, describe
 
 __all__ = ["EtcdBackend"]
@@ -157,12 +157,7 @@ class EtcdBackend:
         )
 
     def _counter(self, key: str, value: bytes) -> int:
-        text = bytes(value)
-        if not text.isdigit():
-            raise self._state_error(
-                f"the heartbeat key {key!r} holds {text[:40]!r}, not a counter rallypoint wrote"
-            )
-        return int(text)
+        return parse_counter(key, value, self._state_error)
 
     @property
     def client(self) -> Any:
