@@ -22,8 +22,8 @@ every implementation):
   ``wait_for_phase(q, timeout)`` blocks until a phase greater than ``q`` was
   published, or ``timeout`` seconds pass; True if one was. Like
   ``wait_for_change`` it may return early. Waiters wait for the phase instead of
-  any write, so a write that changes nothing they care about wakes nobody (DESIGN
-  decision 8: cost per node flat in n).
+  any write, so a write that changes nothing they care about wakes nobody
+  (docs/design.md, decision 8: cost per node flat in n).
 * ``announce(round, entry)`` appends ``entry`` (opaque bytes without ``b"\\n"``)
   to the intent log of ``round``: one operation, O(len(entry)) bytes, the state is
   not rewritten; when it returns, every later ``intents(round)`` (by any client)

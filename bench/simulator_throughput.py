@@ -1,6 +1,6 @@
 """Simulator throughput and the cost per node of one rendezvous, at 1,000 and 10,000 nodes.
 
-DESIGN.md decision 8: judge every protocol change at 1,000 and 10,000 simulated
+docs/design.md, decision 8: judge every protocol change at 1,000 and 10,000 simulated
 nodes. Per size, n nodes arrive uniformly within --spread seconds (2 s) for a round
 of exactly n (min = max = n: the round completes when the last node is admitted,
 and every node returns from the same join; --half-min uses min = n/2, where the

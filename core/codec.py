@@ -1,6 +1,6 @@
 """The wire form of :class:`RendezvousState`: versioned JSON, validated on decode.
 
-Plain data only (DESIGN.md decision 3): the backend is shared by every node and anyone who
+Plain data only (docs/design.md, decision 3): the backend is shared by every node and anyone who
 can write to it; decoding it must never execute code, and anything malformed must
 raise :class:`RendezvousStateError` with a message that says what is wrong.
 

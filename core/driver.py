@@ -32,7 +32,7 @@ The rules that make the loop safe and cheap, decided here and nowhere else:
   it at once instead of each waiting out the liveness window;
 * a keep-alive of a member bumps its side counter (O(1) bytes) instead of
   rewriting the state;
-* waiters wake on the *phase*, not on every write (DESIGN.md decision 8): a write
+* waiters wake on the *phase*, not on every write (docs/design.md, decision 8): a write
   bumps ``state.phase`` exactly when it changes :func:`phase_of`, which holds
   everything a waiting node's decision reads from the state; admissions of
   further joiners to an open round do not wake anybody;
@@ -402,9 +402,7 @@ def _counters_due(view: NodeView, settings: Settings, now: float) -> bool:
     return last is not None and now - last > settings.liveness_window / 2
 
 
-def _must_reread(
-    view: NodeView, dead: frozenset[NodeDesc], settings: Settings, now: float
-) -> bool:
+def _must_reread(view: NodeView, dead: frozenset[NodeDesc], settings: Settings, now: float) -> bool:
     """Never declare a peer dead on cached counters: it may have beaten since."""
     return bool(dead) and _counters_stale(view, settings, now)
 

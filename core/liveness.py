@@ -1,6 +1,6 @@
 """Liveness: what time does to the shared state, as seen by one node.
 
-Heartbeats are counters, never clock values (DESIGN.md decision 2). Each node
+Heartbeats are counters, never clock values (docs/design.md, decision 2). Each node
 records, on its own monotonic clock, when it first saw each counter value
 (:func:`observe`); a node whose counter this observer has not seen move for the
 liveness window is dead to it (:func:`dead_nodes`), and :func:`sanitize` removes

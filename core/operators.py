@@ -8,7 +8,7 @@ answers a terminal action.
 
 The join operator is a decision table (:data:`JOIN_TABLE`): ordered rows, the first
 row whose guard holds gives the action. It is torch's ``_RendezvousJoinOp`` with the
-wall-clock comparisons replaced by local observations (DESIGN.md decision 2).
+wall-clock comparisons replaced by local observations (docs/design.md, decision 2).
 
 ``deadline`` and ``now`` are on the node's own monotonic clock; nothing here reads
 a clock.

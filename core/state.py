@@ -3,7 +3,7 @@
 Two kinds of data live here:
 
 * :class:`RendezvousState` is *shared*: every node reads and writes it through a
-  compare-and-set backend. It holds no clock values at all (DESIGN.md decision 2):
+  compare-and-set backend. It holds no clock values at all (docs/design.md, decision 2):
   heartbeats are counters, and the last call is an arming sequence number.
 * :class:`Observations` is *local* to one node: when, on that node's own monotonic
   clock, it saw each heartbeat counter move and the last call armed. Only durations
@@ -180,7 +180,7 @@ class RendezvousState:
             observer that missed the removal would otherwise see "no movement").
         phase: a number that grows by one with every write that changes what a
             waiting node decides on (see :func:`rallypoint.core.driver.phase_of`):
-            waiters wait for the phase, not for every write (DESIGN.md decision 8).
+            waiters wait for the phase, not for every write (docs/design.md, decision 8).
         intent_cursor: how many entries of this round's intent log (joiners that
             announced themselves) were already admitted; a new round starts at 0.
     """

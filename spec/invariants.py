@@ -1,4 +1,4 @@
-"""The safety properties of DESIGN.md, as plain functions over states.
+"""The safety properties of docs/design.md, as plain functions over states.
 
 One module, used by the model checker, the simulator, the hypothesis machines and
 the tests. Each check returns a list of human-readable violations (empty: the

@@ -1,7 +1,7 @@
 """The rendezvous protocol as a formal model: the lifecycle of one node.
 
 This is the specification the model checker holds the core to. It is written from
-the protocol (DESIGN.md, torch's dynamic rendezvous), not from ``rallypoint.core``:
+the protocol (docs/design.md, torch's dynamic rendezvous), not from ``rallypoint.core``:
 the guards below restate the protocol's conditions over the fields of the shared
 state and the node's own sightings, so a bug in the core's decision table shows up
 as a step that no edge of this model allows.

@@ -56,7 +56,7 @@ What is simulated:
   round; request and response latency (``latency`` +- ``jitter`` each way) and
   spurious CAS conflicts (``conflict_rate``). Publishing a phase notifies only the
   nodes watching a lower one (each once per watch); a write that publishes nothing
-  wakes nobody (DESIGN.md decision 8).
+  wakes nobody (docs/design.md, decision 8).
 * **Faults**: crashes (``crash_rate`` per node per minute) with a restart after
   ``restart_delay`` as a new process (new pid); partitions from the backend
   (``partition_rate`` per node per minute, ``partition_duration``): requests are
@@ -1355,7 +1355,7 @@ class Simulator:
 
     def _judge_death(self, observer: _Node, gone: NodeDesc) -> None:
         """Count a removal by a peer; a false one if the node was alive, reachable
-        and heartbeating on schedule (DESIGN.md decision 2)."""
+        and heartbeating on schedule (docs/design.md, decision 2)."""
         self.report.deaths += 1
         self._log(observer, f"declares {gone} dead")
         node = self._by_desc.get(gone)

@@ -1,4 +1,4 @@
-"""The core stays pure: no IO, threads, clocks, randomness or pickle (DESIGN.md)."""
+"""The core stays pure: no IO, threads, clocks, randomness or pickle (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_core_imports_nothing_that_does_io_or_reads_clocks():
 # -- decisions are made in core, and reached from outside only through the driver --
 
 #: The core's decision functions and the data they decide on. Outside core/ they are
-#: reached only through rallypoint.core.driver (DESIGN.md: "a decision written
+#: reached only through rallypoint.core.driver (docs/design.md: "a decision written
 #: outside core/ is a decision nobody verified").
 DECISION_NAMES = frozenset(
     {

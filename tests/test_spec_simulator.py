@@ -231,7 +231,7 @@ def _first_round(n: int, seed: int = 0) -> Simulator:
 
 
 def test_a_rendezvous_costs_each_node_a_constant_number_of_wakeups() -> None:
-    """DESIGN.md decision 8, structurally: with n nodes arriving together, a node
+    """docs/design.md, decision 8, structurally: with n nodes arriving together, a node
     wakes a few times whatever n (waiters wake on a phase, and joining an open
     round publishes none), and reads O(1) states of O(n) bytes each."""
     figures = {}

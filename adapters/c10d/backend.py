@@ -19,7 +19,7 @@ key                   value
                       in ``store.wait(["p/<q+1>"])``. The core bumps the phase by
                       exactly 1 whenever something a waiting node cares about
                       changes, so a write that changes nothing a waiter cares
-                      about wakes nobody (DESIGN decision 8).
+                      about wakes nobody (docs/design.md, decision 8).
 ``intents/<round>``   the intent log of ``round``: ``entry + b"\\n"`` appended per
                       joiner with ``store.append`` (TCPStore: O(len(entry))
                       bytes, appended by the server, then a ``check`` so the

@@ -12,7 +12,7 @@ key                   value
 ``phase``             the highest published phase (decimal), put in the same txn
                       as the state (with the same lease), only by a write that
                       carries a phase: a write that changes nothing a waiting node
-                      cares about leaves it alone and wakes nobody (DESIGN
+                      cares about leaves it alone and wakes nobody (docs/design.md,
                       decision 8). Waiters watch this key, not ``state``.
 ``intents/<round>/``  the intent log of ``round``: one key per entry (a random
                       suffix, so duplicates are kept), value = the entry, read in
