@@ -1,12 +1,13 @@
 # Two commands on a fresh machine (see README):
 #   make demo   run the main job: a real elastic launch with the embedded c10d store
 #   make test   install everything into .venv and run the whole suite
+#   (make test-fast: the pure parts only, in seconds)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rallypoint-installed
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test test-fast lint bench
 
 $(STAMP): pyproject.toml Makefile
 	# The state diagram (rallypoint spec diagram) renders with graphviz's dot.
@@ -28,6 +29,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check core
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10
+
+# The pure parts (core, spec, the driver's executor on the memory backend), without
+# real processes, servers or the long checker searches: seconds, for the edit loop.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not integration and not slow"
 
 bench: $(STAMP)
 	$(PY) bench/core_throughput.py

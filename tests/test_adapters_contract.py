@@ -23,6 +23,9 @@ from rallypoint.adapters import MemoryBackend, RendezvousBackend
 from rallypoint.adapters.c10d import C10dBackend
 from rallypoint.adapters.etcd import EtcdBackend, EtcdServer
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 _run_ids = itertools.count()
 
 

@@ -23,6 +23,9 @@ from rallypoint.adapters import (
 from rallypoint.adapters.etcd import EtcdServer
 from rallypoint.core import errors as core_errors
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 FAST = {
     "keep_alive_interval": "0.2",
     "keep_alive_max_attempt": "2",

@@ -24,6 +24,9 @@ from rallypoint.adapters import (
 from rallypoint.core import Settings
 from rallypoint.core import errors as core_errors
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 Factory = Callable[..., RallypointHandler]
 
 

@@ -24,6 +24,9 @@ from torch.distributed import TCPStore
 from rallypoint.adapters.c10d import C10dBackend
 from rallypoint.core import decode_state
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 NODE_SCRIPT = textwrap.dedent(
     """
     import json, sys

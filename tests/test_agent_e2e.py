@@ -24,6 +24,9 @@ from typing import Any
 import psutil
 import pytest
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 MARK_ENV = "RALLYPOINT_TEST_MARK"
 WAIT = 90.0

@@ -28,6 +28,9 @@ from rallypoint.agent.errors import (
 from rallypoint.agent.launcher import build_parser, config_from_args, main, worker_argv
 from rallypoint.agent.rendezvous import parse_endpoint
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def script(tmp_path: Path) -> str:

@@ -15,6 +15,9 @@ import pytest
 from rallypoint.agent.config import Std
 from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 # A worker that ignores SIGTERM and leaves two descendants behind: one in its process
 # group that also ignores SIGTERM, one that escaped into a session of its own.
 STUBBORN = r"""

@@ -26,6 +26,9 @@ from rallypoint.agent.launcher import build_parser, config_from_args, main
 from rallypoint.agent.rendezvous import parse_endpoint
 from rallypoint.spec.cli import simulate_main, spec_main
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from core_scenarios import reachable_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -91,6 +92,7 @@ def _progress_problems(state: RendezvousState, s: RendezvousSettings | None) -> 
     return problems
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(reachable_runs(), st.data())
 def test_decode_accepts_only_safe_states_and_rejects_the_rest_typed(run, data) -> None:  # type: ignore[no-untyped-def]

@@ -275,9 +275,7 @@ def test_a_redundant_node_that_becomes_a_joiner_gets_a_fresh_deadline() -> None:
 def test_monitor_reports_waiting_nodes_and_lost_participants() -> None:
     state = joined([node(0), node(1), node(2)], S)
     membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).instruction.joined
-    assert monitor(_view(state), node(0), S, membership, 0.0).instruction == Verdict(
-        0, frozenset()
-    )
+    assert monitor(_view(state), node(0), S, membership, 0.0).instruction == Verdict(0, frozenset())
     left = step(state, node(2), Action.REMOVE_FROM_PARTICIPANTS, S)
     waiting = step(left, node(3), Action.ADD_TO_WAIT_LIST, S)
     verdict = monitor(_view(waiting), node(0), S, membership, 0.0).instruction

@@ -105,6 +105,7 @@ def any_observations(draw: st.DrawFn) -> Observations:
 # -- the join operator ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=1500)
 @given(nodes, any_states(), any_settings(), times, any_observations(), times)
 def test_join_op_answers_what_the_table_answers(node, state, s, now, obs, deadline):
@@ -173,6 +174,7 @@ _reads = st.tuples(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=500)
 @given(any_observations(), st.lists(_reads, min_size=1, max_size=12), st.booleans())
 def test_observe_keeps_its_caches_equal_to_a_from_scratch_observe(start, reads, repeat):
@@ -345,6 +347,7 @@ def _reference_apply(
 _EFFECTFUL = [a for a in Action if a.changes_state]
 
 
+@pytest.mark.slow
 @settings(max_examples=1000)
 @given(any_states(), st.sampled_from(_EFFECTFUL), nodes, any_settings())
 def test_each_effect_gives_the_state_its_field_by_field_definition_gives(state, action, node, s):
@@ -448,6 +451,7 @@ def any_views(draw: st.DrawFn) -> NodeView:
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=500)
 @given(
     any_views(),

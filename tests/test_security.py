@@ -23,6 +23,9 @@ from rallypoint.adapters.config import EtcdAuth, RendezvousConfigError, parse_pa
 from rallypoint.adapters.etcd import EtcdServer, EtcdServerTLS
 from rallypoint.adapters.etcd.server import EtcdServerError, find_etcd_binary
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 FAST = {
     "keep_alive_interval": "0.2",
     "keep_alive_max_attempt": "2",

@@ -23,6 +23,9 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from rallypoint.adapters import RendezvousConnectionError, create_handler
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 FAST = {
     "keep_alive_interval": "0.2",
     "keep_alive_max_attempt": "2",

@@ -36,6 +36,7 @@ from rallypoint.spec.invariants import check_admissions, check_removal_published
 SMALL = CheckConfig(nodes=3, max_crashes=0, allow_close=False)
 
 
+@pytest.mark.slow
 def test_two_nodes_full_state_space_has_no_violation() -> None:
     result = check(CheckConfig(nodes=2, min_nodes=1, max_nodes=2))
     assert result.ok, result.summary()
@@ -45,6 +46,7 @@ def test_two_nodes_full_state_space_has_no_violation() -> None:
     assert {"add_to_participants", "finish", "declared_dead", "crash", "closed"} <= triggers
 
 
+@pytest.mark.slow
 def test_three_nodes_every_round_full_state_space_has_no_violation() -> None:
     result = check(SMALL)
     assert result.ok, result.summary()
@@ -62,6 +64,7 @@ def test_the_search_is_reproducible() -> None:
     assert (a.states, a.transitions, a.depth) == (b.states, b.transitions, b.depth)
 
 
+@pytest.mark.slow
 def test_the_round_abstraction_covers_every_concrete_round() -> None:
     """Every state of a search with concrete round numbers (rounds 0..2), once
     renumbered, is a state the abstract search stored: the abstraction loses no
@@ -94,6 +97,7 @@ def _keep_previous_ranks_blindly(
     return {node: (previous or {}).get(node, i) for i, node in enumerate(ordered)}
 
 
+@pytest.mark.slow
 def test_a_bug_of_later_rounds_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug needs a second round to show: round 0 alone misses it, the round
     abstraction finds it, and the trace shows the concrete round numbers."""
@@ -476,6 +480,7 @@ def test_the_cli_is_quiet_off_a_terminal_and_with_quiet(capsys: pytest.CaptureFi
         assert err == ""
 
 
+@pytest.mark.slow
 def test_parallel_workers_explore_the_same_space_and_find_planted_bugs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

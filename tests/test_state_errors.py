@@ -47,6 +47,9 @@ from rallypoint.core import errors as core_errors
 from rallypoint.core.codec import encode_shared_settings, shared_settings_differences
 from rallypoint.spec.invariants import check_state
 
+#: real processes, servers or sockets: `make test-fast` leaves these out
+pytestmark = pytest.mark.integration
+
 # --- helpers ------------------------------------------------------------------------
 
 
