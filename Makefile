@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rallypoint run --standalone --nproc-per-node 2 examples/train.py
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check core
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from rallypoint.cli import main
+from .cli import main
 
 sys.exit(main())

@@ -31,15 +31,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "run":
-        from rallypoint.agent.launcher import main as run_main
+        from .agent.launcher import main as run_main
 
         return run_main(rest)
     if command == "spec":
-        from rallypoint.spec.cli import spec_main
+        from .spec.cli import spec_main
 
         return spec_main(rest)
     if command == "simulate":
-        from rallypoint.spec.cli import simulate_main
+        from .spec.cli import simulate_main
 
         return simulate_main(rest)
     print(f"rallypoint: unknown command {command!r}\n\n{_USAGE}", end="", file=sys.stderr)

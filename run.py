@@ -2,7 +2,7 @@
 
 import sys
 
-from rallypoint.agent.launcher import main
+from .agent.launcher import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

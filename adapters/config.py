@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from rallypoint.core import Settings
+from ..core import Settings
 
 __all__ = [
     "BACKENDS",

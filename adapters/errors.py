@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch.distributed.elastic.rendezvous import api as _torch_api
 
-from rallypoint.core import errors as _core
+from ..core import errors as _core
 
 __all__ = [
     "RendezvousClosedError",

@@ -45,7 +45,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from rallypoint.core import (
+from ..core import (
     Action,
     CloseOp,
     ExitOp,
@@ -55,9 +55,8 @@ from rallypoint.core import (
     NodeDesc,
     Settings,
 )
-from rallypoint.core import errors as core_errors
-from rallypoint.core.codec import encode_shared_settings, shared_settings_differences
-
+from ..core import errors as core_errors
+from ..core.codec import encode_shared_settings, shared_settings_differences
 from .backend import RendezvousBackend
 from .c10d.store import StoreBindError, host_tcp_store
 from .errors import (
@@ -282,7 +281,8 @@ class RallypointHandler(RendezvousHandler):
         # compare_set with an empty expected value creates a missing key and returns
         # what is stored either way: the first node's settings win, atomically.
         published = self._call_store(
-            lambda: bytes(self._store.compare_set(key, "", ours)),
+            # torch's Store stub says str; the binding takes bytes.
+            lambda: bytes(self._store.compare_set(key, "", ours)),  # type: ignore[arg-type]
             "publishing this node's settings",
         )
         if published != ours:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rallypoint.core import (
+from ..core import (
     MAX_STATE_BYTES,
     Announce,
     Beat,
@@ -47,8 +47,7 @@ from rallypoint.core import (
     driver,
     encode_state,
 )
-from rallypoint.core import errors as core_errors
-
+from ..core import errors as core_errors
 from .backend import RendezvousBackend, StateSizeLimit, Token
 from .errors import RendezvousConnectionError, RendezvousStateError, describe
 

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from rallypoint.agent.config import ConfigError, LaunchConfig
-from rallypoint.agent.errors import record
+from .config import ConfigError, LaunchConfig
+from .errors import record
 
 __all__ = ["ConfigError", "ElasticAgent", "LaunchConfig", "elastic_launch", "record"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "elastic_launch":
-        from rallypoint.agent.api import elastic_launch
+        from .api import elastic_launch
 
         return elastic_launch
     if name == "ElasticAgent":
-        from rallypoint.agent.agent import ElasticAgent
+        from .agent import ElasticAgent
 
         return ElasticAgent
     raise AttributeError(f"module 'rallypoint.agent' has no attribute {name!r}")

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rallypoint.agent.errors import record
+from .errors import record
 
 FUNCTION_ENV = "RALLYPOINT_FUNCTION"
 ARGS_ENV = "RALLYPOINT_ARGS"

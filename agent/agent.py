@@ -38,11 +38,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from rallypoint.agent.config import LaunchConfig, Std
-from rallypoint.agent.errors import AgentError, ProcessFailure
-from rallypoint.agent.logs import make_log_root
-from rallypoint.agent.rendezvous import HandlerView
-from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
+from .config import LaunchConfig, Std
+from .errors import AgentError, ProcessFailure
+from .logs import make_log_root
+from .rendezvous import HandlerView
+from .workers import WorkerGroup, WorkerLaunch
 
 __all__ = ["AgentState", "Assignment", "ElasticAgent", "RunResult", "SignalReceived"]
 
@@ -627,7 +627,8 @@ class ElasticAgent:
     def _close_rendezvous(self) -> None:
         started = time.monotonic()
         try:
-            self.handler.set_closed()
+            # torch declares RendezvousHandler.set_closed without annotations.
+            self.handler.set_closed()  # type: ignore[no-untyped-call]
             self._closed = True
         except Exception as exc:
             logger.debug("closing the rendezvous: %s: %s", type(exc).__name__, exc)

@@ -22,11 +22,11 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from rallypoint.agent._function_worker import ARGS_ENV, FUNCTION_ENV
-from rallypoint.agent.agent import AgentState, ElasticAgent, RunResult
-from rallypoint.agent.config import ConfigError, LaunchConfig
-from rallypoint.agent.errors import AgentError, WorkerFailedError
-from rallypoint.agent.rendezvous import build_handler
+from ._function_worker import ARGS_ENV, FUNCTION_ENV
+from .agent import AgentState, ElasticAgent, RunResult
+from .config import ConfigError, LaunchConfig
+from .errors import AgentError, WorkerFailedError
+from .rendezvous import build_handler
 
 __all__ = ["elastic_launch", "function_spec"]
 

@@ -27,9 +27,9 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
-from rallypoint.agent.config import (
+from .config import (
     BACKENDS,
     MAX_NPROC_PER_NODE,
     ConfigError,
@@ -37,7 +37,10 @@ from rallypoint.agent.config import (
     parse_endpoint,
     parse_std,
 )
-from rallypoint.agent.logs import make_log_root
+from .logs import make_log_root
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 __all__ = ["build_parser", "config_from_args", "main", "worker_argv"]
 
@@ -321,7 +324,7 @@ def _split_etcd_scheme(
 
 def _check_local_addr(addr: str) -> None:
     # torch's backends would also serve (and wait for) the workers' store there.
-    from rallypoint.adapters.config import RendezvousConfigError, check_local_addr
+    from ..adapters.config import RendezvousConfigError, check_local_addr
 
     try:
         check_local_addr(addr)
@@ -477,15 +480,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
             config = config_from_args(args)
             log_root = make_log_root(config.log_dir, config.run_id)
-            from rallypoint.agent.agent import AgentState, ElasticAgent
-            from rallypoint.agent.errors import format_failures
-            from rallypoint.agent.rendezvous import build_handler
+            from .agent import AgentState, ElasticAgent
+            from .errors import format_failures
+            from .rendezvous import build_handler
 
             if config.local_addr:
                 _check_local_addr(config.local_addr)
             handler = _interruptible(lambda: build_handler(config))
             if BACKENDS[config.rdzv_backend] == "torch":
-                handler = _InterruptibleRendezvous(handler)
+                # A proxy: every attribute but next_rendezvous is the handler's own.
+                handler = cast("RendezvousHandler", _InterruptibleRendezvous(handler))
     except _SetupInterrupted as stop:
         _remove_empty(log_root)
         print(f"rallypoint run: stopped by {stop} before the job started", file=sys.stderr)

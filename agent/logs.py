@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 
-from rallypoint.agent.config import ConfigError
+from .config import ConfigError
 
 __all__ = ["make_log_root"]
 

@@ -22,7 +22,7 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from rallypoint.agent.config import (
+from .config import (
     BACKENDS,
     DEFAULT_PORTS,
     ConfigError,
@@ -80,8 +80,8 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
         **configs,
     )
     if BACKENDS[backend] == "rallypoint":
-        from rallypoint.adapters import create_handler
-        from rallypoint.adapters.config import RendezvousConfigError
+        from ..adapters import create_handler
+        from ..adapters.config import RendezvousConfigError
 
         if "timeout" in configs:
             # Accepted from torch's launcher, which always adds it; from a user it

@@ -28,7 +28,7 @@ from typing import IO
 
 import psutil
 
-from rallypoint.agent.config import Std
+from .config import Std
 
 __all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "die_with_agent", "kill_tree"]
 

@@ -98,7 +98,7 @@ from typing import NamedTuple
 
 from immutables import Map
 
-from rallypoint.core import (
+from ..core import (
     Announce,
     Beat,
     CloseOp,
@@ -120,10 +120,9 @@ from rallypoint.core import (
     Write,
     heartbeat_of,
 )
-from rallypoint.core import driver as core_driver
-from rallypoint.core.actions import Action
-from rallypoint.core.errors import InvalidTransitionError
-
+from ..core import driver as core_driver
+from ..core.actions import Action
+from ..core.errors import InvalidTransitionError
 from .invariants import (
     check_admissions,
     check_removal_published,
@@ -592,7 +591,9 @@ class Checker:
         if event.kind == "heartbeat":
             op: Operator = KeepAliveOp()
         else:
-            op = _OPERATORS[loc.op if event.kind == "step" else event.kind]()
+            name = loc.op if event.kind == "step" else event.kind
+            assert name is not None  # "step" events are made only while loc.op is set
+            op = _OPERATORS[name]()
         stored: dict[tuple[object, ...], Event] = {}
         checked: list[Event] = []
         violations: list[Event] = []
@@ -774,7 +775,7 @@ class Checker:
         best_perm: tuple[int, ...] = tuple(range(len(g.locals)))
         for perm in self._permutations(g):
             key = self._key(g, perm)
-            if best_key is None or key < best_key:  # type: ignore[operator]
+            if best_key is None or key < best_key:
                 best_key, best_perm = key, perm
         return best_perm, hash(best_key)
 
@@ -1066,9 +1067,9 @@ class Checker:
         if isinstance(instruction, Write) and instruction.phase is None:
             missed = self._missed_wakeups(g, slot, core_step)
             if missed:
-                found = _Found(missed, decision)
-                found.lines = lines
-                raise found
+                missed_found = _Found(missed, decision)
+                missed_found.lines = lines
+                raise missed_found
         # Conformance depends on the shared state and intent log, what the step
         # decided and did, its guards, and every node's phase and pid; many steps
         # share all of them (timer choices that differ in nothing the check reads),
@@ -1285,16 +1286,16 @@ class Checker:
             raise _Found([f"conformance: {node} went {middle} -> {own} on {done}"])
         moved = {slot}
         for k, other in enumerate(admitted):
-            i = next((j for j, n in enumerate(nodes) if n == other), None)
-            if i is None:
+            index = next((j for j, n in enumerate(nodes) if n == other), None)
+            if index is None:
                 continue  # an earlier incarnation's entry: nobody runs that node
-            src = self._model_state(g, i, sanitized)
-            dst = lifecycle_state(g.locals[i].phase, other, stages[k + 1])
+            src = self._model_state(g, index, sanitized)
+            dst = lifecycle_state(g.locals[index].phase, other, stages[k + 1])
             if src != dst:
                 view = View(other, stages[k], self.settings, 0.0, _NO_OBSERVATIONS, None, g.intents)
                 self._expect(src, "admitted", dst, Guards.of(view), other)
-            moved.add(i)
-            final_i = self._model_state(after, i)
+            moved.add(index)
+            final_i = self._model_state(after, index)
             if final_i != dst:
                 self._expect(dst, "round_completed", final_i, _NO_GUARDS, other)
         if own != final:

@@ -35,11 +35,11 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from transitions import Machine, MachineError
 
-from rallypoint.core import NodeDesc, Observations, RendezvousState, Settings
+from ..core import NodeDesc, Observations, RendezvousState, Settings
 
 __all__ = [
     "LIVE_STATES",
@@ -418,7 +418,10 @@ _DIAGRAM_TITLE = (
 )
 
 
-def _graph_machine(engine: str) -> Any:
+_Engine = Literal["graphviz", "mermaid"]
+
+
+def _graph_machine(engine: _Engine) -> Any:
     from transitions.extensions import GraphMachine
 
     kwargs = _machine_kwargs()
@@ -439,7 +442,7 @@ def diagram_source(engine: str = "graphviz") -> str:
     """The diagram's source: graphviz ``dot`` text, or ``mermaid`` text for Markdown."""
     if engine not in ("graphviz", "mermaid"):
         raise ValueError(f"engine must be 'graphviz' or 'mermaid', got {engine!r}")
-    return str(_graph_machine(engine).get_graph().source)
+    return str(_graph_machine(cast(_Engine, engine)).get_graph().source)  # checked just above
 
 
 def write_diagram(path: str | Path) -> Path:

@@ -110,7 +110,7 @@ from typing import Any
 
 from immutables import Map
 
-from rallypoint.core import (
+from ..core import (
     Action,
     Announce,
     Beat,
@@ -132,8 +132,7 @@ from rallypoint.core import (
     Write,
     encode_state,
 )
-from rallypoint.core import driver as core_driver
-
+from ..core import driver as core_driver
 from .invariants import AgreementTracker, RoundResult, check_state, check_transition
 
 __all__ = [
@@ -1045,31 +1044,30 @@ class Simulator:
             instruction = decision.instruction
             if self._on_instruction is not None:
                 self._on_instruction(node.slot, instruction)
-            kind = type(instruction)
-            if kind is Read:
+            if type(instruction) is Read:
                 data = (instruction.counters, instruction.intents, instruction.state)
                 self._request(node, "backend_read", data)
                 return
-            if kind is Write:
+            if type(instruction) is Write:
                 if instruction.action is not None or instruction.dead:
                     what = "publish" if instruction.action is None else instruction.action.name
                     self._log(node, f"{self._task_name(node)} -> {what}")
                 self._request(node, "backend_cas", (node.version, instruction))
                 return
-            if kind is Beat:
+            if type(instruction) is Beat:
                 self._request(node, "backend_beat")
                 return
-            if kind is Announce:
+            if type(instruction) is Announce:
                 self._request(node, "backend_announce", instruction.round)
                 return
-            if kind is Wait:
+            if type(instruction) is Wait:
                 self._wait(node, instruction.until, instruction.phase, now)
                 return
-            if kind is Done:
+            if type(instruction) is Done:
                 if not self._done(node, instruction):
                     return
                 continue
-            assert kind is Verdict
+            assert type(instruction) is Verdict
             if not self._verdict(node, instruction):
                 return
 

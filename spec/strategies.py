@@ -15,9 +15,9 @@ Example::
 from __future__ import annotations
 
 from hypothesis import strategies as st
+from immutables import Map
 
-from rallypoint.core import NodeDesc, RendezvousState, Settings
-
+from ..core import NodeDesc, RendezvousState, Settings
 from .simulator import SimConfig
 
 __all__ = ["node_descs", "rendezvous_settings", "rendezvous_states", "sim_configs"]
@@ -69,10 +69,10 @@ def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> Rend
         complete=complete,
         closed=draw(st.booleans()),
         world_size=count if complete else 0,
-        participants=dict(zip(participants, ranks, strict=True)),
+        participants=Map(zip(participants, ranks, strict=True)),
         wait_list=frozenset(rest[:split]),
         redundancy_list=frozenset(rest[split:]),
-        heartbeats=heartbeats,
+        heartbeats=Map(heartbeats),
         # the largest counter ever handed out: at least every current one
         heartbeat_seq=max(heartbeats.values(), default=0) + draw(st.integers(0, 3)),
         phase=draw(st.integers(0, 12)),

@@ -142,7 +142,11 @@ class C10dBackend:
         self._native_append = bool(has_extended_api()) if callable(has_extended_api) else False
         # The store's get() blocks on a missing key; an initial version-0 value makes
         # every later get() return at once.
-        self._call(lambda: store.compare_set(self._key, "", _EMPTY), written=len(_EMPTY))
+        # torch's Store stub says str; the binding takes bytes.
+        self._call(
+            lambda: store.compare_set(self._key, "", _EMPTY),  # type: ignore[arg-type]
+            written=len(_EMPTY),
+        )
 
     @property
     def name(self) -> str:
@@ -247,7 +251,8 @@ class C10dBackend:
         desired = b"%d:%s:" % (version + 1, secrets.token_hex(6).encode()) + bytes(state)
         current = bytes(
             self._call(
-                lambda: self._store.compare_set(self._key, expected, desired),
+                # torch's Store stub says str; the binding takes bytes.
+                lambda: self._store.compare_set(self._key, expected, desired),  # type: ignore[arg-type]
                 written=len(expected) + len(desired),
             )
         )
@@ -261,7 +266,8 @@ class C10dBackend:
 
     def _notify(self, version: int, phase: int | None) -> None:
         if phase is None:
-            self._call(lambda: self._store.set(self._vkey(version), b""), written=8)
+            # torch's Store stub says str; the binding takes bytes.
+            self._call(lambda: self._store.set(self._vkey(version), b""), written=8)  # type: ignore[arg-type]
             return
         # One round trip for both notifications. ``p/<phase - 1>`` again, too: it
         # exists already unless the writer of that phase died between its CAS and

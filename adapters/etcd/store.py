@@ -14,6 +14,7 @@ lose an update.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -76,10 +77,13 @@ class EtcdStore(Store):
             self._backend.watch(self._key(key), revision + 1, min(left, 1.0))
 
     def get(self, key: str) -> bytes:
-        return self._wait_one(key, time.monotonic() + self.timeout.total_seconds())
+        # torch's Store stub omits the ``timeout`` property the binding has.
+        deadline = time.monotonic() + self.timeout.total_seconds()  # type: ignore[attr-defined]
+        return self._wait_one(key, deadline)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        span = (timeout or self.timeout).total_seconds()
+        # torch's Store stub omits the ``timeout`` property the binding has.
+        span = (timeout or self.timeout).total_seconds()  # type: ignore[attr-defined]
         deadline = time.monotonic() + span
         for key in keys:
             self._wait_one(key, deadline)
@@ -87,7 +91,7 @@ class EtcdStore(Store):
     def check(self, keys: list[str]) -> bool:
         return all(self._lookup(key)[0] is not None for key in keys)
 
-    def _swap(self, key: str, update: Any) -> bytes:
+    def _swap(self, key: str, update: Callable[[bytes | None], bytes | None]) -> bytes:
         """Atomically replace the value with ``update(old or None)`` (None: keep)."""
         full = self._key(key)
         tx = self._client.transactions
@@ -101,12 +105,11 @@ class EtcdStore(Store):
             new = update(old)
             if new is None:
                 return old if old is not None else b""
-            ok, _ = self._backend.call(
-                lambda c=compare, n=new: self._client.transaction(
-                    compare=c, success=[tx.put(full, n)], failure=[]
-                ),
-                written=len(full) + len(new),
-            )
+
+            def transaction(c: list[Any] = compare, n: bytes = new) -> Any:
+                return self._client.transaction(compare=c, success=[tx.put(full, n)], failure=[])
+
+            ok, _ = self._backend.call(transaction, written=len(full) + len(new))
             if ok:
                 return bytes(new)
 
