@@ -91,8 +91,7 @@ import itertools
 import multiprocessing
 import re
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
@@ -442,9 +441,9 @@ class Checker:
         #: state -> (relabelling, fingerprint); (shared, intents, relabelling) -> key
         self._fingerprints: dict[Global, tuple[tuple[int, ...], int]] = {}
         self._shared_keys: dict[tuple[object, ...], tuple[object, ...]] = {}
-        #: fingerprints this process handed out already (see _expand)
+        #: fingerprints a worker process handed back already (see _step_chunk)
         self._handed_out: set[int] = set()
-        #: lifecycle edges a worker process reported already (see _expand_chunk)
+        #: lifecycle edges a chunk reported already (see _step_chunk)
         self._edges_reported: set[tuple[str, str, str]] = set()
         #: transitions checked whose successors are not stored (see choices)
         self.checked_transitions = 0
@@ -1338,84 +1337,93 @@ class Checker:
         on_state: Callable[[Global, int], None] | None = None,
         workers: int = 1,
     ) -> CheckResult:
-        """Explore every reachable state (or up to ``max_states``).
+        """Explore every reachable state (or up to ``max_states``), breadth first,
+        a level at a time.
 
         ``progress`` is called with the running totals about every
         ``_PROGRESS_INTERVAL`` seconds, and ``on_state`` with every newly stored
-        state and its fingerprint. ``workers`` > 1 expands each breadth-first level
-        in that many processes (see :meth:`_run_parallel`); the states found, the
-        transitions and the depth are the same.
+        state and its fingerprint.
+
+        Each level is stepped in chunks (:meth:`_step_chunk`) and their successors
+        merged in order; this process keeps the visited fingerprints and the parent
+        pointers, and replays a violation into its trace. With ``workers`` > 1 the
+        chunks are stepped by that many forked processes: a worker is a fork of
+        this checker (so a bug planted in the core before the search is planted in
+        every worker) and hands back the successors it did not hand back before.
+        Chunks merge in order either way, so the states, transitions and depth do
+        not depend on ``workers``.
         """
-        if workers > 1:
-            return self._run_parallel(workers, progress, on_state)
+        global _WORKER
         start = time.perf_counter()
         result = CheckResult(self.config)
         init, _, init_fp = self.canonical(self.initial())
         problems = check_state(init.shared, self.settings)
-        parents: dict[int, tuple[int, Event | None]] = {init_fp: (init_fp, None)}
         if problems:
             result.violation = Violation(problems, ["initial state"])
             return result
-        frontier: deque[tuple[Global, int, int]] = deque([(init, init_fp, 0)])
+        parents: dict[int, tuple[int, Event | None]] = {init_fp: (init_fp, None)}
         if on_state is not None:
             on_state(init, init_fp)
         limit = self.config.max_states
-        stored_transitions = 0
+        level: list[tuple[Global, int]] = [(init, init_fp)]
+        depth, reported = 0, start
         self.checked_transitions = 0
-        reported = start
-        while frontier:
-            g, fp, depth = frontier.popleft()
-            result.depth = max(result.depth, depth)
-            if self.config.max_round is not None and g.shared.round > self.config.max_round:
-                continue
-            # Many timer choices of one step lead to the same state: canonicalize once.
-            local_seen: set[Global] = set()
-            successors = self._successors(g)
-            while True:
-                try:
-                    item = next(successors, None)
-                    if item is None:
+        pool = None
+        if workers > 1:
+            _WORKER = self
+            pool = multiprocessing.get_context("fork").Pool(workers)
+        try:
+            while level:
+                result.depth = depth
+                if self.config.max_round is not None:
+                    level = [(g, fp) for g, fp in level if g.shared.round <= self.config.max_round]
+                size = max(1, min(_CHUNK, len(level) // (workers * 4)))
+                chunks = [level[i : i + size] for i in range(0, len(level), size)]
+                # In process, each chunk is stepped after the previous one merged:
+                # it skips the successors already known.
+                outcomes = (
+                    pool.imap(_step_chunk_in_worker, chunks)
+                    if pool is not None
+                    else (self._step_chunk(chunk, parents) for chunk in chunks)
+                )
+                following: list[tuple[Global, int]] = []
+                for successors, stepped, edges, violation in outcomes:
+                    result.transitions += stepped
+                    self.edges |= edges
+                    if violation is not None:
+                        parent, event, found = violation
+                        self.last_problems = found
+                        trace = self.replay([*self._path(parents, parent), event])
+                        result.violation = Violation(self.last_problems, trace)
                         break
-                    event, succ = item
-                    succ = self._normalize(succ)
-                except _Found as found:
-                    event = found.event if found.event is not None else event
-                    parents_path = [*self._path(parents, fp), event]
-                    self.last_problems = found.problems
-                    trace = self.replay(parents_path)
-                    result.violation = Violation(self.last_problems, trace)
-                    result.states = len(parents)
-                    result.transitions = stored_transitions + self.checked_transitions
-                    result.seconds = time.perf_counter() - start
-                    result.lifecycle_edges = set(self.edges)
-                    return result
-                stored_transitions += 1
-                if succ in local_seen:
-                    continue
-                local_seen.add(succ)
-                perm, cfp = self.fingerprint(succ)
-                if cfp in parents:
-                    continue
-                parents[cfp] = (fp, event)
-                stored = relabel(succ, perm)
-                frontier.append((stored, cfp, depth + 1))
-                if on_state is not None:
-                    on_state(stored, cfp)
-                if progress is not None and len(parents) % 1000 == 0:
+                    for parent, event, stored, cfp in successors:
+                        if cfp in parents:
+                            continue
+                        parents[cfp] = (parent, event)
+                        following.append((stored, cfp))
+                        if on_state is not None:
+                            on_state(stored, cfp)
+                        if limit is not None and len(parents) >= limit:
+                            result.complete = False
+                            break
+                    if not result.complete:
+                        break
                     now = time.perf_counter()
-                    if now - reported >= _PROGRESS_INTERVAL:
+                    if progress is not None and now - reported >= _PROGRESS_INTERVAL:
                         reported = now
-                        result.states = len(parents)
-                        result.transitions = stored_transitions + self.checked_transitions
-                        result.depth = depth + 1
-                        result.seconds = now - start
+                        result.states, result.seconds = len(parents), now - start
                         progress(result)
-                if limit is not None and len(parents) >= limit:
-                    result.complete = False
-                    frontier.clear()
+                if result.violation is not None or not result.complete:
                     break
+                level = following
+                depth += 1 if level else 0
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+            _WORKER = None
+        result.depth = depth
         result.states = len(parents)
-        result.transitions = stored_transitions + self.checked_transitions
         result.seconds = time.perf_counter() - start
         result.lifecycle_edges = set(self.edges)
         return result
@@ -1444,112 +1452,43 @@ class Checker:
                     raise
                 yield event, succ
 
-    def _expand(self, g: Global, fp: int) -> tuple[list[_Successor], int]:
-        """The new successors of ``g`` as this process sees them (one per state
-        it has not handed out before), and how many transitions it stepped.
-
-        Raises:
-            _Found: a transition of ``g`` violates a property (``event`` names it).
-        """
-        found: list[_Successor] = []
-        seen: set[Global] = set()
-        stepped = 0
-        for event, succ in self._successors(g):
-            stepped += 1
-            succ = self._normalize(succ)
-            if succ in seen:
-                continue
-            seen.add(succ)
-            perm, cfp = self.fingerprint(succ)
-            if cfp in self._handed_out:
-                continue
-            self._handed_out.add(cfp)
-            found.append((fp, event, relabel(succ, perm), cfp))
-        return found, stepped
-
-    def _run_parallel(
+    def _step_chunk(
         self,
-        workers: int,
-        progress: Callable[[CheckResult], None] | None,
-        on_state: Callable[[Global, int], None] | None,
-    ) -> CheckResult:
-        """The breadth-first search with each level's states expanded by
-        ``workers`` forked processes.
-
-        A worker is a fork of this checker (so a bug planted in the core before
-        the search is planted in every worker): it steps a chunk of the level's
-        states and hands back their successors that it did not hand back before;
-        this process keeps the visited fingerprints and the parent pointers, and
-        builds the trace of a violation by replaying it. Chunks are merged in
-        order, so the search is as reproducible as the sequential one.
-        """
-        global _WORKER
-        start = time.perf_counter()
-        result = CheckResult(self.config)
-        init, _, init_fp = self.canonical(self.initial())
-        problems = check_state(init.shared, self.settings)
-        if problems:
-            result.violation = Violation(problems, ["initial state"])
-            return result
-        parents: dict[int, tuple[int, Event | None]] = {init_fp: (init_fp, None)}
-        if on_state is not None:
-            on_state(init, init_fp)
-        limit = self.config.max_states
-        level: list[tuple[Global, int]] = [(init, init_fp)]
-        depth, reported = 0, start
-        _WORKER = self
-        context = multiprocessing.get_context("fork")
-        try:
-            with context.Pool(workers) as pool:
-                while level:
-                    result.depth = depth
-                    if self.config.max_round is not None:
-                        level = [
-                            (g, fp) for g, fp in level if g.shared.round <= self.config.max_round
-                        ]
-                    size = max(1, min(_CHUNK, len(level) // (workers * 4)))
-                    chunks = [level[i : i + size] for i in range(0, len(level), size)]
-                    following: list[tuple[Global, int]] = []
-                    for outcome in pool.imap(_expand_chunk, chunks):
-                        successors, stepped, edges, violation = outcome
-                        result.transitions += stepped
-                        self.edges |= edges
-                        if violation is not None:
-                            parent, event, found = violation
-                            self.last_problems = found
-                            trace = self.replay([*self._path(parents, parent), event])
-                            result.violation = Violation(self.last_problems, trace)
-                            result.states = len(parents)
-                            result.seconds = time.perf_counter() - start
-                            result.lifecycle_edges = set(self.edges)
-                            return result
-                        for parent, event, stored, cfp in successors:
-                            if cfp in parents:
-                                continue
-                            parents[cfp] = (parent, event)
-                            following.append((stored, cfp))
-                            if on_state is not None:
-                                on_state(stored, cfp)
-                            if limit is not None and len(parents) >= limit:
-                                result.complete = False
-                                break
-                        if not result.complete:
-                            following = []
-                            break
-                        now = time.perf_counter()
-                        if progress is not None and now - reported >= _PROGRESS_INTERVAL:
-                            reported = now
-                            result.states, result.seconds = len(parents), now - start
-                            progress(result)
-                    level = following
-                    depth += 1 if level else 0
-        finally:
-            _WORKER = None
-        result.depth = depth
-        result.states = len(parents)
-        result.seconds = time.perf_counter() - start
-        result.lifecycle_edges = set(self.edges)
-        return result
+        chunk: list[tuple[Global, int]],
+        known: Container[int],
+        handed_out: set[int] | None = None,
+    ) -> _ChunkOutcome:
+        """Step the states of ``chunk``: their successors whose fingerprints are
+        not in ``known`` (each added to ``handed_out``, if given), the transitions
+        stepped, the lifecycle edges first exercised since the last chunk, and the
+        first violation as (parent fingerprint, event, problems)."""
+        successors: list[_Successor] = []
+        checked_before = self.checked_transitions
+        stepped = 0
+        violation = None
+        for g, fp in chunk:
+            seen: set[Global] = set()  # many timer choices lead to one state
+            try:
+                for event, succ in self._successors(g):
+                    stepped += 1
+                    succ = self._normalize(succ)
+                    if succ in seen:
+                        continue
+                    seen.add(succ)
+                    perm, cfp = self.fingerprint(succ)
+                    if cfp in known:
+                        continue
+                    if handed_out is not None:
+                        handed_out.add(cfp)
+                    successors.append((fp, event, relabel(succ, perm), cfp))
+            except _Found as problem:
+                assert problem.event is not None
+                violation = (fp, problem.event, problem.problems)
+                break
+        edges = self.edges - self._edges_reported
+        self._edges_reported |= edges
+        stepped += self.checked_transitions - checked_before
+        return successors, stepped, edges, violation
 
     @staticmethod
     def _path(parents: dict[int, tuple[int, Event | None]], fp: int) -> list[Event]:
@@ -1604,44 +1543,24 @@ class Checker:
         return lines
 
 
-#: One successor a worker hands back: (parent fingerprint, event, state, fingerprint).
+#: One successor a chunk hands back: (parent fingerprint, event, state, fingerprint).
 _Successor = tuple[int, Event, Global, int]
+#: What stepping a chunk gives (see Checker._step_chunk).
+_ChunkOutcome = tuple[
+    list[_Successor], int, set[tuple[str, str, str]], tuple[int, Event, list[str]] | None
+]
 #: States a worker steps in one go, at most.
 _CHUNK = 256
-#: The checker a forked worker process steps states with (see _run_parallel).
+#: The checker a forked worker process steps states with (see Checker.run).
 _WORKER: Checker | None = None
 
 
-def _expand_chunk(
-    chunk: list[tuple[Global, int]],
-) -> tuple[
-    list[_Successor],
-    int,
-    set[tuple[str, str, str]],
-    tuple[int, Event, list[str]] | None,
-]:
-    """A worker's part of a level: the new successors of ``chunk``, the
-    transitions stepped, the lifecycle edges first exercised, and the first
-    violation as (parent fingerprint, event, problems)."""
+def _step_chunk_in_worker(chunk: list[tuple[Global, int]]) -> _ChunkOutcome:
+    """A forked worker's part of a level (see :meth:`Checker.run`): it remembers
+    what it handed back, the main process knows the rest."""
     checker = _WORKER
-    assert checker is not None, "a worker runs only in a fork of Checker._run_parallel"
-    successors: list[_Successor] = []
-    checked_before = checker.checked_transitions
-    stepped = 0
-    violation = None
-    for g, fp in chunk:
-        try:
-            found, count = checker._expand(g, fp)
-        except _Found as problem:
-            assert problem.event is not None
-            violation = (fp, problem.event, problem.problems)
-            break
-        successors += found
-        stepped += count
-    edges = checker.edges - checker._edges_reported
-    checker._edges_reported |= edges
-    stepped += checker.checked_transitions - checked_before
-    return successors, stepped, edges, violation
+    assert checker is not None, "a worker runs only in a fork of Checker.run"
+    return checker._step_chunk(chunk, checker._handed_out, checker._handed_out)
 
 
 def _deadline_code(deadline: float | None) -> int:
