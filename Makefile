@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rallypoint-installed
 
-.PHONY: install demo test test-fast lint bench
+.PHONY: install demo test test-fast chaos lint bench
 
 $(STAMP): pyproject.toml Makefile
 	# The state diagram (rallypoint spec diagram) renders with graphviz's dot.
@@ -34,6 +34,11 @@ test: $(STAMP)
 # real processes, servers or the long checker searches: seconds, for the edit loop.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not integration and not slow"
+
+# The fault-injection scenarios (etcd failover, SIGKILL loops, partitions, clock
+# shifts) at full length; make test runs the same scenarios in reduced form.
+chaos: $(STAMP)
+	RALLYPOINT_CHAOS_FULL=1 $(PY) -m pytest -q -p no:cacheprovider -m chaos
 
 bench: $(STAMP)
 	$(PY) bench/core_throughput.py
