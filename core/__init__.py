@@ -12,13 +12,17 @@ all nodes can compare-and-set, and drive each node with the driver
                 view = after_read(view, node, state, side_counters_or_None, now(), log_or_None)
             case Write(state, phase=phase):
                 compare-and-set, publish phase if set
-                view = after_write(view, node, won, stored_state, now())
-            case Beat():          view = after_beat(view, node, bumped_counter, now())
+                view = after_write(view, node, won, stored_state, now(), sent_at)
+            case Beat():          view = after_beat(view, node, bumped_counter, now(), sent_at)
             case Announce(round): append node to the round's intent log
                                   view = after_announce(view, round)
             case Wait(until, phase):
                 wait for a phase above ``phase`` or until; view = after_wait(view)
             case Done(action):    break  # FINISH, or raise for ERROR_*
+
+While its workers run, a node asks :func:`must_fence` (no IO) and stops them when it
+has not renewed its lease (``sent_at``: when the renewing request was sent) for long
+enough that its peers may declare it dead.
 
 Time (``now``, ``deadline``) is the node's own monotonic clock in seconds. The shared
 state never holds a clock value, so clock skew between hosts cannot kill live nodes.
@@ -56,6 +60,7 @@ from .driver import (
     after_write,
     decide,
     monitor,
+    must_fence,
     phase_of,
 )
 from .errors import (
@@ -71,7 +76,9 @@ from .errors import (
 from .liveness import (
     SIDE_BITS,
     dead_nodes,
+    fence_after,
     heartbeat_of,
+    lease_expiry,
     observe,
     observe_own,
     sanitize,
@@ -150,11 +157,14 @@ __all__ = [
     "decode_state",
     "encode_shared_settings",
     "encode_state",
+    "fence_after",
     "heartbeat_of",
     "join_row",
     "keep_alive_due",
     "last_call_passed",
+    "lease_expiry",
     "monitor",
+    "must_fence",
     "observe",
     "observe_own",
     "phase_of",

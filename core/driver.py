@@ -53,7 +53,15 @@ from typing import NamedTuple
 from immutables import Map
 
 from .actions import Action, apply
-from .liveness import heartbeat_of, observe, observe_own, observe_read, sanitize
+from .liveness import (
+    fence_due,
+    heartbeat_of,
+    keep_own_since,
+    observe,
+    observe_read,
+    renew_own,
+    sanitize,
+)
 from .operators import JoinOp, Operator, keep_alive_due, wake_at
 from .state import Context, NodeDesc, Observations, RendezvousState, Settings
 
@@ -77,6 +85,7 @@ __all__ = [
     "after_write",
     "decide",
     "monitor",
+    "must_fence",
     "phase_of",
 ]
 
@@ -263,6 +272,12 @@ def after_read(
             side = side.set(node, view.counters[node])  # never forget the own beats
         counters_at = now
         obs = observe(view.observations, state, now, side)
+        before = view.observations.heartbeats.get(node)
+        if before is not None:
+            mine = obs.heartbeats.get(node)
+            if mine is not None and mine.since != before.since:
+                # A read is no renewal of this node's own lease (see renew_own).
+                obs = keep_own_since(obs, node, mine.counter, before.since)
     log, log_round = (None, -1) if intents is None else (tuple(intents), state.round)
     return _built(
         NodeView,
@@ -282,13 +297,30 @@ def after_read(
 
 
 def after_write(
-    view: NodeView, node: NodeDesc, won: bool, stored: RendezvousState | None, now: float
+    view: NodeView,
+    node: NodeDesc,
+    won: bool,
+    stored: RendezvousState | None,
+    now: float,
+    started: float | None = None,
 ) -> NodeView:
     """The view after a compare-and-set: ``stored`` is what the backend holds now
-    (the written state after a win; after a loss, what beat it, None if nothing)."""
+    (the written state after a win; after a loss, what beat it, None if nothing).
+
+    ``started``: the local time the compare-and-set was sent (None: ``now``). A won
+    write that moved this node's own heartbeat counter renews its lease from then
+    (see :func:`rallypoint.core.liveness.renew_own`): pass it, or the node fences
+    itself up to one round trip late.
+    """
     state = RendezvousState() if stored is None else stored
     counters = view.counters
-    obs = observe_read(view.observations, state, node, counters.get(node, 0), now)
+    side = counters.get(node, 0)
+    obs = observe_read(view.observations, state, node, side, now)
+    if won:
+        mine = state.heartbeats.get(node)
+        if mine is not None and mine != view.state.heartbeats.get(node):
+            pair = heartbeat_of(mine, side)
+            obs = renew_own(obs, node, pair, now if started is None else started)
     contended = view.contended or not won
     return _built(
         NodeView,
@@ -307,14 +339,28 @@ def after_write(
     )
 
 
-def after_beat(view: NodeView, node: NodeDesc, counter: int, now: float) -> NodeView:
-    """The view after this node's side heartbeat counter became ``counter``."""
+def after_beat(
+    view: NodeView, node: NodeDesc, counter: int, now: float, started: float | None = None
+) -> NodeView:
+    """The view after this node's side heartbeat counter became ``counter``.
+
+    ``started``: the local time the beat was sent (None: ``now``); the beat renews
+    this node's lease from then (see :func:`after_write`)."""
     counters = view.counters.set(node, counter)
     state = view.state
     own = state.heartbeats.get(node)
     pair = None if own is None else heartbeat_of(own, counter)
-    observations = observe_own(view.observations, node, pair, now)
+    observations = renew_own(view.observations, node, pair, now if started is None else started)
     return view._replace(counters=counters, observations=observations)
+
+
+def must_fence(view: NodeView, node: NodeDesc, settings: Settings, now: float) -> bool:
+    """Whether ``node`` must stop its workers now: it has not renewed its lease
+    (a keep-alive or a write of its own that took effect) for
+    :func:`rallypoint.core.liveness.fence_after`, so its peers may soon declare it
+    dead and regroup without it. Nothing is read: a node cut off from the store
+    decides this alone, on its own clock (docs/design.md, decision 7)."""
+    return fence_due(view.observations, node, settings, now)
 
 
 def after_announce(view: NodeView, round_: int) -> NodeView:
@@ -517,6 +563,16 @@ def decide(
         if action is _SYNC:
             wait = Wait(wake_at(ctx, deadline), state.phase)
             return Decision(wait, action, sanitized, dead)
+        if (
+            action is _FINISH
+            and node in state.heartbeats
+            and fence_due(observations, node, settings, now)
+            and isinstance(op, JoinOp)
+        ):
+            # Never hand workers a lease that is running out (a node admitted by
+            # another's batch after a long wait, or back from a partition): renew
+            # it first, or the agent would fence them at once.
+            return Decision(Beat(), action, sanitized, dead)
         return _built(Decision, (_done(node, op, action, sanitized), action, sanitized, dead))
     if not dead and node in state.heartbeats and (action is _KEEP_ALIVE or keep_alive_due(ctx)):
         # A member beats when its keep-alive is due, also before another write: a

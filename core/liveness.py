@@ -36,10 +36,14 @@ from .state import (
 __all__ = [
     "SIDE_BITS",
     "dead_nodes",
+    "fence_after",
+    "fence_due",
     "heartbeat_of",
+    "lease_expiry",
     "observe",
     "observe_own",
     "observe_read",
+    "renew_own",
     "sanitize",
 ]
 
@@ -88,7 +92,7 @@ def observe(
     """Record what a freshly read (or written) ``state`` shows, at local time ``now``.
 
     With ``counters`` (the default), ``side`` holds the side counters read with the
-    state (None: there are none, and the state's counters are watched alone): a
+    state (None: there are none; every side counter counts as 0): a
     member whose counter pair differs from the last one seen (or is new) restarts
     its liveness timer, and nodes no longer in the state are forgotten. Without
     ``counters`` (the state was read alone), only the last call is observed. A
@@ -124,7 +128,7 @@ def _observe_counters(
     restarted = False  # some sighting now starts at ``now``
     lost_oldest = False  # the sighting ``oldest`` came from was replaced or dropped
     for node, counter in counts.items():
-        value = counter if side is None else heartbeat_of(counter, side.get(node, 0))
+        value = heartbeat_of(counter, 0 if side is None else side.get(node, 0))
         sighting = seen.get(node)
         if sighting is None or sighting.counter != value:
             if sighting is not None and sighting.since == oldest:
@@ -178,7 +182,83 @@ def observe_read(
             observations.source_side,
             observations.oldest,
         )
-    return observe_own(observations, node, own, now) if moved else observations
+    if not moved:
+        return observations
+    if sighting is not None and own is not None:
+        # Another node's write moved this node's counter (a batch admitted it): a
+        # read is no renewal of this node's lease (see renew_own).
+        return keep_own_since(observations, node, own, sighting.since)
+    return observe_own(observations, node, own, now)
+
+
+def keep_own_since(
+    observations: Observations, node: NodeDesc, counter: int, since: float
+) -> Observations:
+    """``observations`` with this node's own sighting at ``counter`` and its
+    ``since`` (the last renewal) kept."""
+    updated = observations.heartbeats.set(node, _built(HeartbeatSighting, (counter, since)))
+    oldest = observations.oldest
+    if oldest is None or since < oldest:
+        oldest = since
+    return Observations._derived(
+        updated, observations.last_call, observations.source, observations.source_side, oldest
+    )
+
+
+def renew_own(
+    observations: Observations, node: NodeDesc, counter: int | None, started: float
+) -> Observations:
+    """Record a renewal of this node's lease: a keep-alive or a won write of its
+    own that moved its counter pair to ``counter``, sent at local time ``started``.
+
+    The own sighting's ``since`` is the lease's start (docs/design.md, decision
+    12): a peer first sees the new counter no earlier than it reached the store,
+    which is no earlier than it was sent, so a peer declares this node dead no
+    earlier than ``liveness_window`` after ``since``. Its keep-alive timer runs
+    from there too. Reads never renew: a counter moved by another node's write (a
+    batch admission) keeps its ``since``.
+    """
+    if counter is None:
+        return observe_own(observations, node, None, started)
+    seen = observations.heartbeats
+    sighting = seen.get(node)
+    if sighting is not None and sighting.since > started and sighting.counter == counter:
+        started = sighting.since  # already recorded by a later renewal
+    updated = seen.set(node, _built(HeartbeatSighting, (counter, started)))
+    oldest = observations.oldest
+    if (sighting is not None and sighting.since == oldest) or oldest is None:
+        oldest = _oldest(updated)
+    elif started < oldest:
+        oldest = started
+    return Observations._derived(
+        updated, observations.last_call, observations.source, observations.source_side, oldest
+    )
+
+
+def fence_after(settings: Settings) -> float:
+    """How long after its last renewal (see :func:`renew_own`) a node must have
+    stopped its workers: half a keep-alive interval (at most a quarter of the
+    window) before any peer can declare it dead. A node cut off from the store
+    fences itself before the others can regroup without it, so two groups never
+    train at once (docs/design.md, decision 7)."""
+    window = settings.liveness_window
+    return window - min(settings.keep_alive_interval / 2, window / 4)
+
+
+def fence_due(
+    observations: Observations, node: NodeDesc, settings: Settings, now: float
+) -> bool:
+    """Whether ``node``'s lease has run out at local time ``now``: it has not
+    renewed for :func:`fence_after` and must stop its workers now. False for a
+    node that holds no heartbeat entry (nothing to fence)."""
+    sighting = observations.heartbeats.get(node)
+    return sighting is not None and now - sighting.since >= fence_after(settings)
+
+
+def lease_expiry(observations: Observations, node: NodeDesc, settings: Settings) -> float | None:
+    """The local time from which a peer may declare ``node`` dead (None: no lease)."""
+    sighting = observations.heartbeats.get(node)
+    return None if sighting is None else sighting.since + settings.liveness_window
 
 
 def observe_own(
@@ -218,18 +298,25 @@ def dead_nodes(
 
     Never the ``observer`` itself: a node that finds its own counter silent (it
     could not beat, e.g. while the backend was down) is alive and beats now; its
-    peers judge it by their own sightings.
+    peers judge it by their own sightings. Nor a node whose counter in ``state``
+    is not the one its sighting watched: it moved after the sighting was taken
+    (found by the simulator: a node removed during a partition rejoined, and a
+    peer declared it dead again on the sighting of its old entry while it trained).
     """
     window = settings.liveness_window
     oldest = observations.oldest
     if oldest is None or now - oldest <= window:
         return _NOBODY
+    seen = observations.heartbeats
     return frozenset(
         node
-        for node in state.heartbeats
-        if (sighting := observations.heartbeats.get(node)) is not None
+        for node, counter in state.heartbeats.items()
+        if (sighting := seen.get(node)) is not None
         and now - sighting.since > window
         and node != observer
+        # A state counter other than the one the sighting watched moved since (the
+        # node came back, or was admitted again): the sighting is not evidence.
+        and sighting.counter >> SIDE_BITS == counter
     )
 
 

@@ -171,10 +171,12 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
     _edge("admitted", "waiting", "complete", conditions=["round_open", "fills_round"]),
     _edge("finish", "complete", "training"),
     _edge("finish", "evicted", "exited"),
-    # Heartbeats: only a member beats, and only when its interval has passed.
+    # Heartbeats: only a member beats, and only when its interval has passed (a
+    # joiner of a complete round renews a lease that is running out before its
+    # join returns: see core.driver.decide).
     _edge(
         "keep_alive",
-        ["waiting", "redundant", "participant", "training"],
+        ["waiting", "redundant", "participant", "complete", "training"],
         None,
         conditions=["keep_alive_due"],
     ),

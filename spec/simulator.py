@@ -464,17 +464,23 @@ class SimReport:
     leaves: int = 0
     deaths: int = 0
     false_deaths: int = 0
+    #: nodes that stopped their workers because their lease ran out (fenced)
+    fences: int = 0
+    #: nodes declared dead while their workers still ran: a broken lease, so two
+    #: groups could train at once (a safety fault)
+    unfenced_deaths: int = 0
     timeouts: int = 0
     #: phases published (writes that woke the nodes waiting for a lower one)
     phases: int = 0
     violations: list[SimViolation] = field(default_factory=list)
     #: live, reachable nodes declared dead (a liveness fault, not a safety one)
     false_death_log: list[SimViolation] = field(default_factory=list)
+    unfenced_log: list[SimViolation] = field(default_factory=list)
     wall_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return not self.violations and self.false_deaths == 0
+        return not self.violations and self.false_deaths == 0 and self.unfenced_deaths == 0
 
     @property
     def steps_per_second(self) -> float:
@@ -513,6 +519,7 @@ class SimReport:
                 f"{self.crashes} / {self.partitions} / {self.leaves}",
             ),
             ("deaths declared (false)", f"{self.deaths} ({self.false_deaths})"),
+            ("fences (deaths of unfenced nodes)", f"{self.fences} ({self.unfenced_deaths})"),
             ("operation timeouts", str(self.timeouts)),
             ("phases published", str(self.phases)),
             ("backend reads per node", f"{t.reads / n:.1f}"),
@@ -536,7 +543,7 @@ class SimReport:
             f"  {r.round} {r.size} {r.opened:.6f} {r.completed:.6f} {r.duration:.6f}"
             for r in self.rounds
         ]
-        for v in [*self.violations, *self.false_death_log]:
+        for v in [*self.violations, *self.false_death_log, *self.unfenced_log]:
             lines.append(v.format())
         return "\n".join(lines)
 
@@ -600,6 +607,7 @@ class _Node:
         "queued_monitor",
         "registered",
         "req",
+        "sent",
         "slot",
         "task",
         "ticks",
@@ -633,6 +641,8 @@ class _Node:
         #: ones are dropped), whether it is a driver Wait, the CAS losses in a row,
         #: and whether this process has created its heartbeat key
         self.req = 0
+        #: local time the request in flight was sent (a renewal counts from then)
+        self.sent = 0.0
         self.waiting = False
         self.losses = 0
         self.registered = False
@@ -1077,6 +1087,7 @@ class Simulator:
 
     def _request(self, node: _Node, kind: str, data: Any = None) -> None:
         node.req += 1
+        node.sent = node.local(self.now)
         if node.partitioned:
             self._at(self.now + self.config.request_timeout, "request_timeout", node.slot, node.req)
             return
@@ -1359,6 +1370,13 @@ class Simulator:
         node = self._by_desc.get(gone)
         if node is None or node.desc != gone:
             return
+        if node.alive and node.phase == _TRAINING:
+            # Its lease ran out on its peer's clock while its workers still ran: it
+            # should have fenced itself first (core.driver.must_fence).
+            self.report.unfenced_deaths += 1
+            trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
+            problem = f"unfenced death: {observer.desc} declared {gone} dead while it trained"
+            self.report.unfenced_log.append(SimViolation(self.now, (problem,), trace))
         if node.alive and node.phase in (_JOINING, _TRAINING, _EXITING):
             grace = self.settings.liveness_window + self.config.request_timeout * 2
             if not node.partitioned and self.now - node.healed_at > grace:
@@ -1382,7 +1400,7 @@ class Simulator:
         elif what == "cas":
             _, won, stored, version, write = data
             node.version = version
-            node.view = core_driver.after_write(node.view, node.desc, won, stored, now)
+            node.view = core_driver.after_write(node.view, node.desc, won, stored, now, node.sent)
             if not won:
                 node.losses += 1
                 # StateSync's jittered, capped exponential backoff before deciding again.
@@ -1396,7 +1414,7 @@ class Simulator:
             node.view = core_driver.after_announce(node.view, data[1])
         else:  # a beat
             node.registered = True
-            node.view = core_driver.after_beat(node.view, node.desc, data[1], now)
+            node.view = core_driver.after_beat(node.view, node.desc, data[1], now, node.sent)
         self._drive(node)
 
     def _on_retry(self, node: _Node, data: Any) -> None:
@@ -1523,6 +1541,16 @@ class Simulator:
             self._at(node.global_time(due), "tick", node.slot, node.ticks, due)
 
     def _on_tick(self, node: _Node, due: float) -> None:
+        if node.phase == _TRAINING and core_driver.must_fence(
+            node.view, node.desc, self.settings, due
+        ):
+            # The agent's lease check: its workers stop, and it rejoins (it cannot
+            # reach the store to leave first).
+            self.report.fences += 1
+            self._log(node, "lease ran out: fences (stops its workers) and rejoins")
+            self._regroup(node)
+            self._drive(node)
+            return
         if node.next_beat <= due:
             node.queued_beat = True
             node.next_beat += self.settings.keep_alive_interval / 4

@@ -143,7 +143,8 @@ def test_a_peer_whose_counter_moved_meanwhile_is_alive() -> None:
 def test_dead_peers_found_on_fresh_counters_are_published_even_when_the_op_waits() -> None:
     state = joined([node(0), node(1)], S)
     view = _view(state, now=0.0)
-    view = after_read(view, node(0), state, {node(0): 3, node(1): 0}, 5.0)  # node(0) moved at 5
+    view = after_beat(view, node(0), 3, 5.0)  # node(0) renewed at 5
+    view = after_read(view, node(0), state, {node(0): 3, node(1): 0}, 5.0)
     d = decide(view, node(0), S, JoinOp(), FAR, 5.0)
     assert d.action is Action.SYNC
     assert isinstance(d.instruction, Write)

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from core_scenarios import FAR, completed, ctx, joined, node, settings, step
 
-from rallypoint.core import JOIN_TABLE, Action, JoinOp, Observations, RendezvousState, join_row
+from rallypoint.core import (
+    JOIN_TABLE,
+    Action,
+    JoinOp,
+    Observations,
+    RendezvousState,
+    heartbeat_of,
+    join_row,
+)
 
 ROWS_HIT: set[str] = set()
 
@@ -182,4 +190,4 @@ def test_observations_default_to_empty_and_change_nothing_when_fresh():
     s = settings()
     state = joined([node(0)], s)
     c = ctx(node(0), state, s, obs=Observations())
-    assert c.observations.heartbeats[node(0)].counter == 1
+    assert c.observations.heartbeats[node(0)].counter == heartbeat_of(1, 0)

@@ -146,7 +146,7 @@ def _reference_observe(
     sightings = dict(observations.heartbeats.items())
     if watch_counters:
         for node, counter in state.heartbeats.items():
-            value = counter if side is None else heartbeat_of(counter, side.get(node, 0))
+            value = heartbeat_of(counter, 0 if side is None else side.get(node, 0))
             seen = sightings.get(node)
             if seen is None or seen.counter != value:
                 sightings[node] = HeartbeatSighting(value, now)
@@ -206,7 +206,13 @@ def test_observe_read_is_observe_without_counters_then_the_own_pair(
     now = _later(obs, step)
     counter = state.heartbeats.get(node)
     pair = None if counter is None else heartbeat_of(counter, side_counter)
-    expected = observe_own(observe(obs, state, now, counters=False), node, pair, now)
+    expected = observe(obs, state, now, counters=False)
+    before = obs.heartbeats.get(node)
+    if pair is not None and before is not None and before.counter != pair:
+        # moved by somebody else's write: the own lease keeps its start
+        expected = _with_own(expected, node, pair, before.since)
+    else:
+        expected = observe_own(expected, node, pair, now)
     got = observe_read(obs, state, node, side_counter, now)
     assert got == expected
     assert got.oldest == expected.oldest == _oldest(got)
@@ -429,10 +435,35 @@ def test_the_field_orders_the_driver_builds_by_position():
     assert Membership._fields == ("round", "rank", "world_size", "participants")
 
 
+def _with_own(obs: Observations, node: NodeDesc, pair: int | None, since: float) -> Observations:
+    """``obs`` with the own sighting set to (pair, since), rebuilt the slow way."""
+    beats = dict(obs.heartbeats.items())
+    if pair is None:
+        beats.pop(node, None)
+    else:
+        beats[node] = HeartbeatSighting(pair, since)
+    return Observations(heartbeats=Map(beats), last_call=obs.last_call)
+
+
 def _reference_own(view: NodeView, node: NodeDesc, state: RendezvousState, now: float):  # type: ignore[no-untyped-def]
+    """The own sighting after a read: a new entry is first seen now; a counter moved
+    by somebody else keeps the lease's start (a read renews nothing)."""
     counter = state.heartbeats.get(node)
     own = None if counter is None else heartbeat_of(counter, view.counters.get(node, 0))
-    return observe_own(view.observations, node, own, now)
+    before = view.observations.heartbeats.get(node)
+    if own is None or before is None:
+        return observe_own(view.observations, node, own, now)
+    if before.counter == own:
+        return view.observations
+    return _with_own(view.observations, node, own, before.since)
+
+
+def _reference_renewal(obs: Observations, node: NodeDesc, pair: int | None, at: float):  # type: ignore[no-untyped-def]
+    """The own sighting after a renewal sent at ``at``."""
+    before = obs.heartbeats.get(node)
+    if pair is not None and before is not None and before.counter == pair and before.since > at:
+        at = before.since
+    return _with_own(obs, node, pair, at)
 
 
 @st.composite
@@ -474,6 +505,10 @@ def test_after_read_builds_the_view_replace_would(view, node, state, side, now, 
         if node in view.counters and node not in counters_read:
             counters_read = counters_read.set(node, view.counters[node])
         obs = observe(expected.observations, read, now, counters_read)
+        before = view.observations.heartbeats.get(node)
+        mine = obs.heartbeats.get(node)
+        if before is not None and mine is not None:
+            obs = _with_own(obs, node, mine.counter, before.since)
         expected = expected._replace(
             state=read, counters=counters_read, counters_at=now, observations=obs, stale=False
         )
@@ -499,10 +534,22 @@ def test_after_write_wait_and_beat_build_the_views_replace_would(
         contended=view.contended or not won,
     )
     expected = expected._replace(observations=_reference_own(expected, node, state, now))
+    mine = state.heartbeats.get(node)
+    if won and mine is not None and mine != view.state.heartbeats.get(node):
+        pair = heartbeat_of(mine, view.counters.get(node, 0))
+        expected = expected._replace(
+            observations=_reference_renewal(expected.observations, node, pair, now)
+        )
     assert after_write(view, node, won, stored, now) == expected
 
     assert after_wait(view) == view._replace(stale=True, contended=False)
 
     beaten = view._replace(counters=view.counters.set(node, beat))
-    beaten = beaten._replace(observations=_reference_own(beaten, node, beaten.state, now))
+    own = beaten.state.heartbeats.get(node)
+    pair = None if own is None else heartbeat_of(own, beat)
+    if pair is None:
+        renewed = observe_own(beaten.observations, node, None, now)
+    else:
+        renewed = _reference_renewal(beaten.observations, node, pair, now)
+    beaten = beaten._replace(observations=renewed)
     assert after_beat(view, node, beat, now) == beaten

@@ -500,3 +500,18 @@ def test_parallel_workers_explore_the_same_space_and_find_planted_bugs(
     assert result.violation is not None
     assert any("duplicate ranks" in p for p in result.violation.problems)
     assert "0. initial" in result.violation.format()
+
+
+def test_a_lease_that_outlives_the_liveness_window_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Self-fencing: a node declared dead while it trains must already have been
+    told to stop its workers. A lease longer than the window its peers wait is
+    found the first time a training node is declared dead."""
+    from rallypoint.core import liveness
+
+    monkeypatch.setattr(liveness, "fence_after", lambda s: s.liveness_window + 1.0)
+    result = check(SMALL)
+    assert result.violation is not None
+    assert any(p.startswith("lease: ") for p in result.violation.problems)
+    assert any("declared dead" in line for line in result.violation.trace)
