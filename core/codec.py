@@ -23,6 +23,10 @@ as well, so that a bad write surfaces as an error at once instead of stalling ev
 node until its join timeout. Given the node's :class:`Settings`, the checks that
 depend on min/max nodes run too.
 
+The size of a state's encoding is also kept incrementally across writes
+(:class:`EncodedSize`, from the same layout), for executors and simulations that
+count bytes without encoding every state they see.
+
 The settings the state's validity depends on are published once per run beside
 it (:func:`encode_shared_settings`); :func:`shared_settings_differences` compares
 a node's own with them, so nodes started with different node counts are told so
@@ -32,6 +36,8 @@ instead of failing on a state that is valid only for some of them.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from dataclasses import fields
 from typing import Any
 
 from immutables import Map
@@ -43,6 +49,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MAX_STATE_BYTES",
     "SHARED_SETTINGS",
+    "EncodedSize",
     "decode_state",
     "encode_shared_settings",
     "encode_state",
@@ -61,30 +68,145 @@ _KEYS = frozenset(
 )
 
 
-def _node_fields(node: NodeDesc) -> list[Any]:
-    return [node.addr, node.pid, node.local_id]
+_SEPARATORS = (",", ":")
+#: The state's node collections as the format lists them: (key, the state's field,
+#: whether an entry holds a value after the node: a rank, a counter).
+_COLLECTIONS: tuple[tuple[str, str, bool], ...] = (
+    ("p", "participants", True),
+    ("w", "wait_list", False),
+    ("r", "redundancy_list", False),
+    ("hb", "heartbeats", True),
+    ("lr", "last_ranks", True),
+)
+
+
+def _entry(node: NodeDesc, *value: int) -> list[Any]:
+    """A node's entry in a collection: address, pid, local id, then its value."""
+    return [node.addr, node.pid, node.local_id, *value]
+
+
+def _listed(state: RendezvousState, field: str, valued: bool) -> list[list[Any]]:
+    """The entries of one collection of ``state``, in node order."""
+    members = getattr(state, field)
+    if valued:
+        return [_entry(n, v) for n, v in sorted(members.items())]
+    return [_entry(n) for n in sorted(members)]
 
 
 def encode_state(state: RendezvousState) -> bytes:
     """The canonical bytes of ``state`` (equal states give equal bytes)."""
+    lists = {key: _listed(state, field, valued) for key, field, valued in _COLLECTIONS}
     doc = {
         "v": FORMAT_VERSION,
         "round": state.round,
         "complete": state.complete,
         "closed": state.closed,
         "world": state.world_size,
-        "p": [[*_node_fields(n), r] for n, r in sorted(state.participants.items())],
-        "w": [_node_fields(n) for n in sorted(state.wait_list)],
-        "r": [_node_fields(n) for n in sorted(state.redundancy_list)],
-        "hb": [[*_node_fields(n), c] for n, c in sorted(state.heartbeats.items())],
+        "p": lists["p"],
+        "w": lists["w"],
+        "r": lists["r"],
+        "hb": lists["hb"],
         "lc": state.last_call,
         "lcs": state.last_call_seq,
-        "lr": [[*_node_fields(n), r] for n, r in sorted(state.last_ranks.items())],
+        "lr": lists["lr"],
         "hs": state.heartbeat_seq,
         "ph": state.phase,
         "ic": state.intent_cursor,
     }
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return json.dumps(doc, separators=_SEPARATORS, ensure_ascii=True).encode("ascii")
+
+
+# -- the encoded size, kept incrementally --------------------------------------------
+
+
+def _entry_size(node: NodeDesc, *value: int) -> int:
+    return len(json.dumps(_entry(node, *value), separators=_SEPARATORS, ensure_ascii=True))
+
+
+def _size_in(members: Any, valued: bool, node: NodeDesc) -> int | None:
+    """The size of ``node``'s entry in a collection, None if it has none."""
+    if not valued:
+        return _entry_size(node) if node in members else None
+    value = members.get(node)
+    return None if value is None else _entry_size(node, value)
+
+
+#: The state's fields outside the collections: the size of the state with its
+#: collections empty depends on them only.
+_SCALARS = tuple(
+    f.name for f in fields(RendezvousState) if f.name not in {c[1] for c in _COLLECTIONS}
+)
+_EMPTIED: dict[str, object] = {
+    field: Map() if valued else frozenset() for _, field, valued in _COLLECTIONS
+}
+
+
+class EncodedSize:
+    """``len(encode_state(state))``, kept incrementally across writes.
+
+    :func:`encode_state` writes each collection as a JSON list of per-node
+    entries; the size of a state is the size of the state with empty collections
+    plus, per non-empty collection, the sizes of its entries and the commas
+    between them. A write changes the entries of the nodes it touched (the writer,
+    the nodes its sanitize removed and the nodes it admitted), except when ranks
+    are assigned or the round advances, when the participants are counted again.
+    """
+
+    def __init__(self, state: RendezvousState) -> None:
+        self._state = state
+        #: per collection key: (the sizes of its entries summed, their count)
+        self._parts = {key: _full(state, field, valued) for key, field, valued in _COLLECTIONS}
+        self._base_key: tuple[object, ...] | None = None
+        self._base = 0
+        self.value = self._total(state)
+
+    def update(self, new: RendezvousState, touched: Iterable[NodeDesc]) -> int:
+        """The size of ``new``, a state written over the previous one by a step
+        that touched only ``touched`` (plus what ranking or a new round changes)."""
+        old = self._state
+        touched = tuple(dict.fromkeys(touched))  # a node may be named twice
+        rerank = old.complete != new.complete or old.round != new.round
+        for key, field, valued in _COLLECTIONS:
+            before, after = getattr(old, field), getattr(new, field)
+            if before is after:
+                continue
+            if rerank and key in ("p", "lr"):
+                self._parts[key] = _full(new, field, valued)
+                continue
+            total, count = self._parts[key]
+            for node in touched:
+                was, now = _size_in(before, valued, node), _size_in(after, valued, node)
+                if was is not None:
+                    total, count = total - was, count - 1
+                if now is not None:
+                    total, count = total + now, count + 1
+            self._parts[key] = (total, count)
+        self._state = new
+        self.value = self._total(new)
+        return self.value
+
+    def _total(self, state: RendezvousState) -> int:
+        # Encode the state with empty collections again only when one of the
+        # fields its size depends on changed.
+        key = tuple(getattr(state, name) for name in _SCALARS)
+        if key != self._base_key:
+            self._base_key = key
+            self._base = len(encode_state(state.evolve(**_EMPTIED)))
+        size = self._base
+        for total, count in self._parts.values():
+            if count:
+                size += total + count - 1
+        return size
+
+
+def _full(state: RendezvousState, field: str, valued: bool) -> tuple[int, int]:
+    """The sizes of the entries of one collection, summed, and their count."""
+    members = getattr(state, field)
+    if valued:
+        sizes = [_entry_size(n, v) for n, v in members.items()]
+    else:
+        sizes = [_entry_size(n) for n in members]
+    return sum(sizes), len(sizes)
 
 
 def _fail(what: str) -> RendezvousStateError:

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from .check import CheckConfig, CheckResult
+    from .simulator import SimReport
 
 __all__ = ["simulate_main", "spec_main"]
 
@@ -67,24 +72,12 @@ def spec_main(argv: list[str]) -> int:
     args = _spec_parser().parse_args(argv)
     if args.command == "diagram":
         return _diagram(Path(args.output), source_only=args.source)
-    from .check import CheckConfig, CheckerConfigError, check
+    from .check import CheckConfig, check
 
-    try:
-        config = CheckConfig(
-            nodes=args.nodes,
-            min_nodes=args.min_nodes,
-            max_nodes=args.max_nodes,
-            max_round=args.max_round,
-            max_crashes=args.max_crashes,
-            allow_close=not args.no_close,
-            stable_ranks=args.stable_ranks,
-            symmetry=not args.no_symmetry,
-            max_states=args.max_states,
-        )
-    except CheckerConfigError as exc:
-        print(f"rallypoint spec check: {exc}", file=sys.stderr)
+    changes = {"allow_close": not args.no_close, "symmetry": not args.no_symmetry}
+    config = _config("rallypoint spec check", CheckConfig, args, changes)
+    if config is None:
         return 2
-
     workers = args.workers if args.workers is not None else os.cpu_count() or 1
     if workers < 1:
         print(
@@ -97,6 +90,23 @@ def spec_main(argv: list[str]) -> int:
         result = _check_with_progress(config, workers)
     print(result.summary())
     return 0 if result.ok else 1
+
+
+_Config = TypeVar("_Config")
+
+
+def _config(
+    prog: str, make: Callable[..., _Config], args: argparse.Namespace, changes: dict[str, Any]
+) -> _Config | None:
+    """The config ``make`` builds from the options of the same names in ``args``
+    (and ``changes``); None, after saying why on stderr, when it refuses them."""
+    names = set(inspect.signature(make).parameters)
+    options = {k: v for k, v in vars(args).items() if k in names}
+    try:
+        return make(**{**options, **changes})
+    except ValueError as exc:  # the configs' errors are ValueErrors naming the field
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
 
 
 def _diagram(out: Path, *, source_only: bool) -> int:
@@ -234,49 +244,13 @@ def simulate_main(argv: list[str]) -> int:
         if problem is not None:
             print(f"{prog}: {problem}", file=sys.stderr)
             return 2
-    from .simulator import SimConfig, SimConfigError, simulate
+    from .simulator import SimConfig, simulate
 
-    try:
-        config = SimConfig(
-            nodes=args.nodes,
-            min_nodes=args.min_nodes,
-            max_nodes=args.max_nodes,
-            seed=args.seed,
-            duration=args.duration,
-            crash_rate=args.crash_rate,
-            partition_rate=args.partition_rate,
-            partition_duration=args.partition_duration,
-            leave_rate=args.leave_rate,
-            restart_delay=args.restart_delay,
-            latency=args.latency,
-            jitter=args.jitter,
-            conflict_rate=args.conflict_rate,
-            clock_offset=args.clock_offset,
-            drift=args.drift,
-            last_call_timeout=args.last_call,
-            arrival_spread=args.arrival_spread,
-        )
-    except SimConfigError as exc:
-        print(f"rallypoint simulate: {exc}", file=sys.stderr)
+    config = _config(prog, SimConfig, args, {"last_call_timeout": args.last_call})
+    if config is None:
         return 2
     report = simulate(config)
-
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    table = Table(title=f"rallypoint simulate: {config.nodes} nodes, seed {config.seed}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for name, value in report.summary_rows():
-        table.add_row(name, value)
-    console.print(table)
-    for violation in report.violations:
-        console.print(violation.format(), markup=False)
-    if not args.no_timing:
-        console.print(
-            f"wall {report.wall_seconds:.2f} s, {report.steps_per_second:,.0f} node-steps/s"
-        )
+    console = _print_report(report, timing=not args.no_timing)
     if args.plot is not None:
         try:
             _plot(report, args.plot)
@@ -288,6 +262,28 @@ def simulate_main(argv: list[str]) -> int:
             return 1
         console.print(f"wrote {args.plot}")
     return 0 if report.ok else 1
+
+
+def _print_report(report: SimReport, *, timing: bool) -> Console:
+    """The report as a table (and its violations), on stdout; the console used."""
+    from rich.console import Console
+    from rich.table import Table
+
+    config = report.config
+    console = Console()
+    table = Table(title=f"rallypoint simulate: {config.nodes} nodes, seed {config.seed}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for name, value in report.summary_rows():
+        table.add_row(name, value)
+    console.print(table)
+    for violation in report.violations:
+        console.print(violation.format(), markup=False)
+    if timing:
+        console.print(
+            f"wall {report.wall_seconds:.2f} s, {report.steps_per_second:,.0f} node-steps/s"
+        )
+    return console
 
 
 def _simulate_input_problem(args: argparse.Namespace) -> str | None:

@@ -184,6 +184,21 @@ def _admitted_by(writer: NodeDesc, before: RendezvousState, after: RendezvousSta
     )
 
 
+def _cursor_problems(
+    round_: int, same_round: bool, entries: Sequence[NodeDesc], start: int, cursor: int
+) -> list[str]:
+    """The intent cursor only grows within a round and stays within its log."""
+    problems = []
+    if same_round and cursor < start:
+        problems.append(f"the intent cursor of round {round_} went back from {start} to {cursor}")
+    if cursor > len(entries):
+        problems.append(
+            f"the intent cursor of round {round_} is {cursor}, past the end of "
+            f"its log ({len(entries)} entries)"
+        )
+    return problems
+
+
 def check_admissions(
     writer: NodeDesc,
     before: RendezvousState,
@@ -211,19 +226,10 @@ def check_admissions(
       has that entry consumed: the cursor moves past it, so every entry admits its
       node at most once.
     """
-    problems: list[str] = []
     same_round = written.round == before.round
     entries, start = (log, before.intent_cursor) if same_round else (new_log, 0)
     cursor = written.intent_cursor
-    if same_round and cursor < start:
-        problems.append(
-            f"the intent cursor of round {written.round} went back from {start} to {cursor}"
-        )
-    if cursor > len(entries):
-        problems.append(
-            f"the intent cursor of round {written.round} is {cursor}, past the end of "
-            f"its log ({len(entries)} entries)"
-        )
+    problems = _cursor_problems(written.round, same_round, entries, start, cursor)
     pending = frozenset(entries[start:])
     left = frozenset(entries[max(cursor, start) :])
     joined = {n for n in written.members() if n != writer and _admitted_by(n, sanitized, written)}

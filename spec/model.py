@@ -40,15 +40,20 @@ from typing import Any, Literal, cast
 from transitions import Machine, MachineError
 
 from ..core import NodeDesc, Observations, RendezvousState, Settings
+from .lifecycle import LOCAL_PHASES, TERMINAL_PHASES, Lifecycle, Phase
 
 __all__ = [
     "LIVE_STATES",
+    "LOCAL_PHASES",
     "MODEL_STATES",
     "MODEL_TRANSITIONS",
     "PEER_TRIGGERS",
+    "TERMINAL_STATES",
     "Guards",
+    "Lifecycle",
     "LifecycleModel",
     "ModelUnavailableError",
+    "Phase",
     "View",
     "diagram_source",
     "lifecycle_state",
@@ -56,39 +61,28 @@ __all__ = [
 ]
 
 #: Lifecycle states of one node, in diagram order.
-MODEL_STATES: tuple[str, ...] = (
-    "idle",
-    "joining",
-    "waiting",
-    "redundant",
-    "participant",
-    "complete",
-    "training",
-    "evicted",
-    "exited",
-    "closed",
-    "failed",
-    "crashed",
+MODEL_STATES: tuple[Lifecycle, ...] = tuple(Lifecycle)
+TERMINAL_STATES: frozenset[Lifecycle] = frozenset(
+    {Lifecycle.CLOSED, Lifecycle.FAILED, Lifecycle.CRASHED}
 )
-TERMINAL_STATES: frozenset[str] = frozenset({"closed", "failed", "crashed"})
-LIVE_STATES: tuple[str, ...] = tuple(s for s in MODEL_STATES if s not in TERMINAL_STATES)
-#: States whose node holds a heartbeat entry in the shared state.
-_MEMBER_STATES = ("waiting", "redundant", "participant", "complete", "training")
+LIVE_STATES: tuple[Lifecycle, ...] = tuple(s for s in MODEL_STATES if s not in TERMINAL_STATES)
 #: Triggers caused by another node's step (or by a sanitize).
 PEER_TRIGGERS: frozenset[str] = frozenset({"round_completed", "declared_dead", "admitted"})
 
 
 def _edge(
     trigger: str,
-    source: str | Iterable[str],
-    dest: str | None,
+    source: Lifecycle | Iterable[Lifecycle],
+    dest: Lifecycle | None,
     conditions: Iterable[str] = (),
     unless: Iterable[str] = (),
 ) -> dict[str, Any]:
+    """One edge for the ``transitions`` library, its states as plain strings (it
+    would name an enum member's state by the member's name)."""
     return {
         "trigger": trigger,
-        "source": source if isinstance(source, str) else list(source),
-        "dest": dest,
+        "source": str(source) if isinstance(source, Lifecycle) else [str(s) for s in source],
+        "dest": None if dest is None else str(dest),
         "conditions": list(conditions),
         "unless": list(unless),
     }
@@ -97,86 +91,105 @@ def _edge(
 #: The edges of the model. ``dest=None`` is an internal edge (the state stays).
 MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
     # Lifecycle events the node's agent starts.
-    _edge("join", ["idle", "exited", "evicted"], "joining"),
-    _edge("crash", LIVE_STATES, "crashed"),
+    _edge("join", [Lifecycle.IDLE, Lifecycle.EXITED, Lifecycle.EVICTED], Lifecycle.JOINING),
+    _edge("crash", LIVE_STATES, Lifecycle.CRASHED),
     # Joining a round that is still open; the arrival that fills it completes it.
     _edge(
         "add_to_participants",
-        ["joining", "waiting"],
-        "complete",
+        [Lifecycle.JOINING, Lifecycle.WAITING],
+        Lifecycle.COMPLETE,
         conditions=["round_open", "fills_round"],
     ),
     _edge(
         "add_to_participants",
-        ["joining", "waiting"],
-        "participant",
+        [Lifecycle.JOINING, Lifecycle.WAITING],
+        Lifecycle.PARTICIPANT,
         conditions=["round_open"],
         unless=["fills_round"],
     ),
     # A complete round with room: wait for the next one; without room: stand by.
     _edge(
         "add_to_wait_list",
-        ["joining", "redundant"],
-        "waiting",
+        [Lifecycle.JOINING, Lifecycle.REDUNDANT],
+        Lifecycle.WAITING,
         conditions=["round_complete", "not_closed"],
         unless=["round_full"],
     ),
     _edge(
         "add_to_redundancy_list",
-        "joining",
-        "redundant",
+        Lifecycle.JOINING,
+        Lifecycle.REDUNDANT,
         conditions=["round_complete", "round_full", "not_closed"],
     ),
     _edge(
         "remove_from_redundancy_list",
-        "redundant",
-        "joining",
+        Lifecycle.REDUNDANT,
+        Lifecycle.JOINING,
         conditions=["not_closed"],
         unless=["round_full"],
     ),
     # The last call: min_nodes reached and this node saw the last call run out.
     _edge(
         "mark_rendezvous_complete",
-        "participant",
-        "complete",
+        Lifecycle.PARTICIPANT,
+        Lifecycle.COMPLETE,
         conditions=["quorum", "last_call_over", "not_closed"],
     ),
-    _edge("round_completed", "participant", "complete"),
+    _edge("round_completed", Lifecycle.PARTICIPANT, Lifecycle.COMPLETE),
     # Batched admission: a peer's write admits a joiner that announced itself in the
     # round's intent log (and is not a member yet), or a waiting node once the next
     # round is open, with the decision the node's own join would make.
     _edge(
         "admitted",
-        "joining",
-        "participant",
+        Lifecycle.JOINING,
+        Lifecycle.PARTICIPANT,
         conditions=["announced", "round_open"],
         unless=["fills_round"],
     ),
-    _edge("admitted", "joining", "complete", conditions=["announced", "round_open", "fills_round"]),
     _edge(
         "admitted",
-        "joining",
-        "waiting",
+        Lifecycle.JOINING,
+        Lifecycle.COMPLETE,
+        conditions=["announced", "round_open", "fills_round"],
+    ),
+    _edge(
+        "admitted",
+        Lifecycle.JOINING,
+        Lifecycle.WAITING,
         conditions=["announced", "round_complete", "not_closed"],
         unless=["round_full", "round_open"],
     ),
     _edge(
         "admitted",
-        "joining",
-        "redundant",
+        Lifecycle.JOINING,
+        Lifecycle.REDUNDANT,
         conditions=["announced", "round_complete", "round_full", "not_closed"],
         unless=["round_open"],
     ),
-    _edge("admitted", "waiting", "participant", conditions=["round_open"], unless=["fills_round"]),
-    _edge("admitted", "waiting", "complete", conditions=["round_open", "fills_round"]),
-    _edge("finish", "complete", "training"),
-    _edge("finish", "evicted", "exited"),
+    _edge(
+        "admitted",
+        Lifecycle.WAITING,
+        Lifecycle.PARTICIPANT,
+        conditions=["round_open"],
+        unless=["fills_round"],
+    ),
+    _edge(
+        "admitted", Lifecycle.WAITING, Lifecycle.COMPLETE, conditions=["round_open", "fills_round"]
+    ),
+    _edge("finish", Lifecycle.COMPLETE, Lifecycle.TRAINING),
+    _edge("finish", Lifecycle.EVICTED, Lifecycle.EXITED),
     # Heartbeats: only a member beats, and only when its interval has passed (a
     # joiner of a complete round renews a lease that is running out before its
     # join returns: see core.driver.decide).
     _edge(
         "keep_alive",
-        ["waiting", "redundant", "participant", "complete", "training"],
+        [
+            Lifecycle.WAITING,
+            Lifecycle.REDUNDANT,
+            Lifecycle.PARTICIPANT,
+            Lifecycle.COMPLETE,
+            Lifecycle.TRAINING,
+        ],
         None,
         conditions=["keep_alive_due"],
     ),
@@ -184,31 +197,43 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
     # trained node exits its round before the next join.
     _edge(
         "remove_from_participants",
-        "participant",
-        "joining",
+        Lifecycle.PARTICIPANT,
+        Lifecycle.JOINING,
         conditions=["timed_out", "within_rollback"],
     ),
     _edge(
         "remove_from_wait_list",
-        "waiting",
-        "joining",
+        Lifecycle.WAITING,
+        Lifecycle.JOINING,
         conditions=["timed_out", "within_rollback"],
     ),
-    _edge("remove_from_participants", "training", "exited", unless=["timed_out"]),
+    _edge("remove_from_participants", Lifecycle.TRAINING, Lifecycle.EXITED, unless=["timed_out"]),
     # An operation whose deadline passed fails; a redundant node waits without a
     # deadline, and a complete round returns before its deadline is looked at.
     _edge(
         "timeout",
-        ["idle", "joining", "waiting", "participant", "training", "evicted", "exited"],
-        "failed",
+        [
+            Lifecycle.IDLE,
+            Lifecycle.JOINING,
+            Lifecycle.WAITING,
+            Lifecycle.PARTICIPANT,
+            Lifecycle.TRAINING,
+            Lifecycle.EVICTED,
+            Lifecycle.EXITED,
+        ],
+        Lifecycle.FAILED,
         conditions=["timed_out"],
     ),
     # Failure detection: a member whose heartbeat did not move is removed.
-    _edge("declared_dead", ["waiting", "redundant", "participant", "complete"], "joining"),
-    _edge("declared_dead", "training", "evicted"),
+    _edge(
+        "declared_dead",
+        [Lifecycle.WAITING, Lifecycle.REDUNDANT, Lifecycle.PARTICIPANT, Lifecycle.COMPLETE],
+        Lifecycle.JOINING,
+    ),
+    _edge("declared_dead", Lifecycle.TRAINING, Lifecycle.EVICTED),
     # Closing: any live node may close; every live node then stops.
     _edge("mark_rendezvous_closed", LIVE_STATES, None, unless=["rendezvous_closed"]),
-    _edge("closed", LIVE_STATES, "closed", conditions=["rendezvous_closed"]),
+    _edge("closed", LIVE_STATES, Lifecycle.CLOSED, conditions=["rendezvous_closed"]),
 )
 
 
@@ -342,9 +367,9 @@ class _Node:
 
 def _machine_kwargs() -> dict[str, Any]:
     return {
-        "states": list(MODEL_STATES),
+        "states": [str(s) for s in MODEL_STATES],
         "transitions": [dict(t) for t in MODEL_TRANSITIONS],
-        "initial": "idle",
+        "initial": str(Lifecycle.IDLE),
         "auto_transitions": False,
         "ignore_invalid_triggers": False,
         "send_event": False,
@@ -365,16 +390,18 @@ class LifecycleModel:
 
     @property
     def triggers(self) -> list[str]:
-        return list(self._machine.get_triggers(*MODEL_STATES))
+        return list(self._machine.get_triggers(*(str(s) for s in MODEL_STATES)))
 
-    def allows(self, source: str, trigger: str, dest: str, guards: Guards) -> bool:
+    def allows(
+        self, source: Lifecycle | str, trigger: str, dest: Lifecycle | str, guards: Guards
+    ) -> bool:
         """True when the model has an edge from ``source`` on ``trigger`` whose guards
         hold and which lands in ``dest``."""
         key = (source, trigger, dest, guards)
         known = self._memo.get(key)
         if known is not None:
             return known
-        self._machine.set_state(source, model=self._node)
+        self._machine.set_state(str(source), model=self._node)
         self._node.guards = guards
         try:
             fired = bool(getattr(self._node, trigger)())
@@ -385,29 +412,36 @@ class LifecycleModel:
         return allowed
 
 
-def lifecycle_state(phase: str, node: NodeDesc | None, state: RendezvousState) -> str:
+#: The lifecycle state a local phase stands for when membership does not refine it.
+_AS_LIFECYCLE: dict[Phase, Lifecycle] = {p: Lifecycle(p.value) for p in LOCAL_PHASES}
+#: The phases that stand for themselves outside the shared state.
+_UNREFINED = frozenset({Phase.IDLE, Phase.JOINING, Phase.EXITED})
+
+
+def lifecycle_state(phase: Phase, node: NodeDesc | None, state: RendezvousState) -> Lifecycle:
     """The model state of a node from its local phase and the shared state.
 
-    ``phase`` is what the node is doing locally: one of ``idle``, ``joining`` (runs
-    the join operation), ``training`` (its join returned), ``exited``, ``closed``,
-    ``failed``, ``crashed``. Membership in the shared state refines it.
+    ``phase`` is what the node is doing locally: one of :data:`LOCAL_PHASES`
+    (``idle``, ``joining`` (runs the join operation), ``training`` (its join
+    returned), ``exited``, ``closed``, ``failed``, ``crashed``; the strings do too).
+    Membership in the shared state refines it.
     """
-    if phase in TERMINAL_STATES:
-        return phase
+    if phase in TERMINAL_PHASES:
+        return _AS_LIFECYCLE[phase]
     if node is not None:
         if node in state.wait_list:
-            return "waiting"
+            return Lifecycle.WAITING
         if node in state.redundancy_list:
-            return "redundant"
+            return Lifecycle.REDUNDANT
         if node in state.participants:
             if not state.complete:
-                return "participant"
-            return "complete" if phase == "joining" else "training"
-    if phase == "training":
-        return "evicted"
-    if phase not in ("idle", "joining", "exited"):
+                return Lifecycle.PARTICIPANT
+            return Lifecycle.COMPLETE if phase == Phase.JOINING else Lifecycle.TRAINING
+    if phase == Phase.TRAINING:
+        return Lifecycle.EVICTED
+    if phase not in _UNREFINED:
         raise ValueError(f"unknown local phase {phase!r}")
-    return phase
+    return _AS_LIFECYCLE[phase]
 
 
 #: Edges from every live state, left out of the drawing (they would cross it all)
@@ -430,7 +464,7 @@ def _graph_machine(engine: _Engine) -> Any:
     kwargs["transitions"] = [
         t for t in kwargs["transitions"] if t["trigger"] not in _UNIVERSAL_TRIGGERS
     ]
-    kwargs["initial"] = "idle"
+    kwargs["initial"] = str(Lifecycle.IDLE)
     return GraphMachine(
         model=_Node(),
         title=_DIAGRAM_TITLE,

@@ -87,7 +87,8 @@ beaten, the entry and a separator per intent read (the entry and 8 bytes per
 announce), and 8 bytes per published phase. Encoding 1,000 nodes' state takes
 milliseconds, so the size is kept incrementally instead: per entry, from the
 codec's own entry layout, updated only for the entries a write touched
-(:class:`EncodedSize`); a test checks it against ``len(encode_state(state))``.
+(:class:`rallypoint.core.codec.EncodedSize`, beside the codec); a test checks it
+against ``len(encode_state(state))``.
 
 The cost of simulating one node-step does not grow with the number of nodes,
 except where the driver itself does O(n) work (a counter read observes every
@@ -99,12 +100,11 @@ from __future__ import annotations
 
 import gc
 import heapq
-import json
 import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,10 +133,12 @@ from ..core import (
     encode_state,
 )
 from ..core import driver as core_driver
+from ..core.codec import EncodedSize
 from .invariants import AgreementTracker, RoundResult, check_state, check_transition
+from .lifecycle import Name, Phase
+from .options import Rule, check_ranges, check_settings
 
 __all__ = [
-    "EncodedSize",
     "NodeStats",
     "RoundStat",
     "SimConfig",
@@ -212,42 +214,14 @@ class SimConfig:
     check_every: int | None = None
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise SimConfigError(f"nodes must be at least 1, got {self.nodes}")
-        for name in (
-            "duration",
-            "arrival_spread",
-            "latency",
-            "jitter",
-            "clock_offset",
-            "drift",
-            "crash_rate",
-            "partition_rate",
-            "leave_rate",
-            "conflict_rate",
-            "restart_delay",
-            "partition_duration",
-            "wake_epsilon",
-            "max_backoff",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise SimConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-        for name in ("request_timeout", "poll_interval", "monitor_interval"):
-            if getattr(self, name) <= 0:
-                raise SimConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_ranges(self, SimConfigError, _RULES)
         if self.jitter > self.latency:
             raise SimConfigError(f"jitter ({self.jitter}) must not exceed latency ({self.latency})")
         if self.drift >= 0.5:
             raise SimConfigError(f"drift must be below 0.5 (50%), got {self.drift}")
         if self.conflict_rate >= 1:
             raise SimConfigError(f"conflict_rate must be below 1, got {self.conflict_rate}")
-        if self.check_every is not None and self.check_every < 1:
-            raise SimConfigError(f"check_every must be at least 1, got {self.check_every}")
-        try:
-            self.settings()
-        except ValueError as exc:
-            raise SimConfigError(str(exc)) from None
+        check_settings(self, SimConfigError)
 
     def settings(self) -> Settings:
         """The rendezvous settings every simulated node uses."""
@@ -263,129 +237,40 @@ class SimConfig:
             keep_alive_max_attempt=self.keep_alive_max_attempt,
         )
 
-
-# -- encoded size --------------------------------------------------------------
-
-
-def _entry_len(node: NodeDesc, *extra: int) -> int:
-    return len(json.dumps([node[0], node[1], node[2], *extra], separators=(",", ":")))
-
-
-_EMPTY_COLLECTIONS: dict[str, object] = {
-    "participants": Map(),
-    "wait_list": frozenset(),
-    "redundancy_list": frozenset(),
-    "heartbeats": Map(),
-    "last_ranks": Map(),
-}
+    def check_interval(self) -> int:
+        """Writes from one whole-state check to the next (see ``check_every``)."""
+        if self.check_every is not None:
+            return self.check_every
+        return 1 if self.nodes <= _CHECK_ALL_UP_TO else max(1, self.nodes // 32)
 
 
-class EncodedSize:
-    """``len(encode_state(state))``, kept incrementally across writes.
-
-    The codec writes each collection as a JSON list of per-node entries; the size
-    of a state is the size of the state with empty collections plus, per non-empty
-    collection, the sizes of its entries and the commas between them. A write
-    changes the entries of the nodes it touched (the writer, the nodes its sanitize
-    removed and the nodes it admitted), except when ranks are assigned or the round
-    advances, when the participants are counted again.
-    """
-
-    #: (codec key, state field) of each collection
-    _NAMES = (
-        ("p", "participants"),
-        ("w", "wait_list"),
-        ("r", "redundancy_list"),
-        ("hb", "heartbeats"),
-        ("lr", "last_ranks"),
-    )
-
-    def __init__(self, state: RendezvousState) -> None:
-        self._state = state
-        self._parts = {name: self._full(state, name) for name, _ in self._NAMES}
-        self._base_key: tuple[object, ...] | None = None
-        self._base = 0
-        self.value = self._total(state)
-
-    @staticmethod
-    def _items(state: RendezvousState, name: str) -> Iterable[tuple[NodeDesc, tuple[int, ...]]]:
-        if name == "p":
-            return ((n, (r,)) for n, r in state.participants.items())
-        if name == "w":
-            return ((n, ()) for n in state.wait_list)
-        if name == "r":
-            return ((n, ()) for n in state.redundancy_list)
-        if name == "hb":
-            return ((n, (c,)) for n, c in state.heartbeats.items())
-        return ((n, (r,)) for n, r in state.last_ranks.items())
-
-    @staticmethod
-    def _entry(state: RendezvousState, name: str, node: NodeDesc) -> int | None:
-        """The entry size of ``node`` in collection ``name``, None if absent."""
-        if name == "p":
-            rank = state.participants.get(node)
-            return None if rank is None else _entry_len(node, rank)
-        if name == "w":
-            return _entry_len(node) if node in state.wait_list else None
-        if name == "r":
-            return _entry_len(node) if node in state.redundancy_list else None
-        if name == "hb":
-            counter = state.heartbeats.get(node)
-            return None if counter is None else _entry_len(node, counter)
-        rank = state.last_ranks.get(node)
-        return None if rank is None else _entry_len(node, rank)
-
-    def _full(self, state: RendezvousState, name: str) -> tuple[int, int]:
-        sizes = [_entry_len(n, *extra) for n, extra in self._items(state, name)]
-        return sum(sizes), len(sizes)
-
-    def _total(self, state: RendezvousState) -> int:
-        # The size of the state with empty collections depends on its scalar
-        # fields only: encode it again only when one of them changed.
-        key = (
-            state.round,
-            state.complete,
-            state.closed,
-            state.world_size,
-            state.last_call,
-            state.last_call_seq,
-            state.heartbeat_seq,
-            state.phase,
-            state.intent_cursor,
-        )
-        if key != self._base_key:
-            self._base_key = key
-            self._base = len(encode_state(state.evolve(**_EMPTY_COLLECTIONS)))
-        size = self._base
-        for total, count in self._parts.values():
-            if count:
-                size += total + count - 1
-        return size
-
-    def update(self, new: RendezvousState, touched: Iterable[NodeDesc]) -> int:
-        """The size of ``new``, a state written over the previous one by a step
-        that touched only ``touched`` (plus what ranking or a new round changes)."""
-        old = self._state
-        touched = tuple(dict.fromkeys(touched))  # a node may be named twice
-        rerank = old.complete != new.complete or old.round != new.round
-        for name, attr in self._NAMES:
-            if getattr(old, attr) is getattr(new, attr):
-                continue
-            if rerank and name in ("p", "lr"):
-                self._parts[name] = self._full(new, name)
-                continue
-            total, count = self._parts[name]
-            for node in touched:
-                before = self._entry(old, name, node)
-                after = self._entry(new, name, node)
-                if before is not None:
-                    total, count = total - before, count - 1
-                if after is not None:
-                    total, count = total + after, count + 1
-            self._parts[name] = (total, count)
-        self._state = new
-        self.value = self._total(new)
-        return self.value
+#: The ranges of SimConfig's fields.
+_RULES = (
+    Rule(("nodes", "check_every"), 1),
+    Rule(
+        (
+            "duration",
+            "arrival_spread",
+            "latency",
+            "jitter",
+            "clock_offset",
+            "drift",
+            "crash_rate",
+            "partition_rate",
+            "leave_rate",
+            "conflict_rate",
+            "restart_delay",
+            "partition_duration",
+            "wake_epsilon",
+            "max_backoff",
+        ),
+        0,
+        finite=True,
+    ),
+    Rule(("request_timeout", "poll_interval", "monitor_interval"), 0, strict=True),
+)
+#: Up to this many nodes, every write is checked whole (see SimConfig.check_every).
+_CHECK_ALL_UP_TO = 256
 
 
 # -- reports -------------------------------------------------------------------
@@ -550,17 +435,26 @@ class SimReport:
 
 # -- the simulation --------------------------------------------------------------
 
-_DOWN, _JOINING, _TRAINING, _EXITING, _CLOSING, _CLOSED = (
-    "down",
-    "joining",
-    "training",
-    "exiting",
-    "closing",
-    "closed",
-)
-#: What a node is driving: an operation (join, exit, close), a keep-alive, or the
-#: agent's monitor pass.
-_OP, _BEAT, _MONITOR = "op", "beat", "monitor"
+
+class Task(Name):
+    """What a node is driving."""
+
+    #: an operation (join, exit, close)
+    OP = "op"
+    #: a keep-alive (the handler's heartbeat loop)
+    BEAT = "beat"
+    #: the agent's monitor pass
+    MONITOR = "monitor"
+
+
+class Fault(Name):
+    """A fault the simulator injects at a rate per node (see SimConfig)."""
+
+    CRASH = "crash"
+    PARTITION = "partition"
+    LEAVE = "leave"
+
+
 #: Events that belong to one request, wait or backoff of a node (checked against
 #: node.req); the phase watch's events are checked against node.wtok, "tick"
 #: against node.ticks; every other event is not tied to a token.
@@ -577,8 +471,6 @@ _REQUEST_EVENTS = frozenset(
     }
 )
 _WATCH_EVENTS = frozenset({"backend_watch", "notify"})
-#: Up to this many nodes, every write is checked whole (see SimConfig.check_every).
-_CHECK_ALL_UP_TO = 256
 #: The collector's first-generation threshold while the simulator runs.
 _GC_THRESHOLD = 50_000
 
@@ -587,7 +479,6 @@ class _Node:
     """One node slot: a process that may crash and come back with a new pid."""
 
     __slots__ = (
-        "after_exit",
         "alive",
         "deadline",
         "desc",
@@ -595,6 +486,7 @@ class _Node:
         "healed_at",
         "incarnation",
         "joined",
+        "leaving",
         "losses",
         "mwait",
         "next_beat",
@@ -627,14 +519,14 @@ class _Node:
         self.alive = False
         self.partitioned = False
         self.healed_at = -math.inf
-        self.phase = _DOWN
+        self.phase: Phase = Phase.DOWN
         #: what this node knows (the driver's view) and the state version it last
         #: read or wrote (its compare-and-set token; 0: nothing read)
         self.view = NodeView()
         self.version = 0
-        #: the task being driven (_OP, _BEAT, _MONITOR or None), its operator and
-        #: its deadline (local time)
-        self.task: str | None = None
+        #: the task being driven (None: none), its operator and its deadline
+        #: (local time)
+        self.task: Task | None = None
         self.op: Operator | None = None
         self.deadline = math.inf
         #: the token of the request, wait or backoff in flight (events of older
@@ -658,8 +550,9 @@ class _Node:
         self.next_monitor = math.inf
         self.queued_beat = False
         self.queued_monitor = False
-        #: after an exit: "join" (re-rendezvous) or "leave" (stay down a while)
-        self.after_exit = "join"
+        #: whether the node's exit is a graceful leave (the process then stays
+        #: down a while) rather than the first half of a re-rendezvous
+        self.leaving = False
 
     def local(self, t: float) -> float:
         return self.offset + (1.0 + self.drift) * t
@@ -722,12 +615,7 @@ class Simulator:
         self._trace: deque[tuple[float, int, str]] = deque(maxlen=config.trace_length)
         self._on_violation = on_violation
         self._on_instruction = on_instruction
-        if config.check_every is not None:
-            self._check_every = config.check_every
-        elif config.nodes <= _CHECK_ALL_UP_TO:
-            self._check_every = 1
-        else:
-            self._check_every = max(1, config.nodes // 32)
+        self._check_every = config.check_interval()
         self._unchecked = 0
         self._checked = self.state
         # Agreement of returned joins, per round: the world size, rank -> node, the
@@ -738,22 +626,24 @@ class Simulator:
         self._round_pending: dict[int, set[NodeDesc]] = {}
         self._round_size: dict[int, int] = {}
         self.closed_by: NodeDesc | None = None
-        rng = self.rng
-        self.nodes = [
-            _Node(
-                i,
-                rng.uniform(-config.clock_offset, config.clock_offset),
-                rng.uniform(-config.drift, config.drift),
-            )
-            for i in range(config.nodes)
-        ]
-        self._by_desc = {node.desc: node for node in self.nodes}
         self._handlers: dict[str, Callable[[_Node, Any], None]] = {
             name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_on_")
         }
-        for node in self.nodes:
-            self._at(rng.uniform(0.0, config.arrival_spread), "arrive", node.slot)
+        self.nodes = self._arrivals()
+        self._by_desc = {node.desc: node for node in self.nodes}
+
+    def _arrivals(self) -> list[_Node]:
+        """The node slots, each with its clock, its arrival and its first faults
+        scheduled."""
+        c, rng = self.config, self.rng
+        nodes = [
+            _Node(i, rng.uniform(-c.clock_offset, c.clock_offset), rng.uniform(-c.drift, c.drift))
+            for i in range(c.nodes)
+        ]
+        for node in nodes:
+            self._at(rng.uniform(0.0, c.arrival_spread), "arrive", node.slot)
             self._schedule_faults(node)
+        return nodes
 
     # -- event plumbing ----------------------------------------------------------
 
@@ -769,22 +659,30 @@ class Simulator:
         return self.rng.expovariate(per_minute / 60.0) if per_minute > 0 else math.inf
 
     def _schedule_faults(self, node: _Node) -> None:
+        for fault in Fault:
+            self._schedule_fault(node, fault, self._exp(self._fault_rate(fault)))
+
+    def _fault_rate(self, fault: Fault) -> float:
         c = self.config
-        for kind, rate in (
-            ("crash", c.crash_rate),
-            ("partition", c.partition_rate),
-            ("leave", c.leave_rate),
-        ):
-            delay = self._exp(rate)
-            if delay < c.duration:
-                self._at(self.now + delay, f"fault_{kind}", node.slot)
+        if fault is Fault.CRASH:
+            return c.crash_rate
+        return c.partition_rate if fault is Fault.PARTITION else c.leave_rate
+
+    def _schedule_fault(self, node: _Node, fault: Fault, delay: float) -> None:
+        """The next ``fault`` of ``node`` after ``delay``, if within the run."""
+        if self.now + delay < self.config.duration:
+            self._at(self.now + delay, "fault", node.slot, -1, fault)
 
     def _log(self, node: _Node | None, text: str) -> None:
         self._trace.append((self.now, -1 if node is None else node.slot, text))
 
-    def _violate(self, problems: list[str]) -> None:
+    def _finding(self, problems: list[str]) -> SimViolation:
+        """``problems`` found now, with the last events as their trace."""
         trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
-        violation = SimViolation(self.now, tuple(problems), trace)
+        return SimViolation(self.now, tuple(problems), trace)
+
+    def _violate(self, problems: list[str]) -> None:
+        violation = self._finding(problems)
         self.report.violations.append(violation)
         if self._on_violation is not None:
             self._on_violation(violation)
@@ -879,13 +777,13 @@ class Simulator:
         """Node ``slot`` leaves gracefully (the handler's ``leave()``: stop the
         heartbeats, exit) and its process stays down for ``restart_delay``."""
         node = self.nodes[slot]
-        if not node.alive or node.phase not in (_TRAINING, _JOINING):
+        if not node.alive or node.phase not in (Phase.TRAINING, Phase.JOINING):
             return
         self.report.leaves += 1
         self._log(node, "leaves")
         deadline = node.local(self.now) + self.settings.close_timeout
-        self._begin(node, ExitOp(), deadline, _EXITING, fresh=False)
-        node.after_exit = "leave"
+        self._begin(node, ExitOp(), deadline, Phase.EXITING, fresh=False)
+        node.leaving = True
         self._drive(node)
 
     def arrive(self, slot: int) -> None:
@@ -895,9 +793,9 @@ class Simulator:
     def close(self, slot: int) -> None:
         """Node ``slot`` closes the rendezvous (the handler's ``shutdown()``)."""
         node = self.nodes[slot]
-        if node.alive and node.phase in (_TRAINING, _JOINING):
+        if node.alive and node.phase in (Phase.TRAINING, Phase.JOINING):
             deadline = node.local(self.now) + self.settings.close_timeout
-            self._begin(node, CloseOp(), deadline, _CLOSING, fresh=False)
+            self._begin(node, CloseOp(), deadline, Phase.CLOSING, fresh=False)
             self._drive(node)
 
     # -- injection (the conformance tests) ---------------------------------------
@@ -955,7 +853,7 @@ class Simulator:
 
     def _stop(self, node: _Node) -> None:
         node.alive = False
-        node.phase = _DOWN
+        node.phase = Phase.DOWN
         self._cancel(node)
         node.ticks += 1
         node.task = None
@@ -971,29 +869,25 @@ class Simulator:
         node.mwait = False
         self._unwatch(node)
 
-    def _on_fault_crash(self, node: _Node, data: Any) -> None:
-        self.crash(node.slot)
-        delay = self._exp(self.config.crash_rate)
-        if self.now + delay < self.config.duration:
-            self._at(self.now + delay, "fault_crash", node.slot)
-
-    def _on_fault_partition(self, node: _Node, data: Any) -> None:
-        self.partition(node.slot, self.config.partition_duration)
-        delay = self._exp(self.config.partition_rate) + self.config.partition_duration
-        if self.now + delay < self.config.duration:
-            self._at(self.now + delay, "fault_partition", node.slot)
-
-    def _on_fault_leave(self, node: _Node, data: Any) -> None:
-        self.leave(node.slot)
-        delay = self._exp(self.config.leave_rate)
-        if self.now + delay < self.config.duration:
-            self._at(self.now + delay, "fault_leave", node.slot)
+    def _on_fault(self, node: _Node, fault: Fault) -> None:
+        """A fault of ``node`` is due: inject it, and schedule the next one (a
+        partition's after it heals)."""
+        if fault is Fault.CRASH:
+            self.crash(node.slot)
+        elif fault is Fault.PARTITION:
+            self.partition(node.slot, self.config.partition_duration)
+        else:
+            self.leave(node.slot)
+        delay = self._exp(self._fault_rate(fault))
+        if fault is Fault.PARTITION:
+            delay += self.config.partition_duration
+        self._schedule_fault(node, fault, delay)
 
     def _on_heal(self, node: _Node, data: Any) -> None:
         self.heal(node.slot)
 
     def _on_arrive(self, node: _Node, data: Any) -> None:
-        if node.alive or node.phase == _CLOSED:
+        if node.alive or node.phase is Phase.CLOSED:
             return
         node.alive = True
         if node.incarnation:
@@ -1008,25 +902,25 @@ class Simulator:
         self._regroup(node)
         self._drive(node)
 
-    def _begin(self, node: _Node, op: Operator, deadline: float, phase: str, fresh: bool) -> None:
+    def _begin(self, node: _Node, op: Operator, deadline: float, phase: Phase, fresh: bool) -> None:
         """Start an operation (StateSync.run): stop the heartbeats, the monitor and
         whatever the node was doing; unless ``fresh``, the first decision reads."""
         self._cancel(node)
         node.ticks += 1
         node.queued_beat = node.queued_monitor = False
-        node.task = _OP
+        node.task = Task.OP
         node.op = op
         node.deadline = deadline
         node.phase = phase
         node.losses = 0
-        node.after_exit = "join"
+        node.leaving = False
         if not fresh:
             node.view = core_driver.after_wait(node.view)
 
     def _regroup(self, node: _Node) -> None:
         """The handler's next_rendezvous: exit the current round, then join."""
         deadline = node.local(self.now) + self.settings.join_timeout
-        self._begin(node, ExitOp(), deadline, _JOINING, fresh=False)
+        self._begin(node, ExitOp(), deadline, Phase.JOINING, fresh=False)
 
     # -- carrying out instructions ---------------------------------------------------
 
@@ -1042,7 +936,7 @@ class Simulator:
                 self._request(node, "backend_beat")
                 return
             now = node.local(self.now)
-            if node.task == _MONITOR:
+            if node.task is Task.MONITOR:
                 decision = core_driver.monitor(node.view, node.desc, settings, node.joined, now)
             else:
                 assert node.op is not None
@@ -1083,7 +977,7 @@ class Simulator:
 
     @staticmethod
     def _task_name(node: _Node) -> str:
-        return "monitor" if node.task == _MONITOR else type(node.op).__name__
+        return "monitor" if node.task is Task.MONITOR else type(node.op).__name__
 
     def _request(self, node: _Node, kind: str, data: Any = None) -> None:
         node.req += 1
@@ -1370,20 +1264,18 @@ class Simulator:
         node = self._by_desc.get(gone)
         if node is None or node.desc != gone:
             return
-        if node.alive and node.phase == _TRAINING:
+        if node.alive and node.phase is Phase.TRAINING:
             # Its lease ran out on its peer's clock while its workers still ran: it
             # should have fenced itself first (core.driver.must_fence).
             self.report.unfenced_deaths += 1
-            trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
             problem = f"unfenced death: {observer.desc} declared {gone} dead while it trained"
-            self.report.unfenced_log.append(SimViolation(self.now, (problem,), trace))
-        if node.alive and node.phase in (_JOINING, _TRAINING, _EXITING):
+            self.report.unfenced_log.append(self._finding([problem]))
+        if node.alive and node.phase in (Phase.JOINING, Phase.TRAINING, Phase.EXITING):
             grace = self.settings.liveness_window + self.config.request_timeout * 2
             if not node.partitioned and self.now - node.healed_at > grace:
                 self.report.false_deaths += 1
-                trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
                 problem = f"false death: {observer.desc} declared live {gone} dead"
-                self.report.false_death_log.append(SimViolation(self.now, (problem,), trace))
+                self.report.false_death_log.append(self._finding([problem]))
 
     # -- results coming back -------------------------------------------------------------
 
@@ -1408,7 +1300,7 @@ class Simulator:
                 self._at(self.now + self.rng.uniform(0, cap), "retry", node.slot, node.req)
                 return
             node.losses = 0
-            if write.deadline is not None and node.task == _OP:
+            if write.deadline is not None and node.task is Task.OP:
                 node.deadline = write.deadline
         elif what == "announce":
             node.view = core_driver.after_announce(node.view, data[1])
@@ -1429,12 +1321,12 @@ class Simulator:
     def _on_request_timeout(self, node: _Node, data: Any) -> None:
         self.report.stats[node.slot].timeouts += 1
         self._log(node, "request timed out")
-        if node.task == _OP:
+        if node.task is Task.OP:
             # An operation retries (StateSync within its retry window): read again.
             node.view = core_driver.after_wait(node.view)
             self._drive(node)
             return
-        if node.task == _MONITOR:
+        if node.task is Task.MONITOR:
             # The agent's monitor pass failed: it waits and checks again.
             self._monitor_wait(node)
         # A heartbeat or monitor pass gives up until its next tick.
@@ -1445,21 +1337,21 @@ class Simulator:
 
     def _done(self, node: _Node, done: Done) -> bool:
         """Act on an operation's end; True: the node drives on (a next operation)."""
-        if node.task == _BEAT:
+        if node.task is Task.BEAT:
             return self._idle(node)  # a failed keep-alive is only logged
         op, action = node.op, done.action
         if isinstance(op, ExitOp) and action is Action.FINISH:
-            if node.after_exit == "leave":
+            if node.leaving:
                 self._stop(node)
                 self._at(self.now + self.config.restart_delay, "arrive", node.slot)
                 return False
             # next_rendezvous: the join decides on the exit's view (fresh).
-            self._begin(node, JoinOp(), node.deadline, _JOINING, fresh=True)
+            self._begin(node, JoinOp(), node.deadline, Phase.JOINING, fresh=True)
             return True
         if isinstance(op, JoinOp) and action is Action.FINISH:
             if done.rejoin:
                 self._log(node, f"round {done.state.round} lost its rank 0: rejoins")
-                self._begin(node, ExitOp(), node.deadline, _JOINING, fresh=False)
+                self._begin(node, ExitOp(), node.deadline, Phase.JOINING, fresh=False)
                 return True
             self._joined(node, done)
             return False
@@ -1470,7 +1362,7 @@ class Simulator:
         ):
             self.closed_by = self.closed_by or node.desc
             self._stop(node)
-            node.phase = _CLOSED
+            node.phase = Phase.CLOSED
             return False
         # ERROR_TIMEOUT: the agent gives up on this attempt and starts over.
         self.report.timeouts += 1
@@ -1490,7 +1382,7 @@ class Simulator:
         if pending is not None:
             pending.discard(node.desc)
             self._round_done(joined.round)
-        node.phase = _TRAINING
+        node.phase = Phase.TRAINING
         node.joined = joined
         node.task = None
         node.op = None
@@ -1541,7 +1433,7 @@ class Simulator:
             self._at(node.global_time(due), "tick", node.slot, node.ticks, due)
 
     def _on_tick(self, node: _Node, due: float) -> None:
-        if node.phase == _TRAINING and core_driver.must_fence(
+        if node.phase is Phase.TRAINING and core_driver.must_fence(
             node.view, node.desc, self.settings, due
         ):
             # The agent's lease check: its workers stop, and it rejoins (it cannot
@@ -1567,7 +1459,7 @@ class Simulator:
         if node.queued_beat:
             # The handler's heartbeat loop: KeepAliveOp on the current view (fresh).
             node.queued_beat = False
-            node.task = _BEAT
+            node.task = Task.BEAT
             node.op = KeepAliveOp()
             node.deadline = node.local(self.now) + self.settings.heartbeat_timeout
             node.losses = 0
@@ -1577,7 +1469,7 @@ class Simulator:
             # the view is stale, so the driver's monitor reads first (with the
             # counters when they are due).
             node.queued_monitor = False
-            node.task = _MONITOR
+            node.task = Task.MONITOR
             node.losses = 0
             node.view = core_driver.after_wait(node.view)
             return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 
 import pytest
 
@@ -22,15 +23,25 @@ from rallypoint.core import (
 )
 from rallypoint.core.actions import Action
 from rallypoint.spec.check import (
+    Age,
     CheckConfig,
     Checker,
     CheckerConfigError,
+    Deadline,
+    Event,
+    EventKind,
     Global,
+    Local,
+    Op,
+    Phase,
     check,
     describe,
+    node_of,
+    relabel,
 )
 from rallypoint.spec.cli import spec_main
 from rallypoint.spec.invariants import check_admissions, check_removal_published
+from rallypoint.spec.lifecycle import Lifecycle
 
 #: Three nodes, every round, no crashes or close: the full space in seconds.
 SMALL = CheckConfig(nodes=3, max_crashes=0, allow_close=False)
@@ -80,7 +91,7 @@ def test_the_round_abstraction_covers_every_concrete_round() -> None:
 
     def covered(g: Global, _: int) -> None:
         rounds.add(g.shared.round)
-        _, fingerprint = abstract.fingerprint(abstract._normalize(g))
+        _, fingerprint = abstract.fingerprint(abstract.normalize(g))
         if fingerprint not in stored:
             missing.append(g)
 
@@ -164,6 +175,84 @@ def test_config_errors_name_the_field() -> None:
         CheckConfig(nodes=0)
     with pytest.raises(CheckerConfigError, match="max_nodes"):
         CheckConfig(min_nodes=3, max_nodes=2)
+    with pytest.raises(CheckerConfigError, match="max_states must be a number >= 1, got 0"):
+        CheckConfig(max_states=0)
+    with pytest.raises(CheckerConfigError, match="max_crashes must be a number >= 0"):
+        CheckConfig(max_crashes=-1)
+    with pytest.raises(CheckerConfigError, match="nodes must be a number >= 1, got '3'"):
+        CheckConfig(nodes="3")  # type: ignore[arg-type]
+
+
+# -- the vocabulary of states, events and timers ------------------------------------
+
+
+def test_states_events_and_timers_are_enums() -> None:
+    """Phases, operations, event kinds, timer values and deadlines are enum
+    members (compared by identity in the search), and print as the words traces
+    use."""
+    checker = Checker(SMALL)
+    g = checker.initial()
+    assert all(loc.phase is Phase.IDLE and loc.op is None for loc in g.locals)
+    (join,) = [e for e in checker.events(g) if e.slot == 0]
+    assert join.kind is EventKind.JOIN and f"{join.kind}" == "join"
+    concrete = list(checker.expand(g, join))
+    assert {e.timers.own for e in concrete if e.timers} == {Age.FRESH}
+    uncontended = [e.timers for e in concrete if e.timers and not e.timers.contended]
+    assert [t.deadline for t in uncontended] == list(Deadline)
+    after, _ = checker.successor(g, concrete[0])
+    started = after.locals[0]
+    assert started.phase is Phase.JOINING and started.op is Op.JOIN
+    assert started.deadline is Deadline.BEFORE
+    assert describe(after).endswith("n0=joining/join; n1=idle; n2=idle")
+    assert all(isinstance(src, Lifecycle) for src, _, _ in checker.edges)
+
+
+def test_deadlines_stand_for_the_times_the_core_compares() -> None:
+    settings = SMALL.settings()
+    assert Deadline.BEFORE.relative(settings) > 0
+    assert Deadline.TIMED_OUT.relative(settings) == -settings.rollback_period
+    assert Deadline.PAST.relative(settings) < -settings.rollback_period
+    assert Deadline.in_time_order(settings) == (Deadline.BEFORE, Deadline.TIMED_OUT, Deadline.PAST)
+    no_rollback = dataclasses.replace(settings, rollback_period=0.0)
+    assert Deadline.in_time_order(no_rollback) == (Deadline.BEFORE, Deadline.PAST)
+    # States that differ only in a deadline timed out or past are told apart
+    # (as floats, -1.0 and -2.0 hash alike in CPython).
+    checker = Checker(SMALL)
+    g = checker.initial()
+    a, b = (
+        g._replace(locals=(Local(0, Phase.JOINING, Op.JOIN, d), *g.locals[1:]))
+        for d in (Deadline.TIMED_OUT, Deadline.PAST)
+    )
+    assert checker.fingerprint(a)[1] != checker.fingerprint(b)[1]
+    assert "timed-out" in describe(a) and "past-rollback" in describe(b)
+
+
+def _fingerprints(states: list[Global]) -> list[int]:
+    checker = Checker(SMALL)
+    return [checker.fingerprint(g)[1] for g in states]
+
+
+def test_a_forked_worker_fingerprints_states_as_the_main_process_does() -> None:
+    """Workers hand back fingerprints: enum members must hash by value, the same
+    in every fork."""
+    checker = Checker(SMALL)
+    g = checker.initial()
+    states = [g]
+    for event in checker.events(g):
+        for concrete in list(checker.expand(g, event))[:3]:
+            states.append(checker.normalize(checker.successor(g, concrete)[0]))
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply(_fingerprints, (states,)) == _fingerprints(states)
+
+
+def test_relabelling_moves_slots_and_renames_nodes() -> None:
+    checker = Checker(SMALL)
+    g = checker.initial()
+    joined, _ = checker.successor(g, next(checker.expand(g, Event(EventKind.JOIN, 0))))
+    moved = relabel(joined, (2, 0, 1))
+    assert moved.locals[2].phase is Phase.JOINING
+    assert node_of(2, 0) in moved.shared.participants
+    assert checker.fingerprint(moved)[1] == checker.fingerprint(joined)[1]
 
 
 def test_cli_check_prints_the_figures(capsys: pytest.CaptureFixture[str]) -> None:

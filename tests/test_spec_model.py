@@ -13,12 +13,15 @@ from hypothesis import strategies as st
 from rallypoint.core import NodeDesc, Observations, RendezvousState, Settings
 from rallypoint.core.state import HeartbeatSighting, LastCallSighting
 from rallypoint.spec.model import (
+    LOCAL_PHASES,
     MODEL_STATES,
     MODEL_TRANSITIONS,
     TERMINAL_STATES,
     Guards,
+    Lifecycle,
     LifecycleModel,
     ModelUnavailableError,
+    Phase,
     View,
     diagram_source,
     lifecycle_state,
@@ -128,6 +131,23 @@ def test_lifecycle_state_follows_membership() -> None:
     assert lifecycle_state("crashed", A, done) == "crashed"
     with pytest.raises(ValueError, match="unknown local phase"):
         lifecycle_state("dancing", None, state)
+
+
+def test_one_vocabulary_names_phases_and_lifecycle_states() -> None:
+    """The model's states are Lifecycle members; a local phase that membership does
+    not refine maps to the lifecycle state of the same name."""
+    assert tuple(Lifecycle) == MODEL_STATES
+    assert all(isinstance(s, Lifecycle) for s in TERMINAL_STATES)
+    empty = RendezvousState()
+    for phase in LOCAL_PHASES - {Phase.TRAINING}:
+        state = lifecycle_state(phase, A, empty)
+        assert state is Lifecycle(phase.value) and state == phase
+    assert lifecycle_state(Phase.TRAINING, A, empty) is Lifecycle.EVICTED
+    with pytest.raises(ValueError, match="unknown local phase"):
+        lifecycle_state(Phase.DOWN, A, empty)  # the simulator's own
+    model = LifecycleModel()
+    assert model.allows(Lifecycle.IDLE, "join", Lifecycle.JOINING, guards())
+    assert model.allows("idle", "join", "joining", guards())
 
 
 def test_guards_restate_the_protocol() -> None:

@@ -14,9 +14,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import rallypoint.core.driver
 import rallypoint.core.liveness
 from rallypoint.core import encode_state
+from rallypoint.core.codec import EncodedSize
 from rallypoint.spec.cli import simulate_main
 from rallypoint.spec.invariants import check_state
-from rallypoint.spec.simulator import EncodedSize, SimConfig, SimConfigError, Simulator, simulate
+from rallypoint.spec.lifecycle import Phase
+from rallypoint.spec.simulator import SimConfig, SimConfigError, Simulator, Task, simulate
 from rallypoint.spec.strategies import rendezvous_settings, rendezvous_states, sim_configs
 
 
@@ -199,9 +201,7 @@ def test_a_lease_longer_than_the_liveness_window_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A planted fencing bug: the lease outlives the window its peers wait."""
-    monkeypatch.setattr(
-        rallypoint.core.liveness, "fence_after", lambda s: s.liveness_window + 1.0
-    )
+    monkeypatch.setattr(rallypoint.core.liveness, "fence_after", lambda s: s.liveness_window + 1.0)
     planted = simulate(PARTITIONS)
     assert planted.unfenced_deaths > 0 and not planted.ok, planted.format()
     assert "unfenced death" in planted.format()
@@ -327,6 +327,10 @@ def test_config_errors_name_the_option() -> None:
         ({"nodes": 0}, "nodes"),
         ({"drift": 0.7}, "drift"),
         ({"jitter": 1}, "jitter"),
+        ({"poll_interval": float("nan")}, "poll_interval must be a number > 0, got nan"),
+        ({"request_timeout": 0}, "request_timeout must be a number > 0"),
+        ({"check_every": 0}, "check_every must be a number >= 1"),
+        ({"latency": float("inf")}, "latency must be a finite number >= 0, got inf"),
     ):
         try:
             SimConfig(**bad)  # type: ignore[arg-type]
@@ -334,6 +338,25 @@ def test_config_errors_name_the_option() -> None:
             assert name in str(exc)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_nodes_move_through_the_shared_phase_vocabulary() -> None:
+    """A simulated node's phase is a lifecycle phase (the checker's and the model's
+    words where they mean the same), and its task an enum member."""
+    seen: set[object] = set()
+    tasks: set[object] = set()
+
+    def record(slot: int, _: object) -> None:
+        seen.add(sim.nodes[slot].phase)
+        tasks.add(sim.nodes[slot].task)
+
+    config = SimConfig(nodes=4, seed=2, duration=30.0, leave_rate=2.0, restart_delay=1.0)
+    sim = Simulator(config, on_instruction=record)
+    sim.run()
+    assert all(isinstance(phase, Phase) for phase in seen)
+    assert tasks == set(Task)
+    assert {Phase.JOINING, Phase.TRAINING, Phase.EXITING} <= seen
+    assert sim.report.leaves > 0 and not sim.report.violations
 
 
 def test_cli_prints_a_table_and_writes_a_plot(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

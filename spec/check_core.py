@@ -1,0 +1,369 @@
+"""The driver's part of a checker step: decide on a fresh view, carry it out atomically.
+
+:meth:`CoreSteps.step` builds the node's view from the shared state and the
+timers the step chose, asks :func:`rallypoint.core.driver.decide` (looked up at
+call time, so that a test can plant a bug in it or in the core it calls), carries
+the instruction out, and checks the step's safety properties
+(:mod:`rallypoint.spec.invariants`). It is a pure function of its arguments, so
+it is memoized: most states share their shared state and timers with others.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from immutables import Map
+
+from ..core import (
+    Announce,
+    Beat,
+    Decision,
+    Done,
+    HeartbeatSighting,
+    JoinOp,
+    LastCallSighting,
+    NodeDesc,
+    NodeView,
+    Observations,
+    Operator,
+    Read,
+    RendezvousState,
+    Settings,
+    Wait,
+    Write,
+    heartbeat_of,
+)
+from ..core import driver as core_driver
+from ..core.actions import Action
+from ..core.errors import InvalidTransitionError
+from .check_state import Age, Deadline, Found, Global, Timers, make_observations
+from .check_symmetry import CACHE_LIMIT
+from .invariants import (
+    check_admissions,
+    check_removal_published,
+    check_return,
+    check_state,
+    check_transition,
+)
+from .model import Guards, View
+
+__all__ = ["CoreStep", "CoreSteps"]
+
+
+class CoreStep(NamedTuple):
+    """What the driver decided in one step, and what carrying it out did (see
+    :meth:`CoreSteps.step`)."""
+
+    decision: Decision
+    #: the action the node carried out: the Write's (None for a Write that only
+    #: publishes removals), Beat's KEEP_ALIVE, Wait's SYNC, Done's
+    performed: Action | None
+    #: the shared state after the step (the Write's state; else the state before)
+    written: RendezvousState
+    #: the model's guards on the stepping node's view before its action
+    guards: Guards
+    #: the current round's intent log past the cursor after the step
+    intents: frozenset[NodeDesc]
+    #: whether the node read the intent log within the step (a Read(intents=True))
+    read_log: bool
+
+
+class _Effect(NamedTuple):
+    """What carrying out an instruction did to what is shared."""
+
+    written: RendezvousState
+    performed: Action | None
+    intents: frozenset[NodeDesc]
+    problems: list[str]
+
+
+class CoreSteps:
+    """The memoized driver steps of one search (and the views they decide on)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        window = settings.liveness_window
+        #: the age of the node's own sighting for each of its values
+        self._own_ages = {
+            Age.FRESH: 0.0,
+            Age.DUE: -settings.keep_alive_interval,
+            Age.EXPIRED: -(window + 1.0),
+        }
+        #: the age of an expired peer's sighting, and of an armed last call that is over
+        self._expired = self._own_ages[Age.EXPIRED]
+        self._call_over = -(settings.last_call_timeout + 1.0)
+        #: each deadline's time relative to now
+        self.times = {d: d.relative(settings) for d in Deadline}
+        self._steps: dict[tuple[object, ...], CoreStep] = {}
+        #: how many times the memo of steps was dropped (the ids of the steps it
+        #: held may then be reused: see StepProperties.missed_wakeups)
+        self.generation = 0
+        #: (state, node) -> the view a read of it gives; (state, node, timers but
+        #: the deadline) -> the sightings a step chooses (see view)
+        self._reads: dict[tuple[RendezvousState, NodeDesc], NodeView] = {}
+        self._sightings: dict[tuple[object, ...], Observations] = {}
+
+    def limit(self, deadline: Deadline | None) -> float:
+        """The deadline the driver is given (relative to now = 0)."""
+        return self.times[deadline] if deadline is not None else float("inf")
+
+    # -- views ------------------------------------------------------------------
+
+    def view(
+        self,
+        state: RendezvousState,
+        node: NodeDesc,
+        timers: Timers,
+        pending: frozenset[NodeDesc] = frozenset(),
+    ) -> NodeView:
+        """The node's view at this step: ``state`` and every member's side counter
+        read at this instant (so never too old to judge liveness on), with its
+        sightings aged as ``timers`` says; ``contended`` as the timers choose, and
+        ``announced`` when the node is in the round's intent log past the cursor.
+
+        The side counters are all 0: only whether a sighting equals the counter
+        matters, and every step chooses the sightings' ages afresh.
+        """
+        read = self._reads.get((state, node))
+        if read is None:
+            if len(self._reads) >= CACHE_LIMIT:
+                self._reads.clear()
+            counters = _counters(state)
+            read = core_driver.after_read(NodeView(), node, state, counters, 0.0)
+            self._reads[state, node] = read
+        return read._replace(
+            observations=self._aged(state, node, timers),
+            contended=timers.contended,
+            announced=state.round if node in pending else -1,
+        )
+
+    def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
+        """Sightings of every member of ``state``, aged as ``timers`` says.
+
+        A sighting watches the pair (state counter, side counter); the side counters
+        the view holds are all 0, so each sighting equals what a read at this instant
+        shows, and a re-read within the step keeps its age.
+        """
+        expired, mine, lc = timers.expired, timers.own, timers.last_call_over
+        key = (state, node, expired, mine, lc)
+        known = self._sightings.get(key)
+        if known is not None:
+            return known
+        own = self._own_ages[mine]
+        beats = {
+            n: HeartbeatSighting(
+                heartbeat_of(c, 0), own if n == node else self._expired if n in expired else 0.0
+            )
+            for n, c in state.heartbeats.items()
+        }
+        call = None
+        if state.last_call is not None:
+            since = self._call_over if lc else 0.0
+            call = LastCallSighting(state.round, state.last_call, since)
+        if len(self._sightings) >= CACHE_LIMIT:
+            self._sightings.clear()
+        known = self._sightings[key] = make_observations(beats, call)
+        return known
+
+    # -- decisions --------------------------------------------------------------
+
+    def decide(
+        self, state: RendezvousState, node: NodeDesc, timers: Timers, deadline: Deadline | None
+    ) -> Decision:
+        """The decision of a join of ``node`` on ``state`` (not carried out)."""
+        view = self.view(state, node, timers)
+        try:
+            return core_driver.decide(
+                view, node, self.settings, JoinOp(), self.limit(deadline), 0.0
+            )
+        except InvalidTransitionError as exc:
+            raise Found([f"the core chose an action it then rejected: {exc}"]) from None
+
+    def contention_matters(self, g: Global, node: NodeDesc, timers: Timers) -> bool:
+        """Whether a lost compare-and-set changes the join step of ``node`` with
+        ``timers``: the uncontended step writes an action of its own (a node only
+        loses a compare-and-set on its way to one), and the contended decision
+        differs from it."""
+        state, intents, deadline = g.shared, g.intents, timers.deadline
+        try:
+            step = self.step(state, node, JoinOp(), timers, deadline, intents)
+        except Found:
+            return False  # the step itself is a violation; it is reported as it is
+        instruction = step.decision.instruction
+        if not isinstance(instruction, Write) or instruction.action is None:
+            return False
+        contended = timers._replace(contended=True)
+        try:
+            other = self.step(state, node, JoinOp(), contended, deadline, intents)
+        except Found:
+            return True  # the contended step is a violation: explore it to report it
+        return other.decision.instruction != instruction or other.intents != step.intents
+
+    # -- steps ------------------------------------------------------------------
+
+    def step(
+        self,
+        state: RendezvousState,
+        node: NodeDesc,
+        op: Operator,
+        timers: Timers,
+        deadline: Deadline | None,
+        pending: frozenset[NodeDesc] = frozenset(),
+    ) -> CoreStep:
+        """The driver's part of a step, carried out atomically (memoized).
+
+        ``pending`` is the current round's intent log past the cursor. The driver
+        sees it as the whole log, in node order, with the cursor at 0 (the state
+        is normalized so): only the entries past the cursor matter to a decision.
+
+        Raises:
+            Found: the step breaks a safety property, or the driver asked for
+                something an atomic step cannot carry out.
+        """
+        key = (state, node, type(op), timers, deadline, pending)
+        hit = self._steps.get(key)
+        if hit is not None:
+            return hit
+        log = tuple(sorted(pending))
+        view = self.view(state, node, timers, pending)
+        view, decision, read_log = self._decide(view, node, op, self.limit(deadline), log)
+        effect = _carry_out(state, node, decision, pending, log, read_log)
+        problems = effect.problems + _step_problems(
+            state, node, timers, decision, effect.written, log, self.settings
+        )
+        if problems:
+            found = Found(problems, decision)
+            found.read_log = read_log
+            raise found
+        # The stepping node's own action is judged on its view before the action.
+        limit = None if deadline is None else self.times[deadline]
+        guards = Guards.of(
+            View(node, decision.state, self.settings, 0.0, view.observations, limit, pending)
+        )
+        if len(self._steps) >= CACHE_LIMIT:
+            self._steps.clear()
+            self.generation += 1
+        step = self._steps[key] = CoreStep(
+            decision, effect.performed, effect.written, guards, effect.intents, read_log
+        )
+        return step
+
+    def _decide(
+        self, view: NodeView, node: NodeDesc, op: Operator, limit: float, log: tuple[NodeDesc, ...]
+    ) -> tuple[NodeView, Decision, bool]:
+        """The driver's decision on the node's ``view`` of this instant (the view
+        it decided on, the decision, and whether the node read the intent log,
+        ``log``, to make it)."""
+        settings, state = self.settings, view.state
+        try:
+            decision = core_driver.decide(view, node, settings, op, limit, 0.0)
+            instruction = decision.instruction
+            if (
+                isinstance(instruction, Read)
+                and getattr(instruction, "intents", False)
+                and view.intents_round != state.round
+            ):
+                # The intent log, read at this same instant with the state it
+                # belongs to: the node then decides again within the step.
+                counters = _counters(state) if instruction.counters else None
+                view = core_driver.after_read(view, node, state, counters, 0.0, log)
+                return view, core_driver.decide(view, node, settings, op, limit, 0.0), True
+        except InvalidTransitionError as exc:
+            raise Found([f"the core chose an action it then rejected: {exc}"]) from None
+        return view, decision, False
+
+
+def _counters(state: RendezvousState) -> Map[NodeDesc, int]:
+    return Map({n: 0 for n in state.heartbeats})
+
+
+def _carry_out(
+    state: RendezvousState,
+    node: NodeDesc,
+    decision: Decision,
+    pending: frozenset[NodeDesc],
+    log: tuple[NodeDesc, ...],
+    read_log: bool,
+) -> _Effect:
+    """Carry the instruction out. The view is as fresh as a view can be."""
+    instruction = decision.instruction
+    if isinstance(instruction, Write):
+        # A winning compare-and-set (a lost one changes nothing shared, and the
+        # node decides again on what beat it: another step of the search).
+        written = instruction.state
+        if written.round == state.round:
+            intents = frozenset(log[max(0, written.intent_cursor) :])
+        else:
+            intents = frozenset()  # a new round's log: nobody announced in it yet
+        return _Effect(written, instruction.action, intents, [])
+    if isinstance(instruction, Announce):
+        # The node appends itself to the intent log; nothing else is shared.
+        problems = []
+        if instruction.round != state.round:
+            problems.append(
+                f"{node} announced itself in the intent log of round {instruction.round} "
+                f"while the state is in round {state.round}: it reads round "
+                f"{state.round}'s log back, and its entry waits in a round not started"
+            )
+        return _Effect(state, None, pending | {node}, problems)
+    if isinstance(instruction, Beat):
+        # A beat moves only the node's side counter, which no step reads (each
+        # chooses its sightings afresh). It is a keep-alive, whatever the
+        # operator would have done next (a member beats first when it is due).
+        return _Effect(state, Action.KEEP_ALIVE, pending, [])
+    if isinstance(instruction, Wait):
+        return _Effect(state, decision.action, pending, [])  # a wait changes nothing
+    if isinstance(instruction, Done):
+        joined = instruction.joined
+        problems = []
+        if joined is not None:
+            # agreement, through the state the join returns on (check_return)
+            problems = check_return(
+                node, state, joined.round, joined.rank, joined.world_size, joined.members
+            )
+        return _Effect(state, instruction.action, pending, problems)
+    if isinstance(instruction, Read):
+        raise _endless_read(instruction, decision, read_log)
+    raise Found([f"the driver answered {instruction!r} to an operation"], decision)
+
+
+def _endless_read(instruction: Read, decision: Decision, read_log: bool) -> Found:
+    what = (
+        f"Read(counters={instruction.counters}, intents={getattr(instruction, 'intents', False)})"
+    )
+    found = Found(
+        [
+            f"the driver re-read a fresh view ({what} on a state, counters"
+            + (" and intent log" if read_log else "")
+            + " read at this instant): an executor would read and ask again forever"
+        ],
+        decision,
+    )
+    found.read_log = read_log
+    return found
+
+
+def _step_problems(
+    state: RendezvousState,
+    node: NodeDesc,
+    timers: Timers,
+    decision: Decision,
+    written: RendezvousState,
+    log: tuple[NodeDesc, ...],
+    settings: Settings,
+) -> list[str]:
+    """Safety: a node that finds members silent publishes their removal at once;
+    the written state and both halves of the step (read -> the operator's view ->
+    written; nothing is written but by a Write); batched admissions.
+
+    A node never finds itself dead (it is alive: it beats now); its peers judge it
+    by their own sightings. So only the expired peers count.
+    """
+    instruction, sanitized = decision.instruction, decision.state
+    problems = check_removal_published(node, state, timers.expired, decision.dead, written)
+    problems += check_state(written, settings)
+    problems += check_transition(state, sanitized)
+    if isinstance(instruction, Write):
+        problems += check_transition(sanitized, written)
+        problems += check_admissions(node, state, sanitized, written, instruction.admitted, log)
+    return problems

@@ -1,0 +1,137 @@
+"""The checker's own properties of a step, beyond :mod:`rallypoint.spec.invariants`.
+
+* **No missed wake-up** (:meth:`StepProperties.missed_wakeups`, the reason phases
+  exist): a write that publishes no new phase leaves the decision of every node
+  waiting on the state as it was.
+* **Self-fencing** (:meth:`StepProperties.broken_leases`, docs/design.md, decision
+  7): a node declared dead whose workers run was already told to stop them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ..core import Decision, HeartbeatSighting, NodeDesc, NodeView, RendezvousState, Wait
+from ..core import driver as core_driver
+from .check_core import CoreStep, CoreSteps
+from .check_state import Age, Deadline, Global, Local, Op, Timers, make_observations, node_of
+from .lifecycle import Phase
+
+__all__ = ["StepProperties"]
+
+
+class StepProperties:
+    """The wake-up and lease checks of one search (memoized on the core steps)."""
+
+    def __init__(self, core: CoreSteps, deadlines: tuple[Deadline, ...]) -> None:
+        self.core = core
+        self.settings = core.settings
+        #: the deadline's values in the order time moves them
+        self._deadlines = deadlines
+        #: (id of a memoized core step, a waiting node, its deadline) -> missed
+        #: wake-ups, for the core steps' current generation
+        self._wakeups: dict[tuple[object, ...], list[str]] = {}
+        self._generation = core.generation
+
+    def broken_leases(self, g: Global, dead: frozenset[NodeDesc]) -> list[str]:
+        """Self-fencing (docs/design.md, decision 7): a node declared dead whose
+        workers run must already have been told to stop them.
+
+        A peer declares a node dead once its counter pair has not moved for over a
+        liveness window on the peer's clock, counted from when the peer first saw
+        it, which is no earlier than the renewal that set it was sent. So at that
+        moment the node's own lease (its sighting of itself, timed from that send)
+        is at least a window old, and the core's ``must_fence`` must say so."""
+        window = self.settings.liveness_window
+        problems = []
+        training = Phase.TRAINING
+        for i, loc in enumerate(g.locals):
+            gone = node_of(i, loc.incarnation)
+            if gone not in dead or loc.phase is not training:
+                continue
+            lapsed = make_observations({gone: HeartbeatSighting(0, -window)}, None)
+            view = NodeView(observations=lapsed)
+            if not core_driver.must_fence(view, gone, self.settings, 0.0):
+                problems.append(
+                    f"lease: {gone} was declared dead while it trained, and its own lease "
+                    f"(last renewed a liveness window of {window:g} s ago) had not run out: "
+                    "must_fence said its workers could go on"
+                )
+        return problems
+
+    def missed_wakeups(self, g: Global, slot: int, core_step: CoreStep) -> list[str]:
+        """Waiters the step ``core_step`` of ``slot`` leaves asleep although their
+        decision changed (the step's write publishes no new phase).
+
+        A waiter is another node running a join whose decision on the state before
+        the step is a Wait (with the timers it may have then: nobody silent, which
+        would make it publish a removal instead). Its decision on the state after
+        the step with the same timers (a new member is seen fresh, a new last call
+        just armed) must be the same Wait, waking at the same time: its Wait ends
+        only on a phase above the one it read, or at that time.
+
+        Not a waiter in this sense: a node the step removed from the state (a peer
+        declared it dead). It learns that by its own keep-alive timer, which every
+        member's Wait includes: waking every waiter on every removal is what phases
+        are there to avoid.
+
+        A function of the step (the shared states before and after) and of the
+        waiter's node and deadline: memoized.
+        """
+        if self._generation != self.core.generation:
+            # ids of dropped steps may be reused: forget what was keyed on them
+            self._wakeups.clear()
+            self._generation = self.core.generation
+        before, after = g.shared, core_step.written
+        problems: list[str] = []
+        for i, other in enumerate(g.locals):
+            if i == slot or other.op is not Op.JOIN:
+                continue
+            waiter = node_of(i, other.incarnation)
+            key = (id(core_step), waiter, other.deadline)
+            known = self._wakeups.get(key)
+            if known is None:
+                known = self._wakeups[key] = self._missed_wakeup(before, after, waiter, other)
+            problems += known
+        return problems
+
+    def _missed_wakeup(
+        self, before: RendezvousState, after: RendezvousState, waiter: NodeDesc, loc: Local
+    ) -> list[str]:
+        if waiter in before.members() and waiter not in after.members():
+            return []
+        own = (Age.FRESH, Age.DUE) if waiter in before.heartbeats else (Age.FRESH,)
+        over = (False, True) if before.last_call is not None else (False,)
+        start = self._deadlines.index(loc.deadline) if loc.deadline in self._deadlines else 0
+        for mine, lc, dl in itertools.product(own, over, self._deadlines[start:]):
+            timers = Timers(frozenset(), mine, lc, dl)
+            asleep = self.core.decide(before, waiter, timers, dl)
+            if not isinstance(asleep.instruction, Wait):
+                continue
+            if after.last_call != before.last_call or after.round != before.round:
+                timers = timers._replace(last_call_over=False)  # a new last call, just seen
+            awake = self.core.decide(after, waiter, timers, dl)
+            if _outcome(awake) != _outcome(asleep):
+                return [
+                    f"missed wake-up: {waiter} waits ({_describe_decision(asleep)}) on the "
+                    f"state before this step and would {_describe_decision(awake)} on the "
+                    "state after it, but the step's write publishes no new phase"
+                ]
+        return []
+
+
+def _outcome(decision: Decision) -> tuple[object, ...]:
+    """What a decision does, as far as a waiter is concerned: the instruction, the
+    action, and for a Wait the time it wakes at."""
+    instruction = decision.instruction
+    until = instruction.until if isinstance(instruction, Wait) else None
+    return (type(instruction).__name__, decision.action, until)
+
+
+def _describe_decision(decision: Decision) -> str:
+    instruction = decision.instruction
+    action = "nothing" if decision.action is None else decision.action.name
+    if isinstance(instruction, Wait):
+        until = "a new phase" if instruction.until is None else f"+{instruction.until:g} s"
+        return f"{action}: wait until {until}"
+    return f"{action}: {type(instruction).__name__.lower()}"

@@ -1,0 +1,360 @@
+"""The model checker's vocabulary: what it checks, its states and events, its result.
+
+A state of the search (:class:`Global`) is the shared state, every node slot's
+local state (:class:`Local`) and the round's intent log past its cursor. An event
+(:class:`Event`) names what happens to which slot; a step carries the few timer
+values (:class:`Timers`) that the core's thresholds tell apart. See
+:mod:`rallypoint.spec.check` for how the search uses them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import IntEnum
+from typing import NamedTuple
+
+from immutables import Map
+
+from ..core import (
+    Decision,
+    HeartbeatSighting,
+    LastCallSighting,
+    NodeDesc,
+    Observations,
+    RendezvousState,
+    Settings,
+)
+from .lifecycle import Name, Phase
+from .options import Rule, check_ranges, check_settings
+
+__all__ = [
+    "Age",
+    "CheckConfig",
+    "CheckResult",
+    "CheckerConfigError",
+    "Deadline",
+    "Event",
+    "EventKind",
+    "Found",
+    "Global",
+    "Local",
+    "Op",
+    "Timers",
+    "Violation",
+    "make_observations",
+    "node_of",
+    "with_local",
+]
+
+
+class CheckerConfigError(ValueError):
+    """The checker configuration is out of range (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """What to check.
+
+    Attributes:
+        nodes: cluster size (node slots; a restart reuses its slot with a new pid).
+        min_nodes, max_nodes: the rendezvous settings.
+        max_round: None (the default) explores every round through the round
+            abstraction; a number keeps concrete round numbers and checks states
+            beyond that round without expanding them.
+        max_crashes: crashes in one run (each crash allows one restart).
+        allow_close: whether nodes may close the rendezvous.
+        stable_ranks: the settings' stable-ranks option (ranks kept across rounds).
+        symmetry: store states modulo node permutations.
+        max_states: stop after this many distinct states (None: explore all).
+    """
+
+    nodes: int = 3
+    min_nodes: int = 2
+    max_nodes: int = 3
+    max_round: int | None = None
+    max_crashes: int = 1
+    allow_close: bool = True
+    stable_ranks: bool = False
+    symmetry: bool = True
+    max_states: int | None = None
+
+    def __post_init__(self) -> None:
+        rules = (Rule(("nodes", "max_states"), 1), Rule(("max_round", "max_crashes"), 0))
+        check_ranges(self, CheckerConfigError, rules)
+        check_settings(self, CheckerConfigError)
+
+    def settings(self) -> Settings:
+        """The core settings of the search. Only their ratios matter: every timer
+        value the search uses sits on one side of each threshold."""
+        return Settings(
+            run_id="check",
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            join_timeout=10.0,
+            # distinct from the keep-alive interval and the deadline (1.0 ahead), so
+            # that a Wait's wake time tells which timer it waits for
+            last_call_timeout=0.5,
+            close_timeout=10.0,
+            heartbeat_timeout=10.0,
+            keep_alive_interval=1.0,
+            keep_alive_max_attempt=2,
+            rollback_period=1.0,
+            stable_ranks=self.stable_ranks,
+        )
+
+
+class Op(Name):
+    """The operation a node runs."""
+
+    JOIN = "join"
+    EXIT = "exit"
+    CLOSE = "close"
+
+
+class EventKind(Name):
+    """What happens to a node slot in one event of the search."""
+
+    #: the node crashes (and restarts at once as a new process, idle)
+    CRASH = "crash"
+    #: one iteration of the driving loop of the node's running operation
+    STEP = "step"
+    #: one iteration of a trained node's keep-alive
+    HEARTBEAT = "heartbeat"
+    #: the node starts an operation and takes its first step
+    JOIN = "join"
+    EXIT = "exit"
+    CLOSE = "close"
+
+
+#: The operation an event starts.
+STARTS: dict[EventKind, Op] = {
+    EventKind.JOIN: Op.JOIN,
+    EventKind.EXIT: Op.EXIT,
+    EventKind.CLOSE: Op.CLOSE,
+}
+#: Events that run one iteration of the node's driving loop (see Steps.expand).
+STEPPING_EVENTS = frozenset({EventKind.STEP, EventKind.HEARTBEAT, *STARTS})
+
+
+class Age(Name):
+    """How old a node's sighting of its own heartbeat is."""
+
+    FRESH = "fresh"
+    #: a keep-alive interval old: a beat is due
+    DUE = "due"
+    #: older than the liveness window
+    EXPIRED = "expired"
+
+
+class Deadline(IntEnum):
+    """Where the running operation's deadline stands relative to the node's now,
+    as the values the core's thresholds tell apart, in the order time moves them.
+
+    A value ranks the time left (0 stands for no deadline in a state's key); the
+    time relative to now it stands for is :meth:`relative`.
+    """
+
+    #: ahead of now
+    BEFORE = 3
+    #: passed, within the rollback period
+    TIMED_OUT = 2
+    #: past the rollback period too
+    PAST = 1
+
+    def relative(self, settings: Settings) -> float:
+        """The deadline relative to now, in seconds of the node's clock."""
+        if self is Deadline.BEFORE:
+            return 1.0
+        if self is Deadline.TIMED_OUT:
+            return -settings.rollback_period
+        return -(settings.rollback_period + 1.0)
+
+    @staticmethod
+    def in_time_order(settings: Settings) -> tuple[Deadline, ...]:
+        """The values a deadline takes in ``settings``, in the order time moves
+        them (without a rollback period, none is timed out but not past)."""
+        if settings.rollback_period > 0:
+            return tuple(Deadline)
+        return (Deadline.BEFORE, Deadline.PAST)
+
+
+class Local(NamedTuple):
+    """One node slot's local state (its clock's ``now`` is always 0).
+
+    Sightings are not kept: every step chooses their ages afresh (see
+    :meth:`Steps.expand`). Nor is what a join returned: each return is checked
+    against the state it returned on, which implies agreement (see
+    :func:`rallypoint.spec.invariants.check_return`).
+    """
+
+    incarnation: int
+    #: one of the model's local phases (see lifecycle_state)
+    phase: Phase
+    #: the running operation
+    op: Op | None
+    #: the operation's deadline relative to now
+    deadline: Deadline | None
+
+
+class Global(NamedTuple):
+    """A state of the search: the shared state, every slot's local state, and the
+    entries of the current round's intent log past the state's cursor."""
+
+    shared: RendezvousState
+    locals: tuple[Local, ...]
+    crashes: int
+    #: joiners that announced themselves in the current round and were not yet
+    #: admitted (the log past ``intent_cursor``; see :meth:`Symmetry.normalize`)
+    intents: frozenset[NodeDesc] = frozenset()
+
+
+class Timers(NamedTuple):
+    """How much time a node's clock let pass since it last looked, as the few
+    values the core's thresholds tell apart (see :meth:`Steps.expand`)."""
+
+    #: peers whose heartbeat the node saw stand still longer than the liveness window
+    expired: frozenset[NodeDesc]
+    #: the node's own sighting
+    own: Age
+    #: whether an armed last call is over
+    last_call_over: bool
+    #: the running operation's deadline (None for a keep-alive)
+    deadline: Deadline | None
+    #: a compare-and-set of the node lost since its last wait (join steps whose
+    #: decision is an admission only; see :meth:`Steps.expand`)
+    contended: bool = False
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of a search: what happens to which node slot.
+
+    A step (and ``join``/``exit``/``close``, which start an operation and take its
+    first step at once) carries the ``timers`` the node sees; see
+    :meth:`Steps.expand`.
+    """
+
+    kind: EventKind
+    slot: int
+    timers: Timers | None = None
+
+
+@dataclass
+class Violation:
+    """A broken property, with the trace that reaches it from the initial state."""
+
+    problems: list[str]
+    trace: list[str]
+
+    def format(self) -> str:
+        lines = ["VIOLATION:", *(f"  - {p}" for p in self.problems), "trace:"]
+        lines += [f"  {line}" for line in self.trace]
+        return "\n".join(lines)
+
+
+@dataclass
+class CheckResult:
+    """The outcome of a search."""
+
+    config: CheckConfig
+    states: int = 0
+    transitions: int = 0
+    depth: int = 0
+    seconds: float = 0.0
+    complete: bool = True
+    violation: Violation | None = None
+    lifecycle_edges: set[tuple[str, str, str]] = field(default_factory=set)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+    def summary(self) -> str:
+        c = self.config
+        scope = (
+            "stopped at the first violation"
+            if self.violation is not None
+            else "full state space"
+            if self.complete
+            else f"stopped at {c.max_states} states"
+        )
+        lines = [
+            f"config: nodes={c.nodes} min={c.min_nodes} max={c.max_nodes} "
+            f"max_round={'all' if c.max_round is None else c.max_round} "
+            f"max_crashes={c.max_crashes} close={c.allow_close} "
+            f"stable_ranks={c.stable_ranks} symmetry={c.symmetry}",
+            f"states explored: {self.states} ({scope})",
+            f"transitions: {self.transitions}",
+            f"depth: {self.depth}",
+            f"seconds: {self.seconds:.2f}",
+            f"lifecycle edges exercised: {len(self.lifecycle_edges)}",
+        ]
+        lines.append("result: no violation" if self.ok else "result: VIOLATION")
+        if self.violation is not None:
+            lines.append(self.violation.format())
+        return "\n".join(lines)
+
+
+class Found(Exception):
+    """A step broke a property (raised within the search, reported as a
+    :class:`Violation`)."""
+
+    def __init__(self, problems: list[str], decision: Decision | None = None) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+        #: the driver's decision in the violating step, if it made one
+        self.decision = decision
+        #: what the violating step did, for the trace
+        self.lines: list[str] = []
+        #: whether the violating step read the intent log
+        self.read_log = False
+        #: the event of the violating step, when the search did not know it
+        self.event: Event | None = None
+
+
+_OBSERVATION_FIELDS = frozenset(f.name for f in fields(Observations))
+
+
+def make_observations(
+    heartbeats: Mapping[NodeDesc, HeartbeatSighting], last_call: LastCallSighting | None
+) -> Observations:
+    """Observations holding exactly these sightings.
+
+    The checker makes sightings of their own (chosen ages); the core's Observations
+    carry caches derived from the sightings, which must match them, or
+    ``dead_nodes`` would act on stale ones: ``oldest`` is rebuilt here, and the
+    caches of what the sightings were taken from are left empty (``observe`` then
+    compares every counter, and finds each equal to its sighting).
+    """
+    beats = Map(heartbeats)
+    caches: dict[str, object] = {}
+    if "oldest" in _OBSERVATION_FIELDS:
+        caches["oldest"] = min((h.since for h in beats.values()), default=None)
+    return Observations(heartbeats=beats, last_call=last_call, **caches)  # type: ignore[arg-type]
+
+
+@functools.cache
+def node_of(slot: int, incarnation: int) -> NodeDesc:
+    """The node of a slot's incarnation (a restart is a new process: a new pid)."""
+    return NodeDesc(f"n{slot}", 100 + incarnation, 0)
+
+
+def with_local(
+    g: Global,
+    slot: int,
+    loc: Local,
+    shared: RendezvousState | None = None,
+    crashes: int | None = None,
+    intents: frozenset[NodeDesc] | None = None,
+) -> Global:
+    """``g`` with slot ``slot``'s local state replaced (and what else is given)."""
+    locals_ = list(g.locals)
+    locals_[slot] = loc
+    return Global(
+        g.shared if shared is None else shared,
+        tuple(locals_),
+        g.crashes if crashes is None else crashes,
+        g.intents if intents is None else intents,
+    )

@@ -1,0 +1,439 @@
+"""The checker's step rules: which events a state enables, and what each one does.
+
+A node's events (:meth:`Steps.events`) are its crash, the start of an operation
+(join, exit, close, taken together with the operation's first step), a step of
+its running operation, and a trained node's heartbeat. A step is one iteration of
+the driving loop, for every way the node's timers may have run
+(:meth:`Steps.expand`): the driver's part is :class:`CoreSteps`'s; this module
+applies it to the node's local state (:meth:`Steps.successor`) and checks the
+step's properties and conformance.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+from ..core import (
+    Beat,
+    CloseOp,
+    Done,
+    ExitOp,
+    Instruction,
+    JoinOp,
+    KeepAliveOp,
+    Operator,
+    Wait,
+    Write,
+)
+from ..core.actions import Action
+from .check_conformance import Conformance
+from .check_core import CoreStep, CoreSteps
+from .check_properties import StepProperties
+from .check_state import (
+    STARTS,
+    STEPPING_EVENTS,
+    Age,
+    CheckConfig,
+    Deadline,
+    Event,
+    EventKind,
+    Found,
+    Global,
+    Local,
+    Op,
+    Timers,
+    node_of,
+    with_local,
+)
+from .check_symmetry import CACHE_LIMIT
+from .check_trace import narrate
+from .lifecycle import TERMINAL_PHASES, Lifecycle, Phase
+
+__all__ = ["Steps"]
+
+#: The operators behind the operations a node starts.
+_OPERATORS: dict[Op, Callable[[], Operator]] = {Op.JOIN: JoinOp, Op.EXIT: ExitOp, Op.CLOSE: CloseOp}
+#: The values of a node's own sighting, when it is a member and when it is not.
+_MEMBER_AGES = (Age.FRESH, Age.DUE, Age.EXPIRED)
+_OTHER_AGES = (Age.FRESH,)
+
+
+class Steps:
+    """The events of one search and their successors (memoized where a pure
+    function of fewer things than the whole state)."""
+
+    def __init__(self, config: CheckConfig) -> None:
+        self.config = config
+        self.settings = config.settings()
+        self.core = CoreSteps(self.settings)
+        self.conformance = Conformance(self.settings)
+        #: the deadline's values in the order time moves them
+        self.deadlines = Deadline.in_time_order(self.settings)
+        self.properties = StepProperties(self.core, self.deadlines)
+        #: steps already conformed (see _step)
+        self._conformed: set[tuple[object, ...]] = set()
+        #: (shared state, intent log, event kind, slot, local) -> events (see choices)
+        self._choices: dict[tuple[object, ...], tuple[list[Event], list[Event]]] = {}
+        #: whether steps describe themselves (only a trace needs it)
+        self.narrate = False
+
+    # -- events ------------------------------------------------------------------
+
+    def events(self, g: Global) -> Iterator[Event]:
+        """Every event enabled in ``g`` (without the timers of its steps)."""
+        cfg = self.config
+        for i, loc in enumerate(g.locals):
+            if loc.phase in TERMINAL_PHASES:
+                continue
+            if g.crashes < cfg.max_crashes:
+                yield Event(EventKind.CRASH, i)
+            if loc.op is not None:
+                yield Event(EventKind.STEP, i)
+                continue
+            training = loc.phase is Phase.TRAINING
+            if loc.phase in (Phase.IDLE, Phase.EXITED) or (training and not _member(g, i)):
+                yield Event(EventKind.JOIN, i)
+            if training:
+                yield Event(EventKind.HEARTBEAT, i)
+                yield Event(EventKind.EXIT, i)
+            if cfg.allow_close and not g.shared.closed:
+                yield Event(EventKind.CLOSE, i)
+
+    def expand(self, g: Global, event: Event) -> Iterator[Event]:
+        """The concrete events of ``event``: a step, for every way the node's timers
+        may have run since it last looked.
+
+        Between two steps of a node any amount of its local time may pass, and its
+        peers may stall for any time. So at each step any subset of the other members
+        may have been silent for longer than the liveness window, the node's own
+        heartbeat may be fresh, due or expired, and an armed last call may be over.
+        This is the asynchronous model with an unreliable failure detector: it
+        contains every real timing (any clock offset, drift, scheduling delay), so a
+        safety property that holds here holds in every real run. Whether real
+        clocks declare only really silent nodes dead is the simulator's question.
+
+        Contention is a choice too. A compare-and-set never loses in this atomic
+        model, but a lost one changes nothing shared, so a node may have lost one
+        (against a write the search does not need to show) at any step since its
+        last wait: a join step whose decision is a write of the node's own action
+        is also taken with ``contended`` set (the driver then joins through the
+        intent log). A connection error also clears the flag (the executor waits),
+        so both values are real at every such step.
+        """
+        kind, slot = event.kind, event.slot
+        if kind not in STEPPING_EVENTS:
+            yield event
+            return
+        loc = g.locals[slot]
+        node = node_of(slot, loc.incarnation)
+        state = g.shared
+        peers = sorted(n for n in state.heartbeats if n != node)
+        own = _MEMBER_AGES if node in state.heartbeats else _OTHER_AGES
+        over = (False, True) if state.last_call is not None else (False,)
+        subsets = itertools.chain.from_iterable(
+            itertools.combinations(peers, k) for k in range(len(peers) + 1)
+        )
+        # A deadline only moves on, and only its own node reads it; so it is chosen
+        # when that node steps, not interleaved as events of its own.
+        deadlines: tuple[Deadline | None, ...] = self.deadlines
+        if kind is EventKind.HEARTBEAT:
+            deadlines = (None,)
+        elif kind is EventKind.STEP:
+            assert loc.deadline is not None  # a running operation has one
+            deadlines = self.deadlines[self.deadlines.index(loc.deadline) :]
+        joins = kind is EventKind.JOIN or (kind is EventKind.STEP and loc.op is Op.JOIN)
+        for expired, mine, lc, dl in itertools.product(list(subsets), own, over, deadlines):
+            timers = Timers(frozenset(expired), mine, lc, dl)
+            yield Event(kind, slot, timers)
+            if joins and self.core.contention_matters(g, node, timers):
+                yield Event(kind, slot, timers._replace(contended=True))
+
+    def choices(self, g: Global, event: Event) -> tuple[list[Event], list[Event]]:
+        """The concrete events of ``event`` (see :meth:`expand`), split in two: the
+        events whose successors the search stores, and the events it only checks.
+
+        Two reductions, both argued in docs/spec.md ("Deadline subsumption"):
+
+        * A step's successor is a function of what the driver decided and wrote
+          (:class:`CoreStep`) and of the deadline the step chose. Of the timer
+          choices that agree on the first, the successor of the earliest deadline
+          simulates the others: they differ only in that node's deadline, a later
+          deadline allows a subset of the node's next steps, and no other node
+          reads it. So only the earliest is stored; the others are checked.
+        * A Wait or a Beat writes nothing shared: its successor is the state
+          itself or the state with the node's deadline later, which the state
+          simulates. They are checked, not stored.
+
+        Every combination of decision and guards is checked (the guards hold the
+        timers the model's conformance reads); a choice whose core step is itself a
+        violation is stored, so that the search reports it. The split depends only
+        on the shared state, the intent log and the node's own local state, which
+        many states share: it is memoized on those.
+        """
+        if event.kind not in STEPPING_EVENTS:
+            return [event], []
+        loc = g.locals[event.slot]
+        key = (g.shared, g.intents, event.kind, event.slot, loc.incarnation, loc.op, loc.deadline)
+        known = self._choices.get(key)
+        if known is None:
+            known = self._split(g, event)
+            if len(self._choices) >= CACHE_LIMIT:
+                self._choices.clear()
+            self._choices[key] = known
+        return known
+
+    def _split(self, g: Global, event: Event) -> tuple[list[Event], list[Event]]:
+        loc = g.locals[event.slot]
+        node = node_of(event.slot, loc.incarnation)
+        heartbeat = event.kind is EventKind.HEARTBEAT
+        op = _operator(event, loc)
+        stored: dict[tuple[object, ...], Event] = {}
+        checked: list[Event] = []
+        violations: list[Event] = []
+        # A step's checks depend on the decision, what carrying it out did, and
+        # the guards, not on the deadline: one event checks each combination.
+        checks: set[tuple[object, ...]] = set()
+        # expand() yields the deadlines in the order time moves them: the first
+        # event of an outcome has its earliest deadline
+        for concrete in self.expand(g, event):
+            timers = concrete.timers
+            assert timers is not None
+            deadline = Deadline.BEFORE if heartbeat else timers.deadline
+            try:
+                step = self.core.step(g.shared, node, op, timers, deadline, g.intents)
+            except Found:
+                violations.append(concrete)
+                continue
+            instruction = step.decision.instruction
+            check = (step.decision, step.performed, step.guards, step.intents)
+            if isinstance(instruction, (Wait, Beat)):
+                if check not in checks:
+                    checks.add(check)
+                    checked.append(concrete)
+                continue
+            outcome = (instruction, step.performed, step.written, step.intents)
+            if stored.setdefault(outcome, concrete) is concrete:
+                checks.add(check)
+            elif check not in checks:
+                checks.add(check)
+                checked.append(concrete)
+        return [*violations, *stored.values()], checked
+
+    # -- successors --------------------------------------------------------------
+
+    def successor(
+        self, g: Global, event: Event, check_only: bool = False
+    ) -> tuple[Global, list[str]]:
+        """The state after ``event``, and lines describing it (when narrating).
+        With ``check_only``, only check the step: what it returns is then undefined.
+
+        Raises:
+            Found: a property or the model's conformance is violated by this step.
+            ValueError: ``event`` is not one the search makes.
+        """
+        slot, kind = event.slot, event.kind
+        loc = g.locals[slot]
+        if kind is EventKind.CRASH:
+            # The restart is taken at once: it changes only the slot's local state,
+            # which no other event reads, and a restarted node that stays idle acts
+            # as one that never came back.
+            self.conformance.local_event(g, slot, "crash", Lifecycle.CRASHED)
+            new = Local(loc.incarnation + 1, Phase.IDLE, None, None)
+            restarted = node_of(slot, loc.incarnation + 1)
+            return with_local(g, slot, new, crashes=g.crashes + 1), [
+                f"crashed, restarts as {restarted}"
+            ]
+        if kind not in STEPPING_EVENTS:
+            raise ValueError(f"unknown event {kind!r}")
+        if event.timers is None:
+            raise ValueError(f"a {kind} event needs its timers (see expand)")
+        if kind is EventKind.HEARTBEAT or kind is EventKind.STEP:
+            return self._step(g, slot, _operator(event, loc), event.timers, check_only)
+        return self._start(g, event, event.timers, check_only)
+
+    def _start(
+        self, g: Global, event: Event, timers: Timers, check_only: bool
+    ) -> tuple[Global, list[str]]:
+        """Start an operation and take its first step.
+
+        Starting an operation changes only the node's own local state, which no
+        other event reads, so it is taken together with the operation's first step
+        (the start commutes with every event between the two).
+        """
+        slot, op = event.slot, STARTS[event.kind]
+        loc = g.locals[slot]
+        if op is Op.JOIN:
+            new = loc._replace(phase=Phase.JOINING, op=op, deadline=Deadline.BEFORE)
+            started = with_local(g, slot, new)
+            dest = self.conformance.model_state(started, slot)
+            self.conformance.local_event(g, slot, "join", dest)
+        else:
+            started = with_local(g, slot, loc._replace(op=op, deadline=Deadline.BEFORE))
+        try:
+            after, lines = self._step(started, slot, _OPERATORS[op](), timers, check_only)
+        except Found as found:
+            if self.narrate:
+                found.lines = [f"starts {op}", *found.lines]
+            raise
+        return after, [f"starts {op}", *lines] if self.narrate else lines
+
+    def _step(
+        self,
+        g: Global,
+        slot: int,
+        op: Operator,
+        timers: Timers,
+        check_only: bool = False,
+    ) -> tuple[Global, list[str]]:
+        """One iteration of the driving loop: the real driver decides on the node's
+        view, and the instruction is carried out atomically (``check_only``: the
+        step is checked, and its successor not built when the checks were made
+        before)."""
+        loc = g.locals[slot]
+        # A keep-alive has no deadline of its own; it never times out.
+        deadline = Deadline.BEFORE if loc.op is None else timers.deadline
+        core_step, lines = self._core_step(g, slot, op, timers, deadline)
+        decision = core_step.decision
+        # Conformance depends on the shared state and intent log, what the step
+        # decided and did, its guards, and every node's phase and pid; many steps
+        # share all of them (timer choices that differ in nothing the check reads),
+        # so each combination is checked once.
+        conformed = (
+            g.shared,
+            g.intents,
+            decision,
+            core_step.performed,
+            core_step.guards,
+            slot,
+            loc.op,
+            tuple((o.phase, o.incarnation) for o in g.locals),
+        )
+        if check_only and conformed in self._conformed:
+            return g, lines
+        new_loc = _next_local(loc, decision.instruction, deadline)
+        after = with_local(g, slot, new_loc, shared=core_step.written, intents=core_step.intents)
+        if conformed not in self._conformed:
+            self._conform(g, slot, core_step, after, op, lines)
+            if len(self._conformed) >= CACHE_LIMIT:
+                self._conformed.clear()
+            self._conformed.add(conformed)
+        return after, lines
+
+    def _core_step(
+        self, g: Global, slot: int, op: Operator, timers: Timers, deadline: Deadline | None
+    ) -> tuple[CoreStep, list[str]]:
+        """The driver's part of the step and its narration, after the checks of the
+        step that read more than the shared state: broken leases and missed
+        wake-ups (see :class:`StepProperties`).
+
+        Raises:
+            Found: with the narration of the violating step.
+        """
+        loc = g.locals[slot]
+        node = node_of(slot, loc.incarnation)
+        lines: list[str] = []
+        try:
+            core_step = self.core.step(g.shared, node, op, timers, deadline, g.intents)
+            decision = core_step.decision
+            if self.narrate:
+                lines = narrate(loc, timers, deadline, op, decision, g, core_step.read_log)
+            problems = self.properties.broken_leases(g, decision.dead) if decision.dead else []
+            # No missed wake-up: a write that publishes no phase must leave the
+            # decision of every node waiting on the state as it was.
+            instruction = decision.instruction
+            if not problems and isinstance(instruction, Write) and instruction.phase is None:
+                problems = self.properties.missed_wakeups(g, slot, core_step)
+        except Found as found:
+            if self.narrate and found.decision is not None:
+                found.lines = narrate(loc, timers, deadline, op, found.decision, g, found.read_log)
+            raise
+        if problems:
+            broken = Found(problems, decision)
+            broken.lines = lines
+            raise broken
+        return core_step, lines
+
+    def _conform(
+        self,
+        g: Global,
+        slot: int,
+        core_step: CoreStep,
+        after: Global,
+        op: Operator,
+        lines: list[str],
+    ) -> None:
+        decision = core_step.decision
+        instruction = decision.instruction
+        admitted = instruction.admitted if isinstance(instruction, Write) else ()
+        try:
+            self.conformance.conform(
+                g,
+                slot,
+                decision.state,
+                decision.dead,
+                after,
+                core_step.performed,
+                op,
+                core_step.guards,
+                admitted,
+            )
+        except Found as found:
+            found.decision = decision
+            found.lines = lines
+            raise
+
+
+def _member(g: Global, slot: int) -> bool:
+    return node_of(slot, g.locals[slot].incarnation) in g.shared.members()
+
+
+def _operator(event: Event, loc: Local) -> Operator:
+    """The operator a stepping event runs: a keep-alive, the running operation's,
+    or the one it starts."""
+    if event.kind is EventKind.HEARTBEAT:
+        return KeepAliveOp()
+    op = loc.op if event.kind is EventKind.STEP else STARTS[event.kind]
+    assert op is not None  # "step" events are made only while loc.op is set
+    return _OPERATORS[op]()
+
+
+def _ended_in(loc: Local, done: Done) -> Phase | None:
+    """The phase the node's operation ended in with ``done`` (None: it goes on)."""
+    action = done.action
+    if action is Action.FINISH:
+        if loc.op is Op.JOIN and done.joined is not None:
+            # Done.rejoin (the round lost its rank 0) finishes here too: the handler
+            # then exits the round and joins the next one, which a trained node's
+            # exit and join events explore.
+            return Phase.TRAINING
+        if loc.op is Op.EXIT:
+            return Phase.EXITED
+        if loc.op is Op.CLOSE:
+            return Phase.CLOSED
+        return None
+    if action in (Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT):
+        return Phase.CLOSED
+    if action is Action.ERROR_TIMEOUT:
+        return Phase.FAILED
+    return None
+
+
+def _next_local(loc: Local, instruction: Instruction, deadline: Deadline | None) -> Local:
+    """The node's local state after a step that carried out ``instruction`` with
+    its deadline at ``deadline``. Observations are not kept: every step chooses
+    its sightings afresh."""
+    if isinstance(instruction, Done):
+        ended = _ended_in(loc, instruction)
+        if ended is not None:
+            return Local(loc.incarnation, ended, None, None)
+    # The time that passed stays passed: the chosen deadline value is kept.
+    new_deadline = loc.deadline if loc.op is None else deadline
+    phase = loc.phase
+    if isinstance(instruction, Write):
+        if instruction.action is Action.REMOVE_FROM_PARTICIPANTS and loc.op is Op.EXIT:
+            phase = Phase.EXITED
+        if instruction.deadline is not None:
+            # a fresh deadline, as far from now as the one an operation starts with
+            new_deadline = Deadline.BEFORE
+    return Local(loc.incarnation, phase, loc.op, new_deadline)

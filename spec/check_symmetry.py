@@ -1,0 +1,215 @@
+"""What the checker forgets of a state: normal forms, symmetry and fingerprints.
+
+Two states that no future step can tell apart are stored as one:
+
+* :meth:`Symmetry.normalize` renumbers what only equalities matter of (heartbeat
+  counters, last-call armings, the phase number, the intent cursor) and, through
+  the round abstraction, the round;
+* :meth:`Symmetry.fingerprint` picks the least of a state's relabellings by node
+  permutation (nodes are interchangeable) and hashes it into the 64-bit
+  fingerprint the search keeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+from ..core import NodeDesc, RendezvousState
+from .check_state import CheckConfig, Global, Local, node_of
+
+__all__ = ["CACHE_LIMIT", "Symmetry", "relabel"]
+
+#: Entries a memo of the search keeps at most (a bound on memory, not on the search).
+CACHE_LIMIT = 500_000
+
+
+def relabel(g: Global, perm: tuple[int, ...]) -> Global:
+    """``g`` with slot ``i`` moved to ``perm[i]`` and every node renamed with it."""
+    if perm == tuple(range(len(perm))):
+        return g
+
+    def lab(n: NodeDesc) -> NodeDesc:
+        return NodeDesc(f"n{perm[int(n.addr[1:])]}", n.pid, n.local_id)
+
+    s = g.shared
+    shared = s.evolve(
+        participants={lab(n): r for n, r in s.participants.items()},
+        wait_list={lab(n) for n in s.wait_list},
+        redundancy_list={lab(n) for n in s.redundancy_list},
+        heartbeats={lab(n): c for n, c in s.heartbeats.items()},
+        last_ranks={lab(n): r for n, r in s.last_ranks.items()},
+    )
+    locals_: list[Local] = [g.locals[0]] * len(g.locals)
+    for i, loc in enumerate(g.locals):
+        locals_[perm[i]] = loc
+    return Global(shared, tuple(locals_), g.crashes, frozenset(map(lab, g.intents)))
+
+
+def _slot_key(loc: Local) -> tuple[object, ...]:
+    """A slot's local state as sortable primitives (no deadline sorts first)."""
+    return (loc.incarnation, loc.phase, loc.op or "", loc.deadline or 0)
+
+
+class Symmetry:
+    """Normal forms and canonical representatives of the states of one search."""
+
+    def __init__(self, config: CheckConfig) -> None:
+        self.config = config
+        #: id of a written state -> (the state, the round shift, its normal form)
+        self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
+        #: state -> (relabelling, fingerprint); (shared, intents, relabelling) -> key
+        self._fingerprints: dict[Global, tuple[tuple[int, ...], int]] = {}
+        self._shared_keys: dict[tuple[object, ...], tuple[object, ...]] = {}
+
+    def normalize(self, g: Global, shift_rounds: bool = True) -> Global:
+        """Forget what no future step can tell apart.
+
+        * Heartbeat counter values and last-call arming numbers (the steps choose the
+          ages of sightings afresh, see :meth:`Steps.expand`), and the phase number:
+          only whether a write publishes a new phase matters (a waiter's Wait ends
+          on any phase above the one it read), and the step tells that.
+        * The intent log: only its entries past ``intent_cursor`` (joiners that
+          announced and were not admitted yet) matter to any decision, so a state
+          keeps them as a set (``Global.intents``, computed by the step) and the
+          cursor as 0. A new round's log starts empty.
+        * The round number (the round abstraction, when ``max_round`` is None): the
+          core only increments rounds and compares them for equality, so a state and
+          its copy with every round number shifted step alike. Rounds are renumbered
+          to start at 0, which makes every round's states the same finite set.
+          A trace keeps concrete rounds (``shift_rounds=False``).
+        """
+        shift = g.shared.round if shift_rounds and self.config.max_round is None else 0
+        return Global(self._normal_shared(g.shared, shift), g.locals, g.crashes, g.intents)
+
+    def _normal_shared(self, state: RendezvousState, shift: int) -> RendezvousState:
+        # Core steps are memoized, so the same written state comes back many times:
+        # remember its normal form by identity (the entry keeps it alive).
+        known = self._normal_forms.get(id(state))
+        if known is not None and known[0] is state and known[1] == shift:
+            return known[2]
+        normal = state
+        if (
+            shift
+            or any(c != 1 for c in state.heartbeats.values())
+            or state.last_call_seq != 1
+            or state.last_call not in (None, 1)
+            or state.heartbeat_seq != 1
+            or state.phase
+            or state.intent_cursor
+        ):
+            normal = state.evolve(
+                round=state.round - shift,
+                heartbeats=dict.fromkeys(state.heartbeats, 1),
+                heartbeat_seq=1,
+                last_call=None if state.last_call is None else 1,
+                last_call_seq=1,
+                phase=0,
+                intent_cursor=0,
+            )
+        if len(self._normal_forms) >= CACHE_LIMIT:
+            self._normal_forms.clear()
+        self._normal_forms[id(state)] = (state, shift, normal)
+        return normal
+
+    def fingerprint(self, g: Global) -> tuple[tuple[int, ...], int]:
+        """The relabelling to ``g``'s representative and the representative's
+        64-bit fingerprint (memoized: most successors were reached before)."""
+        known = self._fingerprints.get(g)
+        if known is None:
+            if len(self._fingerprints) >= CACHE_LIMIT:
+                self._fingerprints.clear()
+            known = self._fingerprints[g] = self._least(g)
+        return known
+
+    def canonical(self, g: Global) -> tuple[Global, tuple[int, ...], int]:
+        """The stored representative of ``g``, the permutation used, its fingerprint."""
+        perm, fp = self.fingerprint(g)
+        return relabel(g, perm), perm, fp
+
+    def _least(self, g: Global) -> tuple[tuple[int, ...], int]:
+        best_key: tuple[object, ...] | None = None
+        best_perm: tuple[int, ...] = tuple(range(len(g.locals)))
+        for perm in self._permutations(g):
+            key = self._key(g, perm)
+            if best_key is None or key < best_key:
+                best_key, best_perm = key, perm
+        return best_perm, hash(best_key)
+
+    def _permutations(self, g: Global) -> Iterator[tuple[int, ...]]:
+        """The relabellings that order slots by their label-free facts (every
+        order of the slots those facts do not tell apart)."""
+        n = len(g.locals)
+        if not self.config.symmetry:
+            yield tuple(range(n))
+            return
+        sigs = [self._signature(g, i) for i in range(n)]
+        order = sorted(range(n), key=lambda i: sigs[i])
+        groups = [list(grp) for _, grp in itertools.groupby(order, key=lambda i: sigs[i])]
+        for choice in itertools.product(*(itertools.permutations(grp) for grp in groups)):
+            ordered = [i for grp in choice for i in grp]
+            perm = [0] * n
+            for new, old in enumerate(ordered):
+                perm[old] = new
+            yield tuple(perm)
+
+    @staticmethod
+    def _signature(g: Global, slot: int) -> tuple[object, ...]:
+        """Label-free facts about a slot, to order slots before breaking ties."""
+        loc = g.locals[slot]
+        node = node_of(slot, loc.incarnation)
+        s = g.shared
+        role = (
+            ("p", s.participants[node])
+            if node in s.participants
+            else ("w", 0)
+            if node in s.wait_list
+            else ("r", 0)
+            if node in s.redundancy_list
+            else ("-", 0)
+        )
+        return (
+            *_slot_key(loc),
+            role,
+            s.last_ranks.get(node, -1),
+            s.heartbeats.get(node, 0),
+            node in g.intents,
+        )
+
+    def _key(self, g: Global, perm: tuple[int, ...]) -> tuple[object, ...]:
+        """The state as sortable primitives, slots relabelled by ``perm``."""
+
+        def lab(n: NodeDesc) -> tuple[int, int]:
+            return (perm[int(n.addr[1:])], n.pid)
+
+        s = g.shared
+        memo = (s, g.intents, perm)
+        shared = self._shared_keys.get(memo)
+        if shared is None:
+            if len(self._shared_keys) >= CACHE_LIMIT:
+                self._shared_keys.clear()
+            shared = self._shared_keys[memo] = _shared_key(s, g.intents, lab)
+        slots: list[tuple[object, ...]] = [()] * len(g.locals)
+        for i, loc in enumerate(g.locals):
+            slots[perm[i]] = _slot_key(loc)
+        return (shared, tuple(slots), g.crashes)
+
+
+def _shared_key(
+    s: RendezvousState,
+    intents: frozenset[NodeDesc],
+    lab: Callable[[NodeDesc], tuple[int, int]],
+) -> tuple[object, ...]:
+    return (
+        s.round,
+        s.complete,
+        s.closed,
+        s.world_size,
+        tuple(sorted((lab(n), r) for n, r in s.participants.items())),
+        tuple(sorted(lab(n) for n in s.wait_list)),
+        tuple(sorted(lab(n) for n in s.redundancy_list)),
+        tuple(sorted((lab(n), c) for n, c in s.heartbeats.items())),
+        s.last_call or 0,
+        tuple(sorted((lab(n), r) for n, r in s.last_ranks.items())),
+        tuple(sorted(lab(n) for n in intents)),
+    )
