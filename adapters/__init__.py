@@ -6,7 +6,7 @@ names ``rallypoint-c10d``/``rallypoint-etcd``). See docs/adapters.md.
 """
 
 from .backend import BackendStats, MemoryBackend, RendezvousBackend, StateSizeLimit, Token
-from .config import BACKENDS, RendezvousConfig, parse_endpoint, parse_params
+from .config import BACKENDS, RendezvousConfig, parse_endpoint, parse_endpoints, parse_params
 from .errors import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -37,5 +37,6 @@ __all__ = [
     "Token",
     "create_handler",
     "parse_endpoint",
+    "parse_endpoints",
     "parse_params",
 ]

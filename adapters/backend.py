@@ -7,11 +7,16 @@ Contract (the shared test suite ``tests/test_adapters_contract.py`` checks it on
 every implementation):
 
 * ``get_state()`` returns ``(blob, token)``, or None when no state was ever written.
-* ``set_state(blob, token)`` writes ``blob`` only if the stored token still equals
-  ``token`` (None: only if no state exists yet), and returns ``(current_blob,
-  current_token, won)``: after a win, the written blob and its new token; after a
-  loss, what is stored now, so the caller can decide again without another read.
-  A token is opaque to callers; two different writes never yield equal tokens.
+* ``set_state(blob, token=None)`` writes ``blob`` only if the stored token still
+  equals ``token`` (None, the default: only if no state exists yet), and returns
+  ``(current_blob, current_token, won)``: after a win, the written blob and its new
+  token; after a loss, what is stored now, so the caller can decide again without
+  another read. A token is opaque to callers; two different writes never yield
+  equal tokens; a token the backend never handed out (of another type, garbage)
+  simply loses, as torch's ``RendezvousBackend`` documents for a token that does not
+  match. ``get_state`` and ``set_state`` raise ``RendezvousStateError`` for a stored
+  value the backend cannot read (c10d, etcd: a value it did not write) and
+  ``RendezvousConnectionError`` when the backend cannot be reached.
 * ``wait_for_change(token, timeout)`` blocks until the state differs from the one
   ``token`` names, or ``timeout`` seconds pass; returns True if it saw a change.
   It may return early (spuriously); callers re-read either way.
@@ -145,11 +150,12 @@ class RendezvousBackend(Protocol):
         ...
 
     def set_state(
-        self, state: bytes, token: Token | None, phase: int | None = None
+        self, state: bytes, token: Token | None = None, phase: int | None = None
     ) -> tuple[bytes, Token, bool] | None:
         """Compare-and-set; see the module docstring. None: nothing is stored and
         the write lost (the caller re-reads). With ``phase``, a won write publishes
-        that phase number (see :meth:`wait_for_phase`)."""
+        that phase number (see :meth:`wait_for_phase`). A token the backend did not
+        hand out loses (as any token that does not match)."""
         ...
 
     def wait_for_change(self, token: Token | None, timeout: float) -> bool:
@@ -232,14 +238,19 @@ class MemoryBackend:
             return self._blob, self._version
 
     def set_state(
-        self, state: bytes, token: Token | None, phase: int | None = None
+        self, state: bytes, token: Token | None = None, phase: int | None = None
     ) -> tuple[bytes, Token, bool] | None:
         if phase is not None and phase < 0:
             raise ValueError(f"phase must be a non-negative integer, got {phase}")
         with self._cond:
             self._stats.ops += 1
-            expected = 0 if token is None else token
-            if expected != self._version:
+            if token is None:
+                matches = self._version == 0
+            else:
+                # Only a version this backend handed out matches (not True == 1,
+                # 1.0 == 1, or 0, which stands for "nothing written").
+                matches = type(token) is int and token >= 1 and token == self._version
+            if not matches:
                 if self._blob is None:
                     return None
                 self._stats.bytes_read += len(self._blob)

@@ -34,6 +34,7 @@ __all__ = [
     "RendezvousConfigError",
     "check_local_addr",
     "parse_endpoint",
+    "parse_endpoints",
     "parse_params",
 ]
 
@@ -228,6 +229,12 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     text = endpoint.strip()
     if not text:
         return "localhost", default_port
+    if "," in text:
+        raise RendezvousConfigError(
+            f"rendezvous endpoint {endpoint!r}: one HOST:PORT expected here; a "
+            "comma-separated list of endpoints is accepted only by the etcd backends "
+            "(the members of one etcd cluster)"
+        )
     if text.startswith("["):
         host, sep, rest = text[1:].partition("]")
         if not sep or (rest and not rest.startswith(":")):
@@ -250,6 +257,30 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
             f"the port in rendezvous endpoint {endpoint!r} is not in 0..65535"
         )
     return host, int(port_text)
+
+
+def parse_endpoints(endpoints: str, default_port: int) -> list[tuple[str, int]]:
+    """``host[:port][,host[:port]...]`` (the members of one etcd cluster) ->
+    [(host, port), ...], in the order given (the order of failover).
+
+    Raises:
+        RendezvousConfigError: an empty item (``a:1,,b:2``), an item that
+            :func:`parse_endpoint` refuses, or the same member twice.
+    """
+    items = [item.strip() for item in endpoints.split(",")]
+    if len(items) > 1 and not all(items):
+        raise RendezvousConfigError(
+            f"rendezvous endpoint list {endpoints!r}: an empty entry; give "
+            "HOST:PORT,HOST:PORT,... (the members of one etcd cluster)"
+        )
+    members = [parse_endpoint(item, default_port) for item in items]
+    repeated = sorted({f"{h}:{p}" for h, p in members if members.count((h, p)) > 1})
+    if repeated:
+        raise RendezvousConfigError(
+            f"rendezvous endpoint list {endpoints!r} names {', '.join(repeated)} twice; "
+            "give each etcd member once"
+        )
+    return members
 
 
 def _check_run_id(run_id: str) -> None:
@@ -302,16 +333,33 @@ def _readable_file(value: object, key: str) -> str:
 
 
 def _split_scheme(endpoint: str) -> tuple[str | None, str]:
-    """``https://host:port`` -> ("https", "host:port"); no scheme -> (None, endpoint)."""
-    scheme, sep, rest = endpoint.strip().partition("://")
-    if not sep:
+    """``https://host:port`` -> ("https", "host:port"); no scheme -> (None, endpoint).
+
+    A list (``https://a:2379,https://b:2379``) loses each member's scheme; the
+    members that name one must name the same.
+    """
+    if "://" not in endpoint:
         return None, endpoint
-    scheme = scheme.lower()
-    if scheme not in ("http", "https"):
+    schemes: set[str] = set()
+    rest: list[str] = []
+    for item in endpoint.split(","):
+        scheme, sep, address = item.strip().partition("://")
+        if not sep:
+            rest.append(item.strip())
+            continue
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
+            raise RendezvousConfigError(
+                f"rendezvous endpoint {endpoint!r}: the scheme must be http:// or https://"
+            )
+        schemes.add(scheme)
+        rest.append(address.removesuffix("/"))
+    if len(schemes) > 1:
         raise RendezvousConfigError(
-            f"rendezvous endpoint {endpoint!r}: the scheme must be http:// or https://"
+            f"rendezvous endpoint {endpoint!r} mixes http:// and https://; the members "
+            "of one etcd cluster are reached the same way"
         )
-    return scheme, rest.removesuffix("/")
+    return schemes.pop(), ",".join(rest)
 
 
 def _etcd_tls(conf: Mapping[str, object], scheme: str | None) -> EtcdTLS | None:
@@ -444,6 +492,7 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     endpoint, tls, auth = params.endpoint, None, None
     if kind == "etcd":
         scheme, endpoint = _split_scheme(params.endpoint)
+        parse_endpoints(endpoint, 2379)  # a malformed list fails here, before anything starts
         conf = _etcd_conf(params.config)
         tls, auth = _etcd_tls(conf, scheme), _etcd_auth(conf)
     return RendezvousConfig(

@@ -27,12 +27,8 @@ def create_handler(params: RendezvousParameters) -> RallypointHandler:
     from .etcd import create_etcd_backend
 
     etcd_backend, store = create_etcd_backend(config)
-    # An etcd client reconnects by itself: ride out a restarting server for up to
-    # read_timeout instead of failing the rendezvous.
+    # The etcd backend retries every call itself (for read_timeout, failing over
+    # between the members): the sync engine must not retry that window again.
     return RallypointHandler(
-        etcd_backend,
-        config.settings,
-        local_addr=config.local_addr,
-        store=store,
-        retry_window=config.read_timeout,
+        etcd_backend, config.settings, local_addr=config.local_addr, store=store
     )

@@ -159,8 +159,9 @@ class RallypointHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        """Workers use the per-round TCPStore hosted by the rank-0 agent."""
-        return True
+        """Whether workers share the rendezvous store (torchrun's agent asks): yes,
+        unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as with torch's handler."""
+        return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
 
     def get_backend(self) -> str:
         return self._backend.name
@@ -348,6 +349,13 @@ class RallypointHandler(RendezvousHandler):
         """Nodes in the wait list (after removing the ones this node sees dead).
         Reads the backend at most every ``cache_duration`` seconds."""
         return self._sync.monitor(self._joined, self.cache_duration).waiting
+
+    def must_fence(self) -> bool:
+        """Whether this node's workers must stop now: it has not renewed its
+        heartbeat for so long that its peers may declare it dead (a lease;
+        docs/design.md, decision 7). Reads nothing, so it answers while the
+        backend is unreachable; False before this node joined a round."""
+        return self._joined is not None and self._sync.must_fence()
 
     def dead_participants(self) -> frozenset[NodeDesc]:
         """Participants of this node's current round that are gone: they left the

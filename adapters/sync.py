@@ -16,6 +16,13 @@ executes them, with IO, clocks, threads and backoff::
 The backend keeps, per member, the state's heartbeat counter and a side counter
 under the node's own key; the driver watches both (see
 :mod:`rallypoint.core.liveness`).
+
+A backend that rides out outages itself (etcd: every call retries for
+``read_timeout``) counts them in an ``outages`` attribute. When it moves, this
+node could not read its peers' counters for a while, and they could not write
+them: the sightings of its peers are dropped, so each is timed afresh from the
+first read after the outage instead of being declared dead for the time nobody
+could reach the backend. Its own sighting is kept, so it beats at once.
 """
 
 from __future__ import annotations
@@ -116,6 +123,7 @@ class StateSync:
         self._token: Token | None = None
         self._read_at: float | None = None
         self._registered = False
+        self._outages_seen = getattr(backend, "outages", None)
         #: Counters of CAS attempts and losses, for benchmarks.
         self.cas_attempts = 0
         self.cas_losses = 0
@@ -186,6 +194,7 @@ class StateSync:
         log = None
         if intents:
             log = self._intents(0 if blob is None else blob.round)
+        self._after_outage()  # before these counters are observed
         now = self._clock()
         with self._lock:
             self._token = None if result is None else result[1]
@@ -213,14 +222,16 @@ class StateSync:
         blob = encode_state(write.state)
         self._check_size(blob, write.state)
         self.cas_attempts += 1
+        started = self._clock()  # a won write renews this node's lease from here
         result = self.backend.set_state(blob, token, phase=write.phase)
         won = result is not None and result[2]
         stored = None if result is None else self._decode(result[0])
+        self._after_outage()
         now = self._clock()
         with self._lock:
             self._token = None if result is None else result[1]
             self._read_at = now
-            self._view = driver.after_write(self._view, self.node, won, stored, now)
+            self._view = driver.after_write(self._view, self.node, won, stored, now, started)
         if not won:
             self.cas_losses += 1
         return won
@@ -241,11 +252,13 @@ class StateSync:
 
     def beat(self) -> None:
         """Bump this node's heartbeat counter (O(1) bytes) and record it."""
+        started = self._clock()  # the beat renews this node's lease from here
         value = self.backend.beat(str(self.node))
+        self._after_outage()
         now = self._clock()
         with self._lock:
             self._registered = True
-            self._view = driver.after_beat(self._view, self.node, value, now)
+            self._view = driver.after_beat(self._view, self.node, value, now, started)
 
     def _announce(self, round_: int) -> None:
         self.backend.announce(round_, str(self.node).encode("ascii"))
@@ -260,12 +273,33 @@ class StateSync:
         with self._lock:
             self._view = driver.after_wait(self._view)
 
+    def _after_outage(self) -> None:
+        """Drop the sightings of the peers if the backend was unreachable since the
+        last decision (see the module docstring)."""
+        outages = getattr(self.backend, "outages", None)
+        if outages == self._outages_seen:
+            return
+        with self._lock:
+            if outages == self._outages_seen:
+                return
+            self._outages_seen = outages
+            self._view = driver.after_outage(self._view, self.node)
+        log.info("%s: the backend was unreachable; timing the peers' heartbeats afresh", self.node)
+
+    def must_fence(self) -> bool:
+        """Whether this node must stop its workers now: its lease ran out (see
+        :func:`rallypoint.core.driver.must_fence`). Reads nothing."""
+        with self._lock:
+            view = self._view
+        return driver.must_fence(view, self.node, self.settings, self._clock())
+
     def _execute(self, decide: Callable[[NodeView, float], Decision]) -> tuple[Instruction, bool]:
         """Decide on the current view and carry the instruction out.
 
         Returns the instruction and whether it took effect (False: a Write lost its
         compare-and-set). Done and Verdict are returned, nothing carried out.
         """
+        self._after_outage()
         with self._lock:
             view = self._view
         instruction = decide(view, self._clock()).instruction

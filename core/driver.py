@@ -80,6 +80,7 @@ __all__ = [
     "admission_stages",
     "after_announce",
     "after_beat",
+    "after_outage",
     "after_read",
     "after_wait",
     "after_write",
@@ -352,6 +353,22 @@ def after_beat(
     pair = None if own is None else heartbeat_of(own, counter)
     observations = renew_own(view.observations, node, pair, now if started is None else started)
     return view._replace(counters=counters, observations=observations)
+
+
+def after_outage(view: NodeView, node: NodeDesc) -> NodeView:
+    """The view after the backend was unreachable for a while (an adapter that
+    rides out outages reports one): nobody could write a counter, and this node
+    could not read any, so the sightings of its peers are dropped and each is timed
+    afresh from the next read, instead of being declared dead for time nobody could
+    reach the backend. The own sighting (the lease, see :func:`must_fence`) is
+    kept: the outage did not renew it. The next decision reads, with the counters.
+    """
+    seen = view.observations
+    own = seen.heartbeats.get(node)
+    kept = Observations(
+        heartbeats=Map() if own is None else Map({node: own}), last_call=seen.last_call
+    )
+    return view._replace(observations=kept, counters_at=None, stale=True)
 
 
 def must_fence(view: NodeView, node: NodeDesc, settings: Settings, now: float) -> bool:

