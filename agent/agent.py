@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,13 +35,15 @@ from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousError,
     RendezvousGracefulExitError,
 )
 
-from .config import LaunchConfig, Std
+from .charging import Charge, FailureCase, evidence_window, judge, refund
+from .config import BACKENDS, LaunchConfig, numa_command_prefix
 from .errors import AgentError, ProcessFailure
-from .logs import make_log_root
+from .logs import EventLog, StartedWorker, console_prefix, make_log_root, worker_logs
 from .rendezvous import HandlerView
 from .workers import WorkerGroup, WorkerLaunch
 
@@ -51,6 +54,55 @@ logger = logging.getLogger("rallypoint.agent")
 ROUND_ENV = "RALLYPOINT_ROUND"
 _KEY_PREFIX = "rallypoint/agent"
 _CLOSED_CHECK_PERIOD = 1.0
+#: How often the lease guard asks whether this node must fence (no IO: cheap).
+_LEASE_CHECK_PERIOD = 0.05
+#: The fence grace where the handler does not say its keep-alive interval.
+_FENCE_GRACE = 1.0
+
+
+class _LeaseGuard:
+    """Stops the workers once this node's lease runs out (docs/design.md, decision 7).
+
+    A thread of its own: the agent's loop may sit in a call to a store it can no
+    longer reach (a partition) for far longer than the lease lasts. It asks the
+    handler, which reads nothing, and stops the workers without reaping them; the
+    agent's loop then sees them fail and joins a new round without charging it.
+    """
+
+    def __init__(self, view: HandlerView, group: WorkerGroup, grace: float) -> None:
+        self._view = view
+        self._group = group
+        self._grace = grace
+        #: set once the guard stopped the workers; the agent clears it for a new round
+        self.fenced = threading.Event()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="lease-guard", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=5.0)
+
+    def _watch(self) -> None:
+        while not self._closing.wait(_LEASE_CHECK_PERIOD):
+            if self.fenced.is_set() or not self._group.workers:
+                continue
+            try:
+                due = self._view.must_fence()
+            except Exception as exc:  # a handler bug must not kill the guard
+                logger.debug("must_fence(): %s: %s", type(exc).__name__, exc)
+                continue
+            if not due:
+                continue
+            logger.warning(
+                "this node has not renewed its heartbeat for so long that its peers may "
+                "declare it dead: stopping its workers now (fencing), so that no round "
+                "formed without it trains beside them"
+            )
+            if self._group.fence(self._grace):
+                self.fenced.set()
 _ASSIGN_ATTEMPTS = 5
 _STORE_GET_TIMEOUT = 300.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -110,7 +162,7 @@ class RunResult:
 
 
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
+def _signals_raise(signals: Sequence[signal.Signals] = _STOP_SIGNALS) -> Iterator[None]:
     """Turn termination signals into :class:`SignalReceived` in the main thread."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -118,7 +170,7 @@ def _signals_raise() -> Iterator[None]:
 
     previous: dict[signal.Signals, Any] = {}
     try:
-        for sig in _STOP_SIGNALS:
+        for sig in signals:
             try:
                 previous[sig] = signal.signal(sig, handler)
             except ValueError:
@@ -130,9 +182,9 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def _ignore_signals() -> None:
+def _ignore_signals(signals: Sequence[signal.Signals] = _STOP_SIGNALS) -> None:
     with contextlib.suppress(ValueError):  # not the main thread: nothing was installed
-        for sig in _STOP_SIGNALS:
+        for sig in signals:
             signal.signal(sig, signal.SIG_IGN)
 
 
@@ -186,6 +238,20 @@ class ElasticAgent:
         self._log_root = log_root or make_log_root(config.log_dir, config.run_id)
         self._next_closed_check = 0.0
         self._closed = False
+        #: the nodes of the current round, where the handler tells (rallypoint's)
+        self._members: frozenset[str] | None = None
+        #: the nodes of a failed round whose failure was charged, until the next round
+        self._charged_round: frozenset[str] | None = None
+        self._guard = (
+            _LeaseGuard(self.view, self.group, self._fence_grace()) if self.view.fences else None
+        )
+        self.events = EventLog(
+            config.event_log_handler,
+            run_id=config.run_id,
+            role=config.role,
+            max_restarts=config.max_restarts,
+            entry_point=os.path.basename(self.argv[0]) if self.argv else "",
+        )
 
     # ----------------------------------------------------------------- the loop
 
@@ -196,24 +262,42 @@ class ElasticAgent:
         A termination signal only takes this node out: like torchrun, the agent then
         does not close the rendezvous, so the other nodes regroup without it.
         """
-        interrupted = False
-        with _signals_raise():
+        interrupted = unreachable = False
+        stop_with = signal.SIGTERM
+        with _signals_raise(self.config.stop_signals), self._lease_guard():
             try:
                 return self._run()
             except SignalReceived as sig:
                 interrupted = True
+                stop_with = signal.Signals(sig.signum)  # forwarded to the workers
                 logger.warning("%s: stopping workers and leaving the rendezvous", sig)
                 return RunResult(
                     AgentState.INTERRUPTED, 128 + sig.signum, message=str(sig), rounds=self.rounds
                 )
+            except RendezvousConnectionError:
+                # The backend is gone (a c10d store's host was lost): trying to close
+                # the rendezvous there would only add a second error to the first.
+                unreachable = True
+                raise
             finally:
                 # A second signal must not cut the cleanup short.
-                _ignore_signals()
-                self.group.stop(self.config.stop_grace)
+                _ignore_signals(self.config.stop_signals)
+                self.group.stop(self.config.stop_grace, stop_with)
                 if interrupted:
                     self._leave_handler()
                 else:
-                    self._shutdown_handler()
+                    self._shutdown_handler(close_rendezvous=not unreachable)
+
+    @contextlib.contextmanager
+    def _lease_guard(self) -> Iterator[None]:
+        if self._guard is None:
+            yield
+            return
+        self._guard.start()
+        try:
+            yield
+        finally:
+            self._guard.close()
 
     def _leave_handler(self) -> None:
         # rallypoint's handler may offer leave() (take this node out of the shared
@@ -227,12 +311,12 @@ class ElasticAgent:
                 except Exception as exc:
                     logger.debug("handler.%s(): %s: %s", name, type(exc).__name__, exc)
 
-    def _shutdown_handler(self) -> None:
+    def _shutdown_handler(self, close_rendezvous: bool = True) -> None:
         # torch's shutdown() closes the rendezvous; rallypoint's handler also has
         # close() to release its backend and any store it hosts.
         started = time.monotonic()
         release = getattr(self.handler, "close", None)
-        if not (self._closed and callable(release)):
+        if not callable(release) or (close_rendezvous and not self._closed):
             with contextlib.suppress(Exception):
                 self.handler.shutdown()
         if callable(release):
@@ -265,11 +349,18 @@ class ElasticAgent:
                     rounds=self.rounds,
                 )
             outcome, failures = self._monitor()
+            if outcome == "failed" and self._guard is not None and self._guard.fenced.is_set():
+                # The lease guard stopped them: a new round, without spending a restart.
+                self.group.stop(config.stop_grace)
+                self._guard.fenced.clear()
+                logger.warning("[%s] workers fenced; joining a new round", config.role)
+                continue
             if outcome == "succeeded":
                 if not self._exit_barrier():
                     self.group.stop(config.stop_grace)
                     continue
-                self._close_rendezvous()
+                if not self._closed:  # the exit barrier closes it while every agent is up
+                    self._close_rendezvous()
                 return RunResult(
                     AgentState.SUCCEEDED,
                     0,
@@ -278,8 +369,15 @@ class ElasticAgent:
                 )
             if outcome == "failed":
                 first_failures = failures
-                if self.remaining_restarts > 0:
+                failed_at = time.monotonic()
+                # The other local workers may hang in a collective: stop them first.
+                self.group.stop(config.stop_grace)
+                charge = self._charge_for(failures, failed_at)
+                if charge is Charge.FREE:
+                    continue
+                if charge is Charge.CHARGE and self.remaining_restarts > 0:
                     self.remaining_restarts -= 1
+                    self._charged_round = self._members
                     logger.warning(
                         "[%s] worker group failed (%s); restarting, %d of %d restarts left",
                         config.role,
@@ -287,17 +385,17 @@ class ElasticAgent:
                         self.remaining_restarts,
                         config.max_restarts,
                     )
-                    self.group.stop(config.stop_grace)
                     continue
-                self.group.stop(config.stop_grace)
-                self._close_rendezvous()
-                return RunResult(
-                    AgentState.FAILED,
-                    1,
-                    failures=failures,
-                    message=f"max restarts ({config.max_restarts}) exhausted",
-                    rounds=self.rounds,
-                )
+                if charge is Charge.CHARGE:
+                    self._close_rendezvous()
+                    return RunResult(
+                        AgentState.FAILED,
+                        1,
+                        failures=failures,
+                        message=f"max restarts ({config.max_restarts}) exhausted",
+                        rounds=self.rounds,
+                    )
+                outcome = "closed"  # while this agent waited for evidence
             if outcome == "closed":
                 self.group.stop(config.stop_grace)
                 return RunResult(
@@ -332,6 +430,84 @@ class ElasticAgent:
                 return "closed", []
             self.view.wait(interval)
 
+    def _charge_for(self, failures: Sequence[ProcessFailure], failed_at: float) -> Charge | None:
+        """Whether a local failure spends the restart budget (:mod:`.charging`):
+        FREE when the round's membership changes around it, else CHARGE; an agent
+        with no restart left first waits, bounded, for that evidence. None: the
+        rendezvous was closed meanwhile."""
+        a = self._assignment
+        case = FailureCase(
+            failed_at=failed_at,
+            peers=a.group_world_size - 1 if a is not None else 0,
+            window=self._evidence_window(),
+        )
+        what = failures[0].message if failures else "?"
+        announced = False
+        while True:
+            reason = self._membership_change()
+            charge = judge(
+                case,
+                now=time.monotonic(),
+                membership_changed=bool(reason),
+                remaining=self.remaining_restarts,
+            )
+            if charge is Charge.FREE:
+                logger.warning(
+                    "[%s] worker group failed (%s) as the round changed (%s); "
+                    "starting a new round without spending a restart",
+                    self.config.role,
+                    what,
+                    reason,
+                )
+            if charge is not Charge.WAIT:
+                return charge
+            if not announced:
+                logger.warning(
+                    "[%s] worker group failed (%s) and no restart is left; waiting up to "
+                    "%.1f s for a lost peer that would explain it before giving up",
+                    self.config.role,
+                    what,
+                    case.deadline - time.monotonic(),
+                )
+                announced = True
+            if self._closed_elsewhere():
+                return None
+            left = case.deadline - time.monotonic()
+            self.view.wait(max(0.0, min(self.config.monitor_interval, left)))
+
+    def _fence_grace(self) -> float:
+        """How long fenced workers get between SIGTERM and SIGKILL: the stop grace, at
+        most a quarter keep-alive interval (within the lease's margin of half an
+        interval, docs/design.md decision 7)."""
+        settings = getattr(self.handler, "settings", None)
+        interval = getattr(settings, "keep_alive_interval", None)
+        if not isinstance(interval, (int, float)):
+            return min(self.config.stop_grace, _FENCE_GRACE)
+        return min(self.config.stop_grace, interval / 4)
+
+    def _evidence_window(self) -> float:
+        """:func:`.charging.evidence_window` of the handler's keep-alive settings;
+        0 for handlers that do not report dead peers (torch's)."""
+        if not self.view.detects_dead_peers:
+            return 0.0
+        settings = getattr(self.handler, "settings", None)
+        interval = getattr(settings, "keep_alive_interval", None)
+        attempts = getattr(settings, "keep_alive_max_attempt", None)
+        if not isinstance(interval, (int, float)) or not isinstance(attempts, int):
+            return 0.0
+        return evidence_window(float(interval), attempts)
+
+    def _round_members(self) -> frozenset[str] | None:
+        """The nodes of the round just joined, where the handler shows them
+        (rallypoint's: the state its join returned on); None elsewhere."""
+        state = getattr(getattr(self.handler, "sync", None), "state", None)
+        participants = getattr(state, "participants", None)
+        if participants is None or getattr(state, "round", None) != getattr(
+            self.handler, "round", None
+        ):
+            return None
+        return frozenset(str(node) for node in participants)
+
     def _membership_change(self) -> str:
         waiting = self.handler.num_nodes_waiting()
         if waiting > 0:
@@ -357,6 +533,7 @@ class ElasticAgent:
     def _rendezvous_and_start(self) -> None:
         for attempt in range(1, _ASSIGN_ATTEMPTS + 1):
             info = self.handler.next_rendezvous()
+            members = self._round_members()
             self._store = info.store
             try:
                 assignment = self._assign(info.store, info.rank, info.world_size, info)
@@ -366,9 +543,25 @@ class ElasticAgent:
                     raise AgentError(f"could not agree on ranks {attempt} times: {exc}") from exc
                 logger.warning("[%s] %s; joining the next round", self.config.role, exc)
         self._assignment = assignment
+        charged, self._charged_round = self._charged_round, None
+        if refund(charged, members) and self.remaining_restarts < self.config.max_restarts:
+            # The failure was a peer's loss seen early (docs/design.md, decision 6).
+            self.remaining_restarts += 1
+            assert charged is not None and members is not None
+            logger.warning(
+                "[%s] round %d formed without %s: the last failure came from losing it; "
+                "its restart is refunded, %d of %d left",
+                self.config.role,
+                assignment.round,
+                ", ".join(sorted(charged - members)),
+                self.remaining_restarts,
+                self.config.max_restarts,
+            )
+        self._members = members
         self.rounds += 1
         launches = self._launches(assignment)
         self.group.start(launches)
+        self._record_started(assignment)
         self.attempt += 1
         logger.info(
             "[%s] round %d: group rank %d of %d, global ranks %d..%d of %d, master %s:%d",
@@ -470,15 +663,20 @@ class ElasticAgent:
 
     def _choose_master(self, info: Any) -> tuple[str, int, bool]:
         config = self.config
-        if config.is_static:
-            # torch's static rendezvous hosts its store at --master-addr:--master-port
-            # for the whole job; workers share it, as under torchrun.
+        if BACKENDS.get(config.rdzv_backend) == "torch":
+            # torch's handlers decide, as under torchrun: the static one hosts its store
+            # at the master address for the whole job; the dynamic ones share the
+            # rank-0 agent's store unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, when
+            # they publish a free port for rank 0's first worker to host.
             bootstrap = getattr(info, "bootstrap_store_info", None)
+            shared = bool(getattr(self.handler, "use_agent_store", True))
             if bootstrap is not None:
-                return str(bootstrap.master_addr), int(bootstrap.master_port), True
-            return config.master_addr, config.master_port, True
-        # Rank 0's first worker hosts a fresh store each round: nothing from an
-        # earlier round (or from agents with a different restart count) can leak in.
+                return str(bootstrap.master_addr), int(bootstrap.master_port), shared
+            if config.is_static:
+                return config.master_addr, config.master_port, True
+        # rallypoint's rendezvous: rank 0's first worker hosts a fresh store each
+        # round (torch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 behaviour), so nothing
+        # from an earlier round (or from agents with a different restart count) leaks in.
         addr = config.local_addr or ("127.0.0.1" if config.standalone else socket.getfqdn())
         return addr, _free_port(addr), False
 
@@ -486,11 +684,9 @@ class ElasticAgent:
         config = self.config
         attempt_dir = os.path.join(self._log_root, f"attempt_{self.attempt}")
         base_env = config.worker_base_env()
-        launches = []
+        envs: dict[int, dict[str, str]] = {}
         for local_rank in range(config.nproc_per_node):
             global_rank = a.base_global_rank + local_rank
-            rank_dir = os.path.join(attempt_dir, str(local_rank))
-            error_file = os.path.join(rank_dir, "error.json")
             env = dict(base_env)
             env.update(
                 {
@@ -511,34 +707,75 @@ class ElasticAgent:
                     "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
                     "TORCHELASTIC_RUN_ID": config.run_id,
                     "TORCHELASTIC_USE_AGENT_STORE": str(a.use_agent_store),
-                    "TORCHELASTIC_ERROR_FILE": error_file,
+                    "TORCHELASTIC_SIGNALS_TO_HANDLE": config.signals_to_handle,
                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get(
                         "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
                     ),
                     ROUND_ENV: str(a.round),
                 }
             )
-            if config.bind_gpus:
+            if config.virtual_local_rank:
+                # torch's virtual local rank: each worker sees its device as device 0.
+                env["LOCAL_RANK"] = "0"
+                env["CUDA_VISIBLE_DEVICES"] = config.virtual_device(local_rank)
+            elif config.bind_gpus:
                 env["CUDA_VISIBLE_DEVICES"] = config.visible_devices[local_rank]
             if self.return_values:
+                rank_dir = os.path.join(attempt_dir, str(local_rank))
                 env["RALLYPOINT_RETURN_FILE"] = os.path.join(rank_dir, "return.json")
+            envs[local_rank] = env
+        # Sets TORCHELASTIC_ERROR_FILE (torch's LogsSpecs does it when one is given).
+        logs = worker_logs(config, attempt_dir, envs)
+        launches = []
+        for local_rank, env in envs.items():
+            global_rank = a.base_global_rank + local_rank
+            numa: tuple[str, ...] = ()
+            if config.numa_options is not None:
+                numa = numa_command_prefix(config.numa_options, local_rank)
+            where = logs[local_rank]
             launches.append(
                 WorkerLaunch(
                     local_rank=local_rank,
                     global_rank=global_rank,
-                    argv=self.argv,
+                    argv=[*numa, *self.argv],
                     env=env,
-                    log_dir=rank_dir,
-                    error_file=error_file,
-                    redirect=config.redirects.get(local_rank, Std.NONE),
-                    tee=config.tee.get(local_rank, Std.NONE),
-                    console=(
-                        config.local_ranks_filter is None or local_rank in config.local_ranks_filter
+                    log_dir=os.path.join(attempt_dir, str(local_rank)),
+                    error_file=where.error_file,
+                    redirect=where.redirect,
+                    tee=where.tee,
+                    console=where.console,
+                    prefix=console_prefix(
+                        config.log_line_prefix_template, config.role, global_rank, local_rank
                     ),
-                    prefix=f"[{config.role}/{global_rank}]: ",
+                    stdout_file=where.stdout_file,
+                    stderr_file=where.stderr_file,
+                    duplicate_stdout=where.duplicate_stdout,
+                    duplicate_stderr=where.duplicate_stderr,
                 )
             )
         return launches
+
+    def _record_started(self, a: Assignment) -> None:
+        """torch's START event for each worker (``--event-log-handler``)."""
+        if not self.events.enabled:
+            return
+        started = [
+            StartedWorker(
+                local_rank=w.launch.local_rank,
+                global_rank=w.launch.global_rank,
+                role_rank=a.base_role_rank + w.launch.local_rank,
+                role_world_size=a.role_world_size,
+                pid=w.pid,
+            )
+            for w in self.group.workers
+        ]
+        self.events.workers_started(
+            started,
+            group_rank=a.group_rank,
+            group_world_size=a.group_world_size,
+            restarts=self.config.max_restarts - self.remaining_restarts,
+            backend=str(self.handler.get_backend()),
+        )
 
     # ------------------------------------------------------------- endings
 
@@ -570,9 +807,12 @@ class ElasticAgent:
         re-rendezvousing: the job is not done, so this agent rejoins too (False).
         A dead peer can never arrive, so waiting also stops when one is reported.
 
-        Phase two: an agent that saw ``done`` counts itself out, then waits until
-        all have. Whichever agent hosts the store therefore stays until every
-        agent has seen ``done``; once counted out, a vanished store is harmless.
+        Phase two: an agent that saw ``done`` closes the rendezvous (the job is
+        over; closing a closed one costs a read), counts itself out, then waits
+        until all have. Whichever agent hosts the store therefore stays until every
+        agent has seen ``done`` and closed: none of them then finds the store gone
+        and logs a failed close (issue 12, point 6); once counted out, a vanished
+        store is harmless.
         """
         a, store = self._assignment, self._store
         if a is None or store is None or a.group_world_size == 1:
@@ -593,6 +833,8 @@ class ElasticAgent:
                     logger.info("exit barrier: a node is waiting to join; rejoining")
                     return False
                 if self._peers_gone("exit barrier"):
+                    if store.check([f"{prefix}/done"]):
+                        break  # closed by an agent that saw "done" first
                     return True
                 self.view.wait(self.config.monitor_interval)
         except SignalReceived:
@@ -600,10 +842,12 @@ class ElasticAgent:
         except Exception as exc:
             logger.warning("exit barrier: %s: %s", type(exc).__name__, exc)
             return True
+        self._close_rendezvous()
         try:
             store.add(f"{prefix}/left", 1)
             while store.add(f"{prefix}/left", 0) < a.group_world_size:
-                if time.monotonic() >= deadline or self._peers_gone("exit barrier"):
+                # Not _peers_gone: the rendezvous is closed now, by design.
+                if time.monotonic() >= deadline or self.view.dead_participants():
                     break
                 time.sleep(min(self.config.monitor_interval, 0.05))
         except SignalReceived:

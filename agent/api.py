@@ -8,8 +8,9 @@ Each worker is a fresh interpreter (``python -m rallypoint.agent._function_worke
 that imports the function by name and calls it. Arguments and return values must
 be JSON-serialisable: they travel as JSON, never pickle. The function must be
 importable: defined at module top level, in a module or in a script file.
-A failure beyond ``max_restarts`` raises :class:`WorkerFailedError` carrying the
-failure table.
+A failure beyond ``max_restarts`` raises :class:`WorkerFailedError`, which is also
+torch's ``ChildFailedError``: code written for torch's ``elastic_launch`` catches it
+unchanged.
 """
 
 from __future__ import annotations
@@ -17,18 +18,54 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure as TorchFailure
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from ._function_worker import ARGS_ENV, FUNCTION_ENV
 from .agent import AgentState, ElasticAgent, RunResult
 from .config import ConfigError, LaunchConfig
-from .errors import AgentError, WorkerFailedError
+from .errors import AgentError, ProcessFailure
 from .rendezvous import build_handler
 
-__all__ = ["elastic_launch", "function_spec"]
+__all__ = ["WorkerFailedError", "elastic_launch", "function_spec", "record_end"]
+
+
+class WorkerFailedError(AgentError, ChildFailedError):
+    """The workers failed more often than ``max_restarts`` allows.
+
+    Also torch's ``ChildFailedError``, so code written for torch's ``elastic_launch``
+    catches it unchanged: ``failures`` maps each failed worker's global rank to
+    torch's ``ProcessFailure`` (read from the same error file), and
+    ``get_first_failure()`` and ``format_msg()`` work as in torch; torch's ``@record``
+    copies the root cause's error file up, as it does for torch's launcher.
+    ``worker_failures`` holds rallypoint's view of the same failures, root cause
+    first (the failure table of :func:`rallypoint.agent.errors.format_failures`).
+    """
+
+    def __init__(self, name: str, failures: Sequence[ProcessFailure]) -> None:
+        self.name = name
+        self.worker_failures = sorted(failures, key=lambda f: f.time)
+        self.failures: dict[int, TorchFailure] = {}
+        for failure in self.worker_failures:
+            torch_view = TorchFailure(
+                local_rank=failure.local_rank,
+                pid=failure.pid,
+                exitcode=failure.exitcode,
+                error_file=failure.error_file,
+            )
+            # The same root cause as rallypoint's table (torch keeps whole seconds).
+            torch_view.timestamp = int(failure.time)
+            self.failures.setdefault(failure.global_rank, torch_view)
+        first = self.worker_failures[0] if self.worker_failures else None
+        summary = f"{name} failed"
+        if first is not None:
+            summary += f": rank {first.global_rank} ({first.message})"
+        # torch's constructor would replace this one-line summary with its report.
+        AgentError.__init__(self, summary)
 
 
 def function_spec(fn: Callable[..., Any]) -> str:
@@ -71,7 +108,8 @@ def elastic_launch(
     ``{global rank: return value}`` for this node's workers.
 
     Raises:
-        WorkerFailedError: the workers failed more than ``config.max_restarts`` times.
+        WorkerFailedError: the workers failed more than ``config.max_restarts`` times
+            (also torch's ``ChildFailedError``).
         AgentError: the rendezvous closed, or the agent was interrupted.
     """
 
@@ -93,10 +131,36 @@ def elastic_launch(
         agent = ElasticAgent(
             config, argv, handler or build_handler(config), return_values=is_function
         )
-        result = agent.run()
+        try:
+            result = agent.run()
+        except Exception:
+            record_end(agent, None)
+            raise
+        record_end(agent, result)
         return _results(result, entrypoint)
 
     return launch
+
+
+def record_end(agent: ElasticAgent, result: RunResult | None) -> None:
+    """Record torch's end-of-run events (``--event-log-handler``) for ``agent``'s run
+    (``result`` None: the run raised)."""
+    if not agent.events.enabled:
+        return
+    # torch: the agent's run SUCCEEDED when it completed, whatever its workers did.
+    run_state = ""
+    failed: list[ProcessFailure] = []
+    if result is not None and result.state is AgentState.SUCCEEDED:
+        run_state = "SUCCEEDED"
+    elif result is not None and result.state is AgentState.FAILED:
+        run_state, failed = "FAILED", result.failures
+    failures = {f.global_rank: (f.exitcode, f.pid, f.error_file) for f in failed}
+    agent.events.finished(
+        run_state,
+        failures,
+        agent_failed=not run_state,
+        restarts=agent.config.max_restarts - agent.remaining_restarts,
+    )
 
 
 def _results(result: RunResult, entrypoint: Callable[..., Any] | str) -> dict[int, Any]:

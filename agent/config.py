@@ -10,29 +10,62 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import logging
 import os
 import re
+import signal
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing import LogsSpecs
+    from torch.numa.binding import NumaOptions
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_PORTS",
     "DEFAULT_ROLE",
+    "DEFAULT_SIGNALS_TO_HANDLE",
+    "DEFAULT_STOP_GRACE",
     "MAX_NPROC_PER_NODE",
     "MAX_RUN_ID_LENGTH",
     "MAX_SECONDS",
+    "NUMA_BINDING_MODES",
+    "SHUTDOWN_TIMEOUT_ENV",
+    "START_METHODS",
     "ConfigError",
     "LaunchConfig",
     "Std",
     "check_host",
     "check_run_id",
+    "numa_command_prefix",
     "parse_endpoint",
+    "parse_signals",
     "parse_std",
 ]
 
+logger = logging.getLogger("rallypoint.agent")
+
 DEFAULT_ROLE = "default"
+
+#: torchrun's ``--signals-to-handle`` default: the signals that stop the agent gracefully.
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+#: Seconds between SIGTERM and SIGKILL when neither ``--shutdown-timeout`` nor
+#: ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is given (torch's default is 30).
+DEFAULT_STOP_GRACE = 5.0
+
+#: torch reads the shutdown timeout from here when ``shutdown_timeout`` is not given.
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+#: torchrun's ``--start-method`` choices (accepted; workers are always fresh processes).
+START_METHODS = ("spawn", "fork", "forkserver")
+
+#: torchrun's ``--numa-binding`` choices: the values of ``torch.numa.binding.AffinityMode``
+#: (a test compares them with the installed torch's).
+NUMA_BINDING_MODES = ("node", "socket", "exclusive", "core-complex")
 
 #: Most workers one agent starts. Far above any real node, yet a typo (10**30)
 #: fails here instead of exhausting memory in the per-rank tables.
@@ -105,11 +138,37 @@ def check_host(host: str, option: str) -> str:
 def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
     """Split ``host:port`` (IPv6 as ``[::1]:port``); fill a backend's default port.
 
+    rallypoint's etcd backends (``etcd``, ``rallypoint-etcd``) also take the
+    members of one etcd cluster, comma-separated (``h1:2379,h2:2379,h3:2379``):
+    each member is checked and the first is returned; the backend gets the list
+    as given and fails over along it. Every other backend takes one endpoint.
+
     Raises:
         ConfigError: empty or malformed host, missing port where the backend has no
-            default, or a port that is not a decimal integer in 0..65535.
+            default, or a port that is not a decimal integer in 0..65535; a list
+            for a backend that takes one endpoint, an empty list entry, or a
+            member named twice.
     """
     option = "--rdzv-endpoint"
+    if "," in endpoint:
+        if backend not in ("etcd", "rallypoint-etcd"):
+            raise ConfigError(
+                f"{option} {endpoint!r}: the {backend} backend takes one HOST:PORT; a "
+                "comma-separated list (the members of one etcd cluster) is for the etcd "
+                "and rallypoint-etcd backends"
+            )
+        items = [item.strip() for item in endpoint.split(",")]
+        if not all(items):
+            raise ConfigError(
+                f"{option} {endpoint!r}: an empty entry in the list; give "
+                "HOST:PORT,HOST:PORT,... (the members of one etcd cluster)"
+            )
+        members = [parse_endpoint(item, backend) for item in items]
+        if len(set(members)) < len(members):
+            raise ConfigError(
+                f"{option} {endpoint!r}: a member is named twice; give each etcd member once"
+            )
+        return members[0]
     text = endpoint.strip()
     if text.startswith("["):
         host, sep, rest = text[1:].partition("]")
@@ -170,6 +229,86 @@ def check_run_id(run_id: str) -> None:
         raise ConfigError(f"--rdzv-id {run_id!r}: must not contain '/' or control characters")
 
 
+_UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
+
+
+def parse_signals(text: str, option: str = "--signals-to-handle") -> tuple[signal.Signals, ...]:
+    """Parse torchrun's comma-separated signal names (``SIGTERM,SIGUSR1``).
+
+    An empty value handles no signal at all.
+
+    Raises:
+        ConfigError: a name that is not a signal of this platform, or SIGKILL/SIGSTOP,
+            which no process can catch.
+    """
+    found: list[signal.Signals] = []
+    for name in (part.strip() for part in text.split(",")):
+        if not name:
+            continue
+        member = signal.Signals.__members__.get(name)
+        if member is None:
+            raise ConfigError(
+                f"{option} {text!r}: {name!r} is not a signal name "
+                "(expected names like SIGTERM,SIGUSR1)"
+            )
+        if name in _UNCATCHABLE:
+            raise ConfigError(f"{option} {text!r}: {name} cannot be caught by any process")
+        if member not in found:
+            found.append(member)
+    return tuple(found)
+
+
+def _cpu_ranges(cpus: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (numactl's CPU list syntax)."""
+    parts: list[str] = []
+    ordered = sorted(set(cpus))
+    start = 0
+    for index in range(1, len(ordered) + 1):
+        if index == len(ordered) or ordered[index] != ordered[index - 1] + 1:
+            first, last = ordered[start], ordered[index - 1]
+            parts.append(str(first) if first == last else f"{first}-{last}")
+            start = index
+    return ",".join(parts)
+
+
+def numa_command_prefix(options: NumaOptions, gpu_index: int) -> tuple[str, ...]:
+    """The ``numactl --physcpubind=CPUS`` that torchrun puts before a worker's command.
+
+    The CPUs come from torch's own topology code (``torch.numa.binding``) for
+    ``options.affinity_mode`` and the device ``gpu_index`` (the local rank, as in
+    torch), so the binding is torch's. With ``should_fall_back_if_binding_fails``
+    a failure means no binding (empty prefix), as in torch.
+
+    Raises:
+        ConfigError: the binding cannot be computed on this machine (no CUDA device,
+            no NUMA information in sysfs, no ``numactl``).
+    """
+    mode = getattr(options.affinity_mode, "value", options.affinity_mode)
+    try:
+        from torch.numa import binding
+
+        compute = getattr(binding, "_get_validated_logical_cpus_to_bind_to", None)
+        if compute is None:
+            raise RuntimeError("this torch has no NUMA binding support")
+        cpus = compute(gpu_index=gpu_index, numa_options=options)
+    except Exception as exc:
+        if options.should_fall_back_if_binding_fails:
+            logger.warning(
+                "--numa-binding %s: local rank %d runs unbound (%s: %s)",
+                mode,
+                gpu_index,
+                type(exc).__name__,
+                exc,
+            )
+            return ()
+        raise ConfigError(
+            f"--numa-binding {mode}: cannot bind local rank {gpu_index} to the CPUs near "
+            f"device {gpu_index} ({type(exc).__name__}: {exc}); it needs a CUDA device per "
+            "local rank, NUMA information in /sys and numactl"
+        ) from None
+    return ("numactl", f"--physcpubind={_cpu_ranges(sorted(cpus))}")
+
+
 class Std(enum.IntFlag):
     """Which of a worker's streams are redirected or teed (torchrun's 0..3)."""
 
@@ -226,7 +365,8 @@ class LaunchConfig:
         min_nodes: fewest agents a round may have (``--nnodes MIN:MAX``).
         max_nodes: most agents a round may have.
         nproc_per_node: workers this agent starts (already resolved from gpu/cpu/auto).
-        run_id: the job id every agent of the job shares (``--rdzv-id``).
+        run_id: the job id every agent of the job shares (``--rdzv-id``); empty: a
+            random one, as torch generates.
         rdzv_backend: ``c10d``, ``etcd`` (rallypoint's handler), ``torch-c10d``,
             ``torch-etcd`` (torch's handler, for comparison) or ``static``.
         rdzv_endpoint: ``host:port`` of the backend ('' for standalone).
@@ -248,6 +388,28 @@ class LaunchConfig:
         visible_devices: the device ids ``bind_gpus`` hands out, in local-rank order.
         env: extra environment for every worker.
         standalone: whether this agent hosts an embedded c10d store on a free port.
+        start_method: torch's multiprocessing start method (``spawn``, ``fork``,
+            ``forkserver``): checked and accepted; workers are always fresh processes.
+        log_line_prefix_template: the console prefix of teed lines, a
+            ``string.Template`` with ``${role_name}``, ``${rank}`` and ``${local_rank}``
+            (None: torch's ``[${role_name}${local_rank}]:``).
+        event_log_handler: where torch's agent events go (``null``, ``console``, or any
+            name registered in ``torch.distributed.elastic.events.handlers``).
+        numa_options: bind each worker to the CPUs near the device of its local rank,
+            as torch does (``torch.numa.binding.NumaOptions``; None: no binding).
+        signals_to_handle: the signals (``SIGTERM,SIGUSR1``) on which the agent stops
+            its workers and leaves; exported to workers as
+            ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
+        duplicate_stdout_filters: teed stdout lines containing any of these strings are
+            also written, prefixed, to the attempt's ``filtered_stdout.log``.
+        duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
+        virtual_local_rank: every worker gets ``LOCAL_RANK=0`` and sees only its own
+            device (``CUDA_VISIBLE_DEVICES``), as torch does.
+        shutdown_timeout: torch's name for ``stop_grace``; when given (or when
+            ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is set and ``stop_grace`` is left at its
+            default) it sets ``stop_grace``.
+        logs_specs: a torch ``LogsSpecs`` deciding where each worker's output and error
+            file go (``--logs-specs``); None: rallypoint's private log directory.
     """
 
     min_nodes: int
@@ -260,7 +422,7 @@ class LaunchConfig:
     role: str = DEFAULT_ROLE
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    stop_grace: float = 5.0
+    stop_grace: float = DEFAULT_STOP_GRACE
     exit_barrier_timeout: float = 300.0
     log_dir: str | None = None
     redirects: Mapping[int, Std] = field(default_factory=dict)
@@ -274,8 +436,32 @@ class LaunchConfig:
     visible_devices: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     standalone: bool = False
+    start_method: str = "spawn"
+    log_line_prefix_template: str | None = None
+    event_log_handler: str = "null"
+    numa_options: NumaOptions | None = None
+    signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE
+    duplicate_stdout_filters: list[str] | None = None
+    duplicate_stderr_filters: list[str] | None = None
+    virtual_local_rank: bool = False
+    shutdown_timeout: float | None = None
+    logs_specs: LogsSpecs | None = None
+    #: ``signals_to_handle`` parsed (set by validation).
+    stop_signals: tuple[signal.Signals, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
+        if not self.run_id:
+            # torch's rule for an empty run id (its launch_agent).
+            self.run_id = str(uuid.uuid4().int)
+            logger.warning("no run id given: using the random run id %s", self.run_id)
+        if self.start_method not in START_METHODS:
+            raise ConfigError(
+                f"--start-method {self.start_method!r}: expected one of {', '.join(START_METHODS)}"
+            )
+        self.stop_signals = parse_signals(self.signals_to_handle)
+        self._resolve_shutdown_timeout()
+        self.duplicate_stdout_filters = list(self.duplicate_stdout_filters or [])
+        self.duplicate_stderr_filters = list(self.duplicate_stderr_filters or [])
         if self.min_nodes < 1:
             raise ConfigError(f"--nnodes: the minimum must be at least 1, got {self.min_nodes}")
         if self.min_nodes > self.max_nodes:
@@ -291,7 +477,6 @@ class LaunchConfig:
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         _check_seconds(self.monitor_interval, "--monitor-interval", allow_zero=False)
-        _check_seconds(self.stop_grace, "--stop-grace", allow_zero=True)
         _check_seconds(self.exit_barrier_timeout, "--exit-barrier-timeout", allow_zero=True)
         check_run_id(self.run_id)
         if not self.role:
@@ -314,6 +499,74 @@ class LaunchConfig:
                 f"binding GPUs needs one device per local rank: {self.nproc_per_node} "
                 f"workers but {len(self.visible_devices)} visible devices"
             )
+        if self.rdzv_backend == "static" and self.rdzv_endpoint:
+            parse_endpoint(self.rdzv_endpoint, "static")
+        if self.virtual_local_rank:
+            visible = self._visible_devices_env()
+            if visible is not None and len(visible.split(",")) < self.nproc_per_node:
+                raise ConfigError(
+                    f"--virtual-local-rank: {self.nproc_per_node} workers but "
+                    f"CUDA_VISIBLE_DEVICES={visible} names fewer devices"
+                )
+        self._check_torch_options()
+
+    def _resolve_shutdown_timeout(self) -> None:
+        _check_seconds(self.stop_grace, "--stop-grace", allow_zero=True)
+        timeout, option = self.shutdown_timeout, "--shutdown-timeout"
+        if timeout is None and self.stop_grace == DEFAULT_STOP_GRACE:
+            text = os.environ.get(SHUTDOWN_TIMEOUT_ENV)
+            if text is not None:
+                option = SHUTDOWN_TIMEOUT_ENV
+                try:
+                    timeout = float(int(text))
+                except ValueError:
+                    raise ConfigError(
+                        f"{SHUTDOWN_TIMEOUT_ENV}={text!r}: expected whole seconds"
+                    ) from None
+        if timeout is not None:
+            _check_seconds(float(timeout), option, allow_zero=True)
+            self.stop_grace = float(timeout)
+
+    def _check_torch_options(self) -> None:
+        # Only options that name torch objects import torch (the launcher reports
+        # other bad input before torch loads).
+        if self.event_log_handler != "null":
+            from torch.distributed.elastic.events import handlers
+
+            try:
+                handlers.get_logging_handler(self.event_log_handler)
+            except KeyError:
+                known = ", ".join(sorted(getattr(handlers, "_log_handlers", {}))) or "null"
+                raise ConfigError(
+                    f"--event-log-handler {self.event_log_handler!r}: unknown; "
+                    f"torch's registered handlers are {known}"
+                ) from None
+        if self.logs_specs is not None:
+            from torch.distributed.elastic.multiprocessing import LogsSpecs
+
+            if not isinstance(self.logs_specs, LogsSpecs):
+                raise ConfigError(
+                    f"logs_specs must be a torch LogsSpecs, got {type(self.logs_specs).__name__}"
+                )
+        if self.numa_options is not None:
+            for local_rank in range(self.nproc_per_node):
+                numa_command_prefix(self.numa_options, local_rank)
+
+    def _visible_devices_env(self) -> str | None:
+        return self.env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    def virtual_device(self, local_rank: int) -> str:
+        """``CUDA_VISIBLE_DEVICES`` for ``local_rank`` under ``virtual_local_rank``.
+
+        torch's rule: the local rank's entry of the agent's ``CUDA_VISIBLE_DEVICES``,
+        or the local rank itself when that is unset (``--bind-gpus``' devices first).
+        """
+        if self.bind_gpus:
+            return self.visible_devices[local_rank]
+        visible = self._visible_devices_env()
+        if visible is not None:
+            return visible.split(",")[local_rank].strip()
+        return str(local_rank)
 
     @property
     def is_static(self) -> bool:

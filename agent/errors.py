@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -32,7 +32,7 @@ __all__ = [
     "ERROR_FILE_ENV",
     "AgentError",
     "ProcessFailure",
-    "WorkerFailedError",
+    "WorkerFailedError",  # noqa: F822 (module __getattr__: defined in .api)
     "format_failures",
     "read_error_file",
     "record",
@@ -47,6 +47,16 @@ _R = TypeVar("_R")
 
 class AgentError(RuntimeError):
     """The agent could not run the job (bad rendezvous setup, closed job, ...)."""
+
+
+def __getattr__(name: str) -> Any:
+    # WorkerFailedError is also torch's ChildFailedError, so it lives with the API
+    # (which imports torch); workers import this module for record() without torch.
+    if name == "WorkerFailedError":
+        from .api import WorkerFailedError
+
+        return WorkerFailedError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def write_error_file(path: str, exc: BaseException) -> None:
@@ -205,21 +215,6 @@ def describe_exit(exitcode: int) -> str:
             name = f"signal {-exitcode}"
         return f"killed by {name}"
     return f"exit code {exitcode}"
-
-
-class WorkerFailedError(AgentError):
-    """The workers failed more often than ``max_restarts`` allows."""
-
-    def __init__(self, name: str, failures: Sequence[ProcessFailure]) -> None:
-        self.name = name
-        self.failures = sorted(failures, key=lambda f: f.time)
-        first = self.failures[0] if self.failures else None
-        summary = (
-            f"{name} failed: rank {first.global_rank} ({first.message})"
-            if first
-            else f"{name} failed"
-        )
-        super().__init__(summary)
 
 
 def format_failures(name: str, failures: Sequence[ProcessFailure], width: int = 120) -> str:

@@ -6,11 +6,13 @@ Every torchrun flag keeps its meaning (dash and underscore spellings, and the
 
 * ``--rdzv-backend c10d``/``etcd`` use rallypoint's rendezvous (faster regrouping,
   dead-peer detection); ``torch-c10d``/``torch-etcd`` select torch's own.
-* extra options: ``--stop-grace`` (SIGTERM to SIGKILL), ``--exit-barrier-timeout``,
-  ``--bind-gpus`` (CUDA_VISIBLE_DEVICES per local rank), ``--local-addr``.
+* extra options: ``--stop-grace`` (``--shutdown-timeout`` in seconds with a
+  fraction), ``--exit-barrier-timeout``, ``--bind-gpus`` (CUDA_VISIBLE_DEVICES per
+  local rank).
 
 Bad input exits with status 2 and one line on stderr; a failed job exits 1 after
-printing the failure table.
+printing the failure table. The other deliberate differences are listed in
+docs/agent.md, "Differences from torchrun".
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from .config import (
     BACKENDS,
+    DEFAULT_SIGNALS_TO_HANDLE,
+    DEFAULT_STOP_GRACE,
     MAX_NPROC_PER_NODE,
+    NUMA_BINDING_MODES,
+    START_METHODS,
     ConfigError,
     LaunchConfig,
+    check_run_id,
     parse_endpoint,
     parse_std,
 )
@@ -42,12 +49,19 @@ from .logs import make_log_root
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-__all__ = ["build_parser", "config_from_args", "main", "worker_argv"]
+__all__ = ["PREFIX_TEMPLATE_ENV", "build_parser", "config_from_args", "main", "worker_argv"]
 
 logger = logging.getLogger("rallypoint.agent")
 
 #: Names of environment variables the launcher set for the agent process only.
 _AGENT_ONLY_ENV = "RALLYPOINT_AGENT_ONLY_ENV"
+
+#: torchrun reads the console prefix template of teed lines from here.
+PREFIX_TEMPLATE_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+#: torchrun's ``--master-port`` default (when no port is given at all, a single-node
+#: static job runs on c10d on a free port instead).
+_DEFAULT_MASTER_PORT = 29500
 
 
 _T = TypeVar("_T")
@@ -194,8 +208,14 @@ class _EnvFlag(argparse.Action):
         setattr(namespace, self.dest, self.const)
 
 
+def _filter_list(text: str) -> list[str]:
+    """torchrun's filter list: comma-separated, ``,,`` stands for a literal comma."""
+    marker = "\0"
+    return [item.replace(marker, ",") for item in text.replace(",,", marker).split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (torchrun's flags plus rallypoint's few extras)."""
+    """The argument parser: every torchrun flag, plus rallypoint's few extras."""
     p = _Parser(
         prog="rallypoint run",
         description="Launch an elastic job (torchrun-compatible flags).",
@@ -214,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-node",
         action=env,
         default="1",
-        help="workers per node: N, gpu, cpu or auto.",
+        help="workers per node: N, gpu (CUDA devices), xpu, cpu, auto (the devices of "
+        "torch's current accelerator, else CPUs) or a registered accelerator backend.",
     )
     opt("--rdzv-backend", action=env, default="static", help="c10d, etcd, torch-c10d, ...")
     opt("--rdzv-endpoint", action=env, default="", help="host:port of the backend.")
@@ -227,8 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-method",
         action=env,
         default="spawn",
-        choices=["spawn", "fork", "forkserver"],
+        choices=list(START_METHODS),
         help="accepted for torchrun compatibility; workers are always fresh processes.",
+    )
+    opt(
+        "--event-log-handler",
+        action=env,
+        default="null",
+        help="torch's event handler for agent and worker events: null, console, ...",
     )
     opt("--role", action=env, default="default", help="worker role name.")
     opt("-m", "--module", action=flag, help="run the script as a Python module (python -m).")
@@ -238,11 +265,69 @@ def build_parser() -> argparse.ArgumentParser:
     opt("-r", "--redirects", action=env, default="0", help="0-3 or 0:1,1:2 (files only).")
     opt("-t", "--tee", action=env, default="0", help="0-3 or 0:1,1:2 (files and console).")
     opt("--local-ranks-filter", action=env, default="", help="local ranks shown on console.")
+    opt(
+        "--duplicate-stdout-filters",
+        action=env,
+        type=_filter_list,
+        default=[],
+        help="also write teed stdout lines containing any of these strings (a,b; ',,' "
+        "for a comma) to the attempt's filtered_stdout.log.",
+    )
+    opt(
+        "--duplicate-stderr-filters",
+        action=env,
+        type=_filter_list,
+        default=[],
+        help="the same for stderr (filtered_stderr.log).",
+    )
     opt("--node-rank", action=env, type=int, default=0, help="node rank (static backend).")
     opt("--master-addr", action=env, default="127.0.0.1", help="store host (static backend).")
-    opt("--master-port", action=env, type=int, default=29500, help="store port (static).")
+    opt(
+        "--master-port",
+        action=env,
+        type=int,
+        default=None,
+        help=f"store port (static backend; {_DEFAULT_MASTER_PORT} unless given).",
+    )
     opt("--local-addr", action=env, default=None, help="this node's reachable address.")
-    opt("--stop-grace", action=env, type=float, default=5.0, help="SIGTERM->SIGKILL seconds.")
+    opt(
+        "--logs-specs",
+        default=None,
+        help="name of a torchrun.logs_specs entry point (a torch LogsSpecs class) "
+        "that decides where worker output and error files go.",
+    )
+    opt(
+        "--numa-binding",
+        default=None,
+        choices=list(NUMA_BINDING_MODES),
+        help="bind each worker to the CPUs near the device of its local rank (torch's modes).",
+    )
+    opt(
+        "--signals-to-handle",
+        action=env,
+        default=DEFAULT_SIGNALS_TO_HANDLE,
+        help="signals on which the agent stops its workers and leaves (comma-separated).",
+    )
+    opt(
+        "--shutdown-timeout",
+        action=env,
+        type=int,
+        default=None,
+        help="seconds between SIGTERM and SIGKILL when stopping workers "
+        f"(default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else {DEFAULT_STOP_GRACE:g}).",
+    )
+    opt(
+        "--virtual-local-rank",
+        action=flag,
+        help="LOCAL_RANK=0 for every worker, each seeing only its own device.",
+    )
+    opt(
+        "--stop-grace",
+        action=env,
+        type=float,
+        default=None,
+        help="rallypoint's spelling of --shutdown-timeout (fractions allowed).",
+    )
     opt(
         "--exit-barrier-timeout",
         action=env,
@@ -276,20 +361,57 @@ def _cuda_devices() -> tuple[str, ...]:
     return tuple(str(i) for i in range(count))
 
 
+def _cpu_count() -> int:
+    # torch counts the CPUs this process may run on (taskset, cgroups), not all.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _parse_nproc(text: str) -> int:
-    if text == "gpu":
-        devices = _cuda_devices()
-        if not devices:
-            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible")
-        return len(devices)
-    if text == "cpu":
-        return os.cpu_count() or 1
-    if text == "auto":
-        return len(_cuda_devices()) or os.cpu_count() or 1
+    """torchrun's ``--nproc-per-node``: N, cpu, gpu, xpu, auto or the name of the
+    registered out-of-tree (privateuse1) accelerator backend."""
     try:
         return int(text)
     except ValueError:
-        raise ConfigError(f"--nproc-per-node {text!r}: expected N, gpu, cpu or auto") from None
+        pass
+    if text == "cpu":
+        return _cpu_count()
+    import torch
+
+    if text == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible")
+        return int(torch.cuda.device_count())
+    if text == "xpu":
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None or not xpu.is_available():
+            raise ConfigError("--nproc-per-node xpu: no XPU device is visible")
+        return int(xpu.device_count())
+    if text == "auto":
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and accelerator.is_available():
+            return int(accelerator.device_count())
+        if accelerator is None and torch.cuda.is_available():  # torch before 2.6
+            return int(torch.cuda.device_count())
+        return _cpu_count()
+    custom = torch._C._get_privateuse1_backend_name()
+    if text == custom:
+        module = getattr(torch, custom, None)
+        available = getattr(module, "is_available", None)
+        count = getattr(module, "device_count", None)
+        if available is None or count is None:
+            raise ConfigError(
+                f"--nproc-per-node {text}: no device module is registered for the "
+                f"{text} backend (torch._register_device_module)"
+            )
+        if not available():
+            raise ConfigError(f"--nproc-per-node {text}: no {text} device is visible")
+        return int(count())
+    raise ConfigError(
+        f"--nproc-per-node {text!r}: expected N, gpu, xpu, cpu, auto or the name of a "
+        "registered accelerator backend"
+    )
 
 
 def _parse_rdzv_conf(text: str) -> dict[str, str]:
@@ -306,13 +428,32 @@ def _split_etcd_scheme(
     backend: str, endpoint: str, rdzv_conf: dict[str, str]
 ) -> tuple[str, dict[str, str]]:
     """``https://HOST:PORT`` for rallypoint's etcd backends -> (``HOST:PORT``, the
-    options with ``protocol=https``): the scheme is how torch's etcd users name TLS."""
-    scheme, sep, rest = endpoint.strip().partition("://")
-    if not sep or backend not in ("etcd", "rallypoint-etcd"):
+    options with ``protocol=https``): the scheme is how torch's etcd users name TLS.
+
+    A member list (``https://h1:2379,https://h2:2379``) loses each member's scheme;
+    the members that name one must name the same."""
+    if "://" not in endpoint or backend not in ("etcd", "rallypoint-etcd"):
         return endpoint, rdzv_conf
-    scheme = scheme.lower()
-    if scheme not in ("http", "https"):
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: the scheme must be http:// or https://")
+    schemes: set[str] = set()
+    members: list[str] = []
+    for item in endpoint.split(","):
+        scheme, sep, address = item.strip().partition("://")
+        if not sep:
+            members.append(item.strip())
+            continue
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ConfigError(
+                f"--rdzv-endpoint {endpoint!r}: the scheme must be http:// or https://"
+            )
+        schemes.add(scheme)
+        members.append(address.removesuffix("/"))
+    if len(schemes) > 1:
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r} mixes http:// and https://; the members of "
+            "one etcd cluster are reached the same way"
+        )
+    scheme, rest = schemes.pop(), ",".join(members)
     given = rdzv_conf.get("protocol")
     if given is not None and given.strip().lower() != scheme:
         raise ConfigError(
@@ -351,21 +492,71 @@ def _check_entrypoint(args: argparse.Namespace) -> None:
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The command each worker runs, as torchrun builds it."""
+    """The command each worker runs, as torchrun builds it (``PYTHON_EXEC``, when
+    set, is the interpreter, as in torchrun)."""
     script, rest = args.training_script, list(args.training_script_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
+    python = os.environ.get("PYTHON_EXEC") or sys.executable
     if args.no_python:
         return [script, *rest]
     if args.module:
-        return [sys.executable, "-u", "-m", script, *rest]
+        return [python, "-u", "-m", script, *rest]
     if args.run_path:
         code = (
             "import runpy, sys; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')"
         )
-        return [sys.executable, "-u", "-c", code, os.path.abspath(script), *rest]
-    return [sys.executable, "-u", script, *rest]
+        return [python, "-u", "-c", code, os.path.abspath(script), *rest]
+    return [python, "-u", script, *rest]
+
+
+def _load_logs_specs(args: argparse.Namespace, ranks: frozenset[int] | None) -> Any:
+    """torchrun's ``--logs-specs NAME``: the ``torchrun.logs_specs`` entry point NAME,
+    a torch ``LogsSpecs`` class, built with the log options as torchrun builds it."""
+    from importlib import metadata
+
+    from torch.distributed.elastic.multiprocessing import Std as TorchStd
+
+    group = metadata.entry_points(group="torchrun.logs_specs")
+    found = [ep for ep in group if ep.name == args.logs_specs]
+    if not found:
+        known = ", ".join(sorted({ep.name for ep in group})) or "none is installed"
+        raise ConfigError(
+            f"--logs-specs {args.logs_specs!r}: no such torchrun.logs_specs entry point "
+            f"(registered: {known})"
+        )
+    try:
+        cls = found[0].load()
+        return cls(
+            log_dir=args.log_dir,
+            redirects=TorchStd.from_str(args.redirects),
+            tee=TorchStd.from_str(args.tee),
+            local_ranks_filter=set(ranks) if ranks is not None else None,
+        )
+    except Exception as exc:
+        raise ConfigError(
+            f"--logs-specs {args.logs_specs!r}: cannot build it: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _numa_options(mode: str | None) -> Any:
+    if mode is None:
+        return None
+    from torch.numa.binding import AffinityMode, NumaOptions
+
+    return NumaOptions(affinity_mode=AffinityMode(mode))
+
+
+def _shutdown_timeout(args: argparse.Namespace) -> float | None:
+    """``--shutdown-timeout`` or rallypoint's ``--stop-grace`` (either wins over
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``)."""
+    timeout, grace = args.shutdown_timeout, args.stop_grace
+    if timeout is not None and grace is not None and float(timeout) != grace:
+        raise ConfigError(
+            f"--shutdown-timeout {timeout} and --stop-grace {grace:g} disagree; give one of them"
+        )
+    return float(timeout) if timeout is not None else grace
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -385,7 +576,21 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         )
     _check_entrypoint(args)
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
-    if args.standalone:
+    standalone = args.standalone
+    if (
+        not standalone
+        and backend == "static"
+        and not endpoint
+        and args.master_port is None
+        and max_nodes == 1
+    ):
+        # torchrun (2.13) runs a single-node job without a given port on c10d on a
+        # free port, as --standalone does, rather than on port 29500. Its run id is
+        # a fresh one; a malformed --rdzv-id is still a mistake worth reporting.
+        standalone = True
+        if run_id not in ("none", ""):
+            check_run_id(run_id)
+    if standalone:
         if max_nodes != 1:
             logger.warning("--standalone runs a single node: using --nnodes 1")
         min_nodes = max_nodes = 1
@@ -413,13 +618,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ConfigError(
             f"--rdzv-backend {backend!r} is unknown; use one of {', '.join(sorted(BACKENDS))}"
         )
-    if backend != "static" and not args.standalone:
+    if backend != "static" and not standalone:
         if not endpoint:
             raise ConfigError(
                 f"--rdzv-endpoint is required for the {backend} backend "
                 "(or use --standalone for a single node)"
             )
         parse_endpoint(endpoint, backend)
+    shutdown_timeout = _shutdown_timeout(args)
+    logs_specs = _load_logs_specs(args, ranks_filter) if args.logs_specs else None
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -431,7 +638,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         role=args.role,
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
-        stop_grace=args.stop_grace,
+        stop_grace=args.stop_grace if args.stop_grace is not None else DEFAULT_STOP_GRACE,
+        shutdown_timeout=shutdown_timeout,
         exit_barrier_timeout=args.exit_barrier_timeout,
         log_dir=args.log_dir,
         redirects=parse_std(args.redirects, nproc, "--redirects"),
@@ -439,12 +647,21 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         local_ranks_filter=ranks_filter,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
-        master_port=args.master_port,
+        master_port=args.master_port if args.master_port is not None else _DEFAULT_MASTER_PORT,
         local_addr=args.local_addr,
         bind_gpus=args.bind_gpus,
         visible_devices=devices,
         env=env,
-        standalone=args.standalone,
+        standalone=standalone,
+        start_method=args.start_method,
+        log_line_prefix_template=os.environ.get(PREFIX_TEMPLATE_ENV),
+        event_log_handler=args.event_log_handler,
+        numa_options=_numa_options(args.numa_binding),
+        signals_to_handle=args.signals_to_handle,
+        duplicate_stdout_filters=args.duplicate_stdout_filters,
+        duplicate_stderr_filters=args.duplicate_stderr_filters,
+        virtual_local_rank=args.virtual_local_rank,
+        logs_specs=logs_specs,
     )
 
 
@@ -502,15 +719,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         _remove_empty(log_root)
         print(f"rallypoint run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    from .api import record_end
+
     agent = ElasticAgent(config, worker_argv(args), handler, log_root=log_root)
     try:
         result = agent.run()
     except OSError as exc:
+        record_end(agent, None)
         print(f"rallypoint run: error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
+        record_end(agent, None)
         print(f"rallypoint run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    record_end(agent, result)
     if result.state is AgentState.FAILED:
         print(format_failures(args.training_script, result.failures), file=sys.stderr)
         print(f"rallypoint run: {result.message}; logs in {agent.log_root}", file=sys.stderr)

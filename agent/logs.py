@@ -1,4 +1,5 @@
-"""The agent's log directory: a fresh, private directory per agent run.
+"""The agent's log directory (a fresh, private directory per agent run) and
+torch's agent events (:class:`EventLog`, ``--event-log-handler``).
 
 Workers' output and error files go under ``<log_dir>/<run_id>_<random>/``. The
 name is unpredictable and the directory is created (never reused) with mode 0700,
@@ -9,13 +10,27 @@ make the workers' output land elsewhere, nor read it afterwards.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
+import string
 import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from .config import ConfigError
+from .config import ConfigError, LaunchConfig, Std
 
-__all__ = ["make_log_root"]
+__all__ = [
+    "EventLog",
+    "StartedWorker",
+    "WorkerLogs",
+    "console_prefix",
+    "make_log_root",
+    "worker_logs",
+]
 
 #: The part of the run id kept in the directory name: enough to recognise the run,
 #: short enough for any file system's 255-byte name limit.
@@ -49,3 +64,261 @@ def make_log_root(log_dir: str | None, run_id: str) -> str:
         raise ConfigError(
             f"{where}: cannot create the run's log directory there: {exc.strerror}"
         ) from None
+
+
+def console_prefix(template: str | None, role: str, rank: int, local_rank: int) -> str:
+    """The prefix of a worker's teed console lines, as torchrun writes it.
+
+    ``template`` (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``) is a
+    ``string.Template`` over ``role_name``, ``rank`` (global) and ``local_rank``;
+    unknown names stay as written. Without one: ``[<role><local rank>]:``.
+    """
+    if not template:
+        return f"[{role}{local_rank}]:"
+    return string.Template(template).safe_substitute(
+        role_name=role, rank=rank, local_rank=local_rank
+    )
+
+
+@dataclass(frozen=True)
+class WorkerLogs:
+    """Where one worker's streams and error file go."""
+
+    error_file: str
+    redirect: Std
+    tee: Std
+    console: bool
+    stdout_file: str
+    stderr_file: str
+    #: (filtered file, filters) of the stream's duplicated lines, or None.
+    duplicate_stdout: tuple[str, tuple[str, ...]] | None = None
+    duplicate_stderr: tuple[str, tuple[str, ...]] | None = None
+
+
+def _fresh_file(path: str) -> None:
+    # torch creates (or empties) each attempt's filtered file even if nothing matches.
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "wb"):
+        pass
+
+
+def worker_logs(
+    config: LaunchConfig, attempt_dir: str, envs: Mapping[int, dict[str, str]]
+) -> dict[int, WorkerLogs]:
+    """Decide each worker's log files for one attempt and set its ``TORCHELASTIC_ERROR_FILE``.
+
+    Without ``config.logs_specs``: ``attempt_dir/<local rank>/{stdout,stderr}.log``
+    and ``error.json``, per ``redirects``, ``tee`` and ``local_ranks_filter``. With
+    one, torch's ``LogsSpecs.reify`` decides (as under torchrun). Teed lines that
+    match ``duplicate_*_filters`` also go to ``filtered_stdout.log`` /
+    ``filtered_stderr.log`` (torch's names and place), for the ranks shown on the
+    console.
+    """
+    out_filters = tuple(config.duplicate_stdout_filters or ())
+    err_filters = tuple(config.duplicate_stderr_filters or ())
+    if config.logs_specs is not None:
+        dest = config.logs_specs.reify(dict(envs))
+        filtered = (str(dest.filtered_stdout), str(dest.filtered_stderr))
+    else:
+        dest = None
+        filtered = (
+            os.path.join(attempt_dir, "filtered_stdout.log"),
+            os.path.join(attempt_dir, "filtered_stderr.log"),
+        )
+    if out_filters:
+        _fresh_file(filtered[0])
+    if err_filters:
+        _fresh_file(filtered[1])
+    result: dict[int, WorkerLogs] = {}
+    for local_rank, env in envs.items():
+        if dest is not None:
+            stdout_file = str(dest.stdouts.get(local_rank, ""))
+            stderr_file = str(dest.stderrs.get(local_rank, ""))
+            redirect = (Std.OUT if stdout_file else Std.NONE) | (
+                Std.ERR if stderr_file else Std.NONE
+            )
+            tee = (Std.OUT if local_rank in dest.tee_stdouts else Std.NONE) | (
+                Std.ERR if local_rank in dest.tee_stderrs else Std.NONE
+            )
+            error_file = str(dest.error_files.get(local_rank, ""))
+            if error_file == os.devnull:
+                error_file = ""  # nothing to read back (and never a file to remove)
+            console = True  # the spec's own decision: unshown streams go to os.devnull
+        else:
+            rank_dir = os.path.join(attempt_dir, str(local_rank))
+            stdout_file = os.path.join(rank_dir, "stdout.log")
+            stderr_file = os.path.join(rank_dir, "stderr.log")
+            redirect = config.redirects.get(local_rank, Std.NONE)
+            tee = config.tee.get(local_rank, Std.NONE)
+            error_file = os.path.join(rank_dir, "error.json")
+            console = config.local_ranks_filter is None or local_rank in config.local_ranks_filter
+            env["TORCHELASTIC_ERROR_FILE"] = error_file
+        shown = tee if console else Std.NONE
+        dup_out = (filtered[0], out_filters) if out_filters and shown & Std.OUT else None
+        dup_err = (filtered[1], err_filters) if err_filters and shown & Std.ERR else None
+        result[local_rank] = WorkerLogs(
+            error_file=error_file,
+            redirect=redirect,
+            tee=tee,
+            console=console,
+            stdout_file=stdout_file,
+            stderr_file=stderr_file,
+            duplicate_stdout=dup_out,
+            duplicate_stderr=dup_err,
+        )
+    return result
+
+
+@dataclass(frozen=True)
+class StartedWorker:
+    """What an agent event says about one started worker."""
+
+    local_rank: int
+    global_rank: int
+    role_rank: int
+    role_world_size: int
+    pid: int
+
+
+class EventLog:
+    """torch's agent events (``--event-log-handler``), recorded through torch's handlers.
+
+    The same events torchrun's agent records, with the same names and metadata:
+    ``torchelastic.worker.status.START`` for each worker as it starts; when the run
+    ends, one per worker of the last round (``SUCCEEDED``, ``FAILED``, or
+    ``TERMINATED`` for a worker the agent stopped because another failed) and one for
+    the agent (``SUCCEEDED`` when the agent's run completed, whatever its workers
+    did; ``FAILED`` when it was interrupted or the rendezvous closed). torch's
+    duration events (``RENDEZVOUS``, ``ASSIGN_WORKER_RANKS``) are not recorded.
+    With the ``null`` handler nothing is built at all.
+    """
+
+    def __init__(
+        self, destination: str, *, run_id: str, role: str, max_restarts: int, entry_point: str
+    ) -> None:
+        self.destination = destination
+        self._run_id = run_id
+        self._role = role
+        self._max_restarts = max_restarts
+        self._entry_point = entry_point
+        self._backend = ""
+        self._group_rank: int | None = None
+        self._group_world_size: int | None = None
+        self._restarts = 0
+        self._started = time.monotonic()
+        self.workers: list[StartedWorker] = []
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events go anywhere (torch's ``null`` handler drops them)."""
+        return self.destination != "null"
+
+    def workers_started(
+        self,
+        workers: Sequence[StartedWorker],
+        *,
+        group_rank: int,
+        group_world_size: int,
+        restarts: int,
+        backend: str,
+    ) -> None:
+        """Record a ``START`` event per worker of a new round."""
+        self.workers = list(workers)
+        self._group_rank, self._group_world_size = group_rank, group_world_size
+        self._restarts, self._backend = restarts, backend
+        for worker in self.workers:
+            self._record("START", "WORKER", worker)
+
+    def finished(
+        self,
+        state: str,
+        failures: Mapping[int, tuple[int, int, str]],
+        *,
+        agent_failed: bool,
+        restarts: int,
+    ) -> None:
+        """Record the end of the run.
+
+        Args:
+            state: ``SUCCEEDED`` or ``FAILED`` for a run that completed, else ''.
+            failures: global rank -> (exit code, pid, error file) of failed workers.
+            agent_failed: the agent's run was cut short (signal, closed rendezvous).
+            restarts: restarts spent.
+        """
+        self._restarts = restarts
+        if state:
+            for worker in self.workers:
+                failure = failures.get(worker.global_rank)
+                if failure is None:
+                    worker_state = "TERMINATED" if state == "FAILED" else state
+                    self._record(worker_state, "WORKER", worker)
+                else:
+                    exit_code, pid, error_file = failure
+                    self._record(
+                        "FAILED",
+                        "WORKER",
+                        worker,
+                        raw_error=json.dumps(_error_data(error_file)),
+                        exit_code=exit_code,
+                        pid=pid,
+                    )
+        self._record("FAILED" if agent_failed else "SUCCEEDED", "AGENT")
+
+    def _record(
+        self,
+        state: str,
+        source: str,
+        worker: StartedWorker | None = None,
+        *,
+        raw_error: str | None = None,
+        exit_code: int | None = None,
+        pid: int | None = None,
+    ) -> None:
+        if not self.enabled:
+            return
+        from torch.distributed.elastic.events import api as events_api
+        from torch.distributed.elastic.events import record
+
+        extra: dict[str, Any] = {
+            "group_world_size": self._group_world_size,
+            "entry_point": self._entry_point,
+        }
+        if worker is not None:
+            # torch's layout: one-element tuples, serialised as lists.
+            extra.update(
+                local_rank=[worker.local_rank],
+                role_rank=[worker.role_rank],
+                role_world_size=[worker.role_world_size],
+                exit_code=[exit_code],
+                worker_pid=[pid],
+            )
+        metadata: dict[str, Any] = {
+            "run_id": self._run_id,
+            "global_rank": worker.global_rank if worker else None,
+            "group_rank": self._group_rank,
+            "worker_id": str(worker.pid) if worker else None,
+            "role": self._role,
+            "hostname": socket.getfqdn(),
+            "state": state,
+            "total_run_time": int(time.monotonic() - self._started),
+            "rdzv_backend": self._backend,
+            "raw_error": raw_error,
+            "metadata": json.dumps(extra),
+            "agent_restarts": self._restarts,
+            "duration_ms": None,
+        }
+        event = events_api.Event(
+            name=f"torchelastic.worker.status.{state}",
+            source=events_api.EventSource[source],
+            metadata=metadata,
+        )
+        record(event, self.destination)
+
+
+def _error_data(error_file: str) -> Any:
+    # torch puts the worker's error file (or its placeholder) in raw_error.
+    try:
+        with open(error_file, encoding="utf-8") as fp:
+            return json.load(fp)
+    except (OSError, ValueError):
+        return {"message": "<NONE>"}

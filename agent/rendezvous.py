@@ -6,8 +6,8 @@
   ``rallypoint-etcd``): rallypoint's own handler, :func:`rallypoint.adapters.create_handler`;
 * ``torch-c10d``, ``torch-etcd``: torch's dynamic rendezvous, kept for comparisons
   (``bench/recovery.py``);
-* ``static``: torch's fixed-membership rendezvous (``--master-addr/--master-port``,
-  ``--node-rank``), torchrun's default.
+* ``static``: torch's fixed-membership rendezvous (``--rdzv-endpoint``, else
+  ``--master-addr/--master-port``; ``--node-rank``), torchrun's default.
 
 The agent uses the optional extras of rallypoint's handler (``round``,
 ``dead_participants``, ``wait_for_change``) through :class:`HandlerView`, which
@@ -54,7 +54,13 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
         )
     configs: dict[str, Any] = dict(config.rdzv_configs)
     if backend == "static":
-        endpoint = f"{config.master_addr}:{config.master_port}"
+        # torchrun's rule: the static store is --rdzv-endpoint when given, else
+        # --master-addr:--master-port.
+        if config.rdzv_endpoint:
+            host, port = parse_endpoint(config.rdzv_endpoint, backend)
+        else:
+            host, port = config.master_addr, config.master_port
+        endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         configs["rank"] = config.node_rank
         torch_backend = "static"
     else:
@@ -69,6 +75,8 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
                 )
             host, port = parse_endpoint(config.rdzv_endpoint, backend)
             endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if "," in config.rdzv_endpoint:  # etcd cluster members, each checked above
+                endpoint = config.rdzv_endpoint
         torch_backend = backend.removeprefix("torch-").removeprefix("rallypoint-")
     params = RendezvousParameters(
         backend=torch_backend,
@@ -105,6 +113,7 @@ class HandlerView:
         self.handler = handler
         self._dead = getattr(handler, "dead_participants", None)
         self._wait = getattr(handler, "wait_for_change", None)
+        self._fence = getattr(handler, "must_fence", None)
 
     @property
     def knows_round(self) -> bool:
@@ -120,6 +129,17 @@ class HandlerView:
     def detects_dead_peers(self) -> bool:
         """Whether the handler reports participants that left or stopped heartbeating."""
         return self._dead is not None
+
+    @property
+    def fences(self) -> bool:
+        """Whether the handler keeps a lease this node must fence on (rallypoint's)."""
+        return self._fence is not None
+
+    def must_fence(self) -> bool:
+        """Whether this node's lease ran out: it could not renew its heartbeat for so
+        long that its peers may declare it dead, so its workers must stop now
+        (docs/design.md, decision 7). Asks no backend; False if unsupported."""
+        return self._fence is not None and bool(self._fence())
 
     def dead_participants(self) -> frozenset[Any]:
         """Participants of the current round presumed dead (empty if unsupported)."""

@@ -7,14 +7,31 @@ SIGKILLs whatever is left. On Linux each worker also asks the kernel to SIGKILL 
 when the agent dies (``PR_SET_PDEATHSIG``, set by util-linux's ``setpriv`` just
 before it execs the worker), so even a SIGKILLed agent leaves no worker behind.
 
+The parent-death signal reaches the worker only, not what the worker started (data
+loader processes, a helper it launched): those would outlive a SIGKILLed agent. So
+each started group of workers also has a *watchdog*, a tiny separate process in a
+session of its own that holds the read end of a pipe whose write end only the agent
+holds. The agent tells it each worker's process group when it starts one and tells
+it to forget them once they are stopped; when the pipe reaches end-of-file while
+groups are still registered, the agent died without stopping them (any death, even
+SIGKILL, closes its descriptors), and the watchdog SIGKILLs those process groups.
+An exited worker is only reaped once the watchdog has forgotten its group
+(:meth:`WorkerProcess.poll` looks at the exit without collecting it), so the number
+the watchdog holds can never name another process's group.
+A descendant that moved itself into another process group or session is outside
+this net; the agent's own stop still finds it while its parent lives.
+
 Output: per local rank and stream, ``redirect`` sends it to the attempt's log file
-only, ``tee`` to the file and to the agent's console with a ``[role/rank]`` prefix.
+only, ``tee`` to the file and to the agent's console with torchrun's prefix
+(``[<role><local rank>]:`` unless ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` says
+otherwise).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -32,6 +49,8 @@ from .config import Std
 
 __all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "die_with_agent", "kill_tree"]
 
+logger = logging.getLogger("rallypoint.agent")
+
 # Sets the parent-death signal, then becomes the worker (same pid). Used only where
 # util-linux's setpriv is missing. No preexec_fn: Python code between fork and exec
 # deadlocks or aborts in a process whose other threads hold locks (gRPC's etcd
@@ -42,6 +61,33 @@ _PDEATHSIG_SHIM = (
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+# The watchdog of one group of workers (see the module docstring). It reads lines
+# "+PGID" (watch) and "-PGID" (forget) from the pipe on fd argv[1]; at end-of-file it
+# SIGKILLs every process group still watched and exits. Started with -I -S: no site
+# imports, a few milliseconds; the agent does not wait for it to start (its lines
+# wait in the pipe).
+_WATCHDOG = r"""
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+fd, groups, rest = int(sys.argv[1]), set(), b""
+while True:
+    data = os.read(fd, 4096)
+    if not data:
+        break
+    *lines, rest = (rest + data).split(b"\n")
+    for line in lines:
+        if line[:1] == b"+":
+            groups.add(int(line[1:]))
+        elif line[:1] == b"-":
+            groups.discard(int(line[1:]))
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
 
 
 @functools.cache
@@ -73,6 +119,12 @@ class WorkerLaunch:
     tee: Std = Std.NONE
     console: bool = True
     prefix: str = ""
+    #: log files of the redirected or teed streams ('': ``log_dir/stdout.log``, ...)
+    stdout_file: str = ""
+    stderr_file: str = ""
+    #: (file, filters): teed lines containing a filter are also appended there, prefixed
+    duplicate_stdout: tuple[str, tuple[str, ...]] | None = None
+    duplicate_stderr: tuple[str, tuple[str, ...]] | None = None
 
 
 @dataclass
@@ -92,24 +144,101 @@ class WorkerProcess:
         return self.popen.pid
 
     def poll(self) -> int | None:
-        """The exit code (negative: killed by that signal), or None while running."""
-        code = self.popen.poll()
+        """The exit code (negative: killed by that signal), or None while running.
+
+        The exit is only looked at, not collected: an exited worker stays a zombie
+        until :meth:`WorkerGroup.stop` reaps it, so its pid, which names its process
+        group to the watchdog, cannot be given to an unrelated process before the
+        watchdog has forgotten it.
+        """
+        code = self.popen.returncode
+        if code is None:
+            code = _peek_exit(self.popen)
         if code is not None and self.exit_time is None:
             self.exit_time = time.time()
         return code
 
 
-def _pump(source: IO[bytes], log: IO[bytes], console: IO[str] | None, prefix: str) -> None:
+def _peek_exit(popen: subprocess.Popen[bytes]) -> int | None:
+    """``popen``'s exit code if it has exited, without reaping it (``WNOWAIT``)."""
+    if not hasattr(os, "waitid"):
+        return popen.poll()
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # already reaped
+        return popen.poll()
+    if info is None:
+        return None
+    return int(info.si_status) if info.si_code == os.CLD_EXITED else -int(info.si_status)
+
+
+def _pump(
+    source: IO[bytes],
+    log: IO[bytes],
+    console: IO[str] | None,
+    prefix: str,
+    duplicate: tuple[IO[bytes], tuple[str, ...]] | None = None,
+) -> None:
     # Line by line so that prefixed console lines from different ranks interleave
-    # whole; the file gets the raw bytes.
+    # whole; the file gets the raw bytes. Duplicated lines (torchrun's
+    # --duplicate-*-filters) go, prefixed, to a file every rank appends to: one
+    # unbuffered write per line, so lines from different ranks never mix.
     with source:
         for line in iter(source.readline, b""):
             log.write(line)
             log.flush()
+            if console is None and duplicate is None:
+                continue
+            text = line.decode("utf-8", errors="replace")
+            shown = f"{prefix}{text}" if text.endswith("\n") else f"{prefix}{text}\n"
             if console is not None:
-                text = line.decode("utf-8", errors="replace")
-                console.write(f"{prefix}{text}" if text.endswith("\n") else f"{prefix}{text}\n")
+                console.write(shown)
                 console.flush()
+            if duplicate is not None and any(needle in text for needle in duplicate[1]):
+                duplicate[0].write(shown.encode("utf-8"))
+
+
+class _Watchdog:
+    """Kills the watched workers' process groups if the agent dies without stopping
+    them (see the module docstring). POSIX only; one per started group of workers."""
+
+    def __init__(self) -> None:
+        read_end, self._fd = os.pipe()  # neither end is inherited by the workers
+        try:
+            self.popen: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(read_end)],
+                pass_fds=(read_end,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a signal to the agent's process group misses it
+            )
+        except OSError:
+            os.close(self._fd)
+            raise
+        finally:
+            os.close(read_end)
+
+    def _send(self, line: str) -> None:
+        # A line is far below PIPE_BUF: each write lands whole.
+        with contextlib.suppress(OSError):  # the watchdog died: nothing more to do
+            os.write(self._fd, line.encode())
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"-{pgid}\n")
+
+    def close(self) -> None:
+        """End the watchdog (it kills the groups still watched, normally none)."""
+        os.close(self._fd)
+        popen, self.popen = self.popen, None
+        if popen is not None:
+            try:
+                popen.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
 
 
 class WorkerGroup:
@@ -117,6 +246,10 @@ class WorkerGroup:
 
     def __init__(self) -> None:
         self.workers: list[WorkerProcess] = []
+        self._watchdog: _Watchdog | None = None
+        #: held by stop() and fence(): a fence from the lease guard's thread never
+        #: signals workers that stop() is reaping
+        self._lock = threading.Lock()
 
     def start(self, launches: Sequence[WorkerLaunch]) -> None:
         """Start every worker; on a failed start, stop the ones already running and raise.
@@ -125,8 +258,20 @@ class WorkerGroup:
             OSError: a worker's program could not be executed (message names it).
         """
         try:
+            if self._watchdog is None and os.name == "posix":
+                try:
+                    self._watchdog = _Watchdog()
+                except OSError as exc:
+                    logger.warning(
+                        "cannot start the workers' watchdog (%s): processes the workers start "
+                        "may outlive this agent if it is killed",
+                        exc,
+                    )
             for launch in launches:
-                self.workers.append(_start_one(launch))
+                worker = _start_one(launch)
+                self.workers.append(worker)
+                if self._watchdog is not None:
+                    self._watchdog.watch(worker.pid)  # its process group
         except BaseException:
             self.stop(grace=0.0)
             raise
@@ -135,20 +280,52 @@ class WorkerGroup:
         """Exit code per local rank (None while the worker runs)."""
         return {w.launch.local_rank: w.poll() for w in self.workers}
 
-    def stop(self, grace: float) -> None:
-        """SIGTERM every worker's process tree, wait up to ``grace`` s, then SIGKILL the rest."""
+    def fence(self, grace: float) -> bool:
+        """Stop every worker's process tree now (SIGTERM, up to ``grace`` s, then
+        SIGKILL), from any thread, without reaping: :meth:`poll` then reports the
+        exits and :meth:`stop` reaps them. False: there were no workers."""
+        with self._lock:
+            workers = list(self.workers)
+            if not workers:
+                return False
+            trees = [_tree(w.pid) for w in workers]
+            for tree in trees:
+                _signal_tree(tree, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            for tree in trees:
+                _signal_tree(tree, signal.SIGKILL)
+            return True
+
+    def stop(self, grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
+        """Send ``sig`` (SIGTERM unless given: a stop signal the agent received is
+        forwarded, as torchrun does) to every worker's process tree, wait up to
+        ``grace`` s, then SIGKILL the rest."""
+        with self._lock:
+            self._stop(grace, sig)
+
+    def _stop(self, grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
         if not self.workers:
+            self._close_watchdog()
             return
         trees = [_tree(w.pid) for w in self.workers]
         for tree in trees:
-            _signal_tree(tree, signal.SIGTERM)
+            _signal_tree(tree, sig)
         deadline = time.monotonic() + grace
-        for worker in self.workers:
+        pause = 0.001
+        while any(w.poll() is None for w in self.workers):
             remaining = deadline - time.monotonic()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.popen.wait(timeout=max(remaining, 0.0))
+            if remaining <= 0:
+                break
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 0.05)
         for tree in trees:
             _signal_tree(tree, signal.SIGKILL)
+        # Every group is killed: the watchdog forgets them before reaping frees the pids.
+        if self._watchdog is not None:
+            for worker in self.workers:
+                self._watchdog.forget(worker.pid)
         for worker in self.workers:
             worker.popen.wait()
             worker.poll()
@@ -158,7 +335,13 @@ class WorkerGroup:
                 thread.join(timeout=1.0)
             for fp in worker.files:
                 fp.close()
+        self._close_watchdog()
         self.workers = []
+
+    def _close_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.close()
 
     @property
     def pids(self) -> list[int]:
@@ -203,21 +386,28 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
     with contextlib.suppress(FileNotFoundError):
         os.remove(launch.error_file)
     files: list[IO[bytes]] = []
-    pumps: list[tuple[Std, IO[bytes], IO[str] | None]] = []
+    pumps: list[
+        tuple[Std, IO[bytes], IO[str] | None, tuple[IO[bytes], tuple[str, ...]] | None]
+    ] = []
     streams: dict[Std, int | IO[bytes] | None] = {}
-    routes: tuple[tuple[Std, str, IO[str]], ...] = (
-        (Std.OUT, "stdout", sys.stdout),
-        (Std.ERR, "stderr", sys.stderr),
+    routes: tuple[tuple[Std, str, IO[str], str, tuple[str, tuple[str, ...]] | None], ...] = (
+        (Std.OUT, "stdout", sys.stdout, launch.stdout_file, launch.duplicate_stdout),
+        (Std.ERR, "stderr", sys.stderr, launch.stderr_file, launch.duplicate_stderr),
     )
-    for bit, name, console in routes:
-        path = os.path.join(launch.log_dir, f"{name}.log")
+    for bit, name, console, given_path, duplicate in routes:
+        path = given_path or os.path.join(launch.log_dir, f"{name}.log")
         log: IO[bytes]
         # The files outlive this function: WorkerGroup.stop closes them.
         if launch.tee & bit:
             log = open(path, "wb")  # noqa: SIM115
             files.append(log)
             streams[bit] = subprocess.PIPE
-            pumps.append((bit, log, console if launch.console else None))
+            copy: tuple[IO[bytes], tuple[str, ...]] | None = None
+            if duplicate is not None:
+                shared: IO[bytes] = open(duplicate[0], "ab", buffering=0)  # noqa: SIM115
+                files.append(shared)
+                copy = (shared, duplicate[1])
+            pumps.append((bit, log, console if launch.console else None, copy))
         elif launch.redirect & bit:
             log = open(path, "wb")  # noqa: SIM115
             files.append(log)
@@ -240,12 +430,12 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
             fp.close()
         raise OSError(exc.errno, f"cannot start worker {launch.argv[0]!r}: {exc.strerror}") from exc
     worker = WorkerProcess(launch=launch, popen=popen, start_time=time.time(), files=files)
-    for bit, log, sink in pumps:
+    for bit, log, sink, copy in pumps:
         source = popen.stdout if bit == Std.OUT else popen.stderr
         assert source is not None  # PIPE was requested for this stream
         thread = threading.Thread(
             target=_pump,
-            args=(source, log, sink, launch.prefix),
+            args=(source, log, sink, launch.prefix, copy),
             name=f"rallypoint-tee-{launch.global_rank}-{bit.name}",
             daemon=True,
         )

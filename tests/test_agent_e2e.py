@@ -292,7 +292,9 @@ def test_two_agents_c10d_worker_crash_is_restarted(
     r = rounds[last][0]
     assert r["TORCHELASTIC_RUN_ID"] == "crash"
     assert r["TORCHELASTIC_MAX_RESTARTS"] == "1"
-    assert r["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    # rallypoint's rendezvous: a fresh store per round, hosted by rank 0's first
+    # worker; torch's: the rank-0 agent's shared store, as under torchrun.
+    assert r["TORCHELASTIC_USE_AGENT_STORE"] == str(backend == "torch-c10d")
     assert r["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert r["ROLE_NAME"] == "default"
     assert r["TORCHELASTIC_ERROR_FILE"].endswith("error.json")
@@ -436,7 +438,7 @@ def test_sigterm_stops_workers_and_agent(procs: Procs) -> None:
     assert procs.marked() == []
     # Tee: prefixed lines on the console for the filtered ranks, files for all.
     log = procs.log(0)
-    assert "[default/0]: hello from rank 0" in log
+    assert "[default0]:hello from rank 0" in log
     assert "hello from rank 1" not in log
     logs = sorted((procs.dir / "logs").glob("*/attempt_0/*/stdout.log"))
     assert [p.read_text() for p in logs] == ["hello from rank 0\n", "hello from rank 1\n"]

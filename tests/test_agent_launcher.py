@@ -45,7 +45,7 @@ def script(tmp_path: Path) -> str:
         (["--nnodes", "3:1"], "minimum is larger than the maximum"),
         (["--nnodes", "two"], "expected N or MIN:MAX"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
-        (["--nproc-per-node", "many"], "expected N, gpu, cpu or auto"),
+        (["--nproc-per-node", "many"], "expected N, gpu, xpu, cpu, auto"),
         (["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:1"], "is unknown; use one of"),
         (["--rdzv-backend", "c10d", "--rdzv-endpoint", "host"], "needs host:port"),
         (["--rdzv-backend", "c10d"], "--rdzv-endpoint is required"),
@@ -259,7 +259,7 @@ def test_elastic_launch_runs_a_function_on_every_worker(tmp_path: Path) -> None:
 def test_elastic_launch_raises_with_the_failures(tmp_path: Path) -> None:
     with pytest.raises(WorkerFailedError) as info:
         elastic_launch(_standalone(tmp_path, max_restarts=1), operator.truediv)(1, 0)
-    failures = info.value.failures
+    failures = info.value.worker_failures
     assert {f.global_rank for f in failures} <= {0, 1} and failures
     assert failures[0].message == "ZeroDivisionError: division by zero"
     # Both attempts left their logs and error files per rank.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -127,3 +128,28 @@ def test_workers_die_with_their_agent(tmp_path: Path, mode: str) -> None:
     except psutil.TimeoutExpired:
         psutil.Process(worker).kill()
         pytest.fail("the worker outlived its agent")
+
+
+def test_stop_forwards_the_signal_the_agent_received(tmp_path: Path) -> None:
+    """As torchrun does: a stop signal the agent handles (e.g. SIGUSR1) reaches the
+    workers as itself, not as SIGTERM."""
+    got = tmp_path / "got"
+    code = (
+        "import signal, sys, time\n"
+        "def on(signum, frame):\n"
+        "    open(sys.argv[1], 'w').write(signal.Signals(signum).name)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGUSR1, on)\n"
+        "signal.signal(signal.SIGTERM, on)\n"
+        "open(sys.argv[1] + '.up', 'w').close()\n"
+        "time.sleep(60)\n"
+    )
+    group = WorkerGroup()
+    group.start([_launch(tmp_path, code, str(got))])
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(str(got) + ".up").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        group.stop(grace=10.0, sig=signal.SIGUSR1)
+    assert got.read_text() == "SIGUSR1"
