@@ -59,6 +59,7 @@ from .liveness import (
     keep_own_since,
     observe,
     observe_read,
+    observe_renewal,
     renew_own,
     sanitize,
 )
@@ -316,12 +317,12 @@ def after_write(
     state = RendezvousState() if stored is None else stored
     counters = view.counters
     side = counters.get(node, 0)
-    obs = observe_read(view.observations, state, node, side, now)
-    if won:
-        mine = state.heartbeats.get(node)
-        if mine is not None and mine != view.state.heartbeats.get(node):
-            pair = heartbeat_of(mine, side)
-            obs = renew_own(obs, node, pair, now if started is None else started)
+    mine = state.heartbeats.get(node) if won else None
+    if mine is not None and mine != view.state.heartbeats.get(node):
+        at = now if started is None else started
+        obs = observe_renewal(view.observations, state, node, side, now, at)
+    else:
+        obs = observe_read(view.observations, state, node, side, now)
     contended = view.contended or not won
     return _built(
         NodeView,

@@ -212,7 +212,7 @@ def renew_own(
     own that moved its counter pair to ``counter``, sent at local time ``started``.
 
     The own sighting's ``since`` is the lease's start (docs/design.md, decision
-    12): a peer first sees the new counter no earlier than it reached the store,
+    7): a peer first sees the new counter no earlier than it reached the store,
     which is no earlier than it was sent, so a peer declares this node dead no
     earlier than ``liveness_window`` after ``since``. Its keep-alive timer runs
     from there too. Reads never renew: a counter moved by another node's write (a
@@ -220,18 +220,44 @@ def renew_own(
     """
     if counter is None:
         return observe_own(observations, node, None, started)
+    return _renewed(observations, node, counter, started, observations.last_call)
+
+
+def observe_renewal(
+    observations: Observations,
+    state: RendezvousState,
+    node: NodeDesc,
+    side_counter: int,
+    now: float,
+    started: float,
+) -> Observations:
+    """:func:`observe_read` of a ``state`` this node just wrote, with a counter of
+    its own that the write moved, then :func:`renew_own` from ``started``: in one
+    construction (a join's write)."""
+    last_call = _last_call_seen(observations.last_call, state, now)
+    own = (state.heartbeats[node] << SIDE_BITS) | (side_counter & _SIDE_MASK)
+    return _renewed(observations, node, own, started, last_call)
+
+
+def _renewed(
+    observations: Observations,
+    node: NodeDesc,
+    counter: int,
+    started: float,
+    last_call: LastCallSighting | None,
+) -> Observations:
     seen = observations.heartbeats
     sighting = seen.get(node)
     if sighting is not None and sighting.since > started and sighting.counter == counter:
         started = sighting.since  # already recorded by a later renewal
     updated = seen.set(node, _built(HeartbeatSighting, (counter, started)))
     oldest = observations.oldest
-    if (sighting is not None and sighting.since == oldest) or oldest is None:
+    if oldest is None or (sighting is not None and sighting.since == oldest):
         oldest = _oldest(updated)
     elif started < oldest:
         oldest = started
     return Observations._derived(
-        updated, observations.last_call, observations.source, observations.source_side, oldest
+        updated, last_call, observations.source, observations.source_side, oldest
     )
 
 
