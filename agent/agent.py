@@ -479,23 +479,18 @@ class ElasticAgent:
         """How long fenced workers get between SIGTERM and SIGKILL: the stop grace, at
         most a quarter keep-alive interval (within the lease's margin of half an
         interval, docs/design.md decision 7)."""
-        settings = getattr(self.handler, "settings", None)
-        interval = getattr(settings, "keep_alive_interval", None)
-        if not isinstance(interval, (int, float)):
+        keep_alive = self.view.keep_alive
+        if keep_alive is None:
             return min(self.config.stop_grace, _FENCE_GRACE)
-        return min(self.config.stop_grace, interval / 4)
+        return min(self.config.stop_grace, keep_alive[0] / 4)
 
     def _evidence_window(self) -> float:
         """:func:`.charging.evidence_window` of the handler's keep-alive settings;
         0 for handlers that do not report dead peers (torch's)."""
-        if not self.view.detects_dead_peers:
+        keep_alive = self.view.keep_alive
+        if not self.view.detects_dead_peers or keep_alive is None:
             return 0.0
-        settings = getattr(self.handler, "settings", None)
-        interval = getattr(settings, "keep_alive_interval", None)
-        attempts = getattr(settings, "keep_alive_max_attempt", None)
-        if not isinstance(interval, (int, float)) or not isinstance(attempts, int):
-            return 0.0
-        return evidence_window(float(interval), attempts)
+        return evidence_window(*keep_alive)
 
     def _round_members(self) -> frozenset[str] | None:
         """The nodes of the round just joined, where the handler shows them

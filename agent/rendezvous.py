@@ -131,6 +131,17 @@ class HandlerView:
         return self._dead is not None
 
     @property
+    def keep_alive(self) -> tuple[float, int] | None:
+        """The handler's (keep-alive interval, attempts before a node is dead), where
+        it says (rallypoint's: its settings); None elsewhere."""
+        settings = getattr(self.handler, "settings", None)
+        interval = getattr(settings, "keep_alive_interval", None)
+        attempts = getattr(settings, "keep_alive_max_attempt", None)
+        if not isinstance(interval, (int, float)) or not isinstance(attempts, int):
+            return None
+        return float(interval), attempts
+
+    @property
     def fences(self) -> bool:
         """Whether the handler keeps a lease this node must fence on (rallypoint's)."""
         return self._fence is not None

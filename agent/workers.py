@@ -285,17 +285,9 @@ class WorkerGroup:
         SIGKILL), from any thread, without reaping: :meth:`poll` then reports the
         exits and :meth:`stop` reaps them. False: there were no workers."""
         with self._lock:
-            workers = list(self.workers)
-            if not workers:
+            if not self.workers:
                 return False
-            trees = [_tree(w.pid) for w in workers]
-            for tree in trees:
-                _signal_tree(tree, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            for tree in trees:
-                _signal_tree(tree, signal.SIGKILL)
+            self._kill_trees(grace, signal.SIGTERM)
             return True
 
     def stop(self, grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
@@ -305,10 +297,9 @@ class WorkerGroup:
         with self._lock:
             self._stop(grace, sig)
 
-    def _stop(self, grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
-        if not self.workers:
-            self._close_watchdog()
-            return
+    def _kill_trees(self, grace: float, sig: signal.Signals) -> None:
+        """``sig`` to every worker's process tree, up to ``grace`` s for them to
+        exit, then SIGKILL to what is left of the trees (nothing is reaped)."""
         trees = [_tree(w.pid) for w in self.workers]
         for tree in trees:
             _signal_tree(tree, sig)
@@ -322,6 +313,12 @@ class WorkerGroup:
             pause = min(pause * 2, 0.05)
         for tree in trees:
             _signal_tree(tree, signal.SIGKILL)
+
+    def _stop(self, grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
+        if not self.workers:
+            self._close_watchdog()
+            return
+        self._kill_trees(grace, sig)
         # Every group is killed: the watchdog forgets them before reaping frees the pids.
         if self._watchdog is not None:
             for worker in self.workers:
