@@ -86,7 +86,9 @@ from .liveness import (
 )
 from .operators import (
     JOIN_TABLE,
+    ChargeRestartOp,
     CloseOp,
+    ExcludeOp,
     ExitOp,
     JoinOp,
     JoinRow,
@@ -116,10 +118,12 @@ __all__ = [
     "Action",
     "Announce",
     "Beat",
+    "ChargeRestartOp",
     "CloseOp",
     "Context",
     "Decision",
     "Done",
+    "ExcludeOp",
     "ExitOp",
     "HeartbeatSighting",
     "Instruction",

@@ -22,11 +22,16 @@ REMOVE_FROM_WAIT_LIST    leave the wait list, drop the heartbeat
 REMOVE_FROM_REDUNDANCY   leave the redundancy list, drop the heartbeat
 MARK_RENDEZVOUS_COMPLETE complete the round, disarm the last call, assign ranks
 MARK_RENDEZVOUS_CLOSED   close the rendezvous
+CHARGE_RESTART           count this round's failure in the job-wide restarts (once per
+                         round); the failure after the budget is spent closes the rendezvous
+EXCLUDE                  leave whichever list the node is in (then the epilogue) and sit out
+                         ``exclusion_rounds`` rounds
 ======================== ==================================================================
 
 The epilogue after a participant leaves (by itself or declared dead): a complete
-round with no participant left advances to the next, incomplete round; an incomplete
-round that drops below min_nodes disarms its last call.
+round with no participant left advances to the next, incomplete round (dropping the
+exclusions that end there); an incomplete round that drops below min_nodes disarms
+its last call.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class Action(enum.Enum):
     REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
     MARK_RENDEZVOUS_COMPLETE = "mark_rendezvous_complete"
     MARK_RENDEZVOUS_CLOSED = "mark_rendezvous_closed"
+    CHARGE_RESTART = "charge_restart"
+    EXCLUDE = "exclude"
     #: Nothing to write: wait for the shared state to change (or for a local timer).
     SYNC = "sync"
     #: The operator is done.
@@ -115,13 +122,27 @@ def remove_participant_epilogue(state: RendezvousState, settings: Settings) -> R
     if state.complete:
         if not state.participants:
             # A new round has a new (empty) intent log.
-            return state._derive(
-                {"complete": False, "world_size": 0, "round": state.round + 1, "intent_cursor": 0}
-            )
+            changes: dict[str, object] = {
+                "complete": False,
+                "world_size": 0,
+                "round": state.round + 1,
+                "intent_cursor": 0,
+            }
+            if state.excluded:
+                changes["excluded"] = _exclusions_after(state.excluded, state.round + 1)
+            return state._derive(changes)
         return state
     if len(state.participants) < settings.min_nodes and state.last_call is not None:
         return state._derive({"last_call": None})
     return state
+
+
+def _exclusions_after(excluded: Map[NodeDesc, int], round_: int) -> Map[NodeDesc, int]:
+    """The exclusions still running in ``round_``."""
+    ended = [node for node, until in excluded.items() if until <= round_]
+    for node in ended:
+        excluded = excluded.delete(node)
+    return excluded
 
 
 def assign_ranks(
@@ -252,6 +273,34 @@ def _mark_rendezvous_closed(state: RendezvousState, node: NodeDesc, s: Settings)
     return state._derive({"closed": True})
 
 
+def _charge_restart(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    if state.charged_through > state.round:
+        _refuse(Action.CHARGE_RESTART, node, f"round {state.round}'s failure is already counted")
+    restarts = state.restarts + 1
+    changes: dict[str, object] = {"restarts": restarts, "charged_through": state.round + 1}
+    if s.restart_budget is not None and restarts > s.restart_budget:
+        changes["closed"] = True
+    return state._derive(changes)
+
+
+def _exclude(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    # A node leaving a complete round sits out the rounds after it; one leaving an
+    # open round sits out that round too.
+    until = state.round + s.exclusion_rounds + (1 if state.complete else 0)
+    changes: dict[str, object] = {
+        "excluded": state.excluded.set(node, max(until, state.excluded.get(node, 0))),
+        "heartbeats": _without(state, node),
+    }
+    if node in state.wait_list:
+        changes["wait_list"] = state.wait_list - {node}
+    if node in state.redundancy_list:
+        changes["redundancy_list"] = state.redundancy_list - {node}
+    if node not in state.participants:
+        return state._derive(changes)
+    changes["participants"] = state.participants.delete(node)
+    return remove_participant_epilogue(state._derive(changes), s)
+
+
 def _heartbeat(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
     if node not in state.heartbeats:
         _refuse(Action.KEEP_ALIVE, node, "has no heartbeat entry")
@@ -276,6 +325,8 @@ _EFFECTS: dict[Action, _Effect] = {
     Action.REMOVE_FROM_REDUNDANCY_LIST: _remove_from_redundancy_list,
     Action.MARK_RENDEZVOUS_COMPLETE: _mark_rendezvous_complete,
     Action.MARK_RENDEZVOUS_CLOSED: _mark_rendezvous_closed,
+    Action.CHARGE_RESTART: _charge_restart,
+    Action.EXCLUDE: _exclude,
 }
 
 

@@ -4,9 +4,9 @@ Plain data only (docs/design.md, decision 3): the backend is shared by every nod
 can write to it; decoding it must never execute code, and anything malformed must
 raise :class:`RendezvousStateError` with a message that says what is wrong.
 
-Format, version 2 (keys are short because the state is rewritten often)::
+Format, version 3 (keys are short because the state is rewritten often)::
 
-    {"v": 1, "round": 0, "complete": false, "closed": false, "world": 0,
+    {"v": 3, "round": 0, "complete": false, "closed": false, "world": 0,
      "p": [[addr, pid, local_id, rank], ...],     # participants
      "w": [[addr, pid, local_id], ...],           # wait list
      "r": [[addr, pid, local_id], ...],           # redundancy list
@@ -14,7 +14,9 @@ Format, version 2 (keys are short because the state is rewritten often)::
      "lc": null | arming, "lcs": arming_seq,
      "lr": [[addr, pid, local_id, rank], ...],    # last ranks (stable-ranks option)
      "hs": heartbeat_seq,
-     "ph": phase, "ic": intent_cursor}                # version 2 added these two
+     "ph": phase, "ic": intent_cursor,                # version 2 added these two
+     "rs": restarts, "ct": charged_through,          # version 3 added these three
+     "x": [[addr, pid, local_id, until], ...]}       # excluded nodes
 
 Decoding checks more than the format: a state that breaks a safety property, or
 that no node could make progress from (a member without a heartbeat entry, so
@@ -56,7 +58,7 @@ __all__ = [
     "shared_settings_differences",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Larger input is rejected before parsing (about 100k nodes' worth of state). The
 #: backends hold less (a TCPStore value 8 MiB, an etcd request 1.5 MiB by default):
 #: the adapters check a write against the smaller of the two.
@@ -65,6 +67,7 @@ _MAX_ADDR_LEN = 1024
 _KEYS = frozenset(
     {"v", "round", "complete", "closed", "world", "p", "w", "r", "hb", "lc", "lcs", "lr", "hs"}
     | {"ph", "ic"}
+    | {"rs", "ct", "x"}
 )
 
 
@@ -77,6 +80,7 @@ _COLLECTIONS: tuple[tuple[str, str, bool], ...] = (
     ("r", "redundancy_list", False),
     ("hb", "heartbeats", True),
     ("lr", "last_ranks", True),
+    ("x", "excluded", True),
 )
 
 
@@ -112,6 +116,9 @@ def encode_state(state: RendezvousState) -> bytes:
         "hs": state.heartbeat_seq,
         "ph": state.phase,
         "ic": state.intent_cursor,
+        "rs": state.restarts,
+        "ct": state.charged_through,
+        "x": lists["x"],
     }
     return json.dumps(doc, separators=_SEPARATORS, ensure_ascii=True).encode("ascii")
 
@@ -149,7 +156,8 @@ class EncodedSize:
     plus, per non-empty collection, the sizes of its entries and the commas
     between them. A write changes the entries of the nodes it touched (the writer,
     the nodes its sanitize removed and the nodes it admitted), except when ranks
-    are assigned or the round advances, when the participants are counted again.
+    are assigned or the round advances, when the participants (and the exclusions
+    a new round ends) are counted again.
     """
 
     def __init__(self, state: RendezvousState) -> None:
@@ -170,7 +178,7 @@ class EncodedSize:
             before, after = getattr(old, field), getattr(new, field)
             if before is after:
                 continue
-            if rerank and key in ("p", "lr"):
+            if rerank and key in ("p", "lr", "x"):
                 self._parts[key] = _full(new, field, valued)
                 continue
             total, count = self._parts[key]
@@ -289,7 +297,8 @@ def decode_state(data: bytes, settings: Settings | None = None) -> RendezvousSta
     Args:
         data: the stored bytes.
         settings: the reading node's settings; with them, the properties that
-            depend on min/max nodes are checked too (see :func:`_check_against`).
+            depend on min/max nodes and the restart budget are checked too (see
+            :func:`_check_against`).
 
     Raises:
         RendezvousStateError: the input is oversize, not JSON, of another format
@@ -297,6 +306,24 @@ def decode_state(data: bytes, settings: Settings | None = None) -> RendezvousSta
             ranks, breaks a safety property of the state, or is a state no node
             could make progress from.
     """
+    state = _state_of(_document(data))
+    _check_round(state)
+    _check_members(state)
+    if settings is not None:
+        _check_against(
+            settings,
+            state.round,
+            state.complete,
+            state.world_size,
+            len(state.participants),
+            state.last_call,
+        )
+        _check_budget(state, settings.restart_budget)
+    return state
+
+
+def _document(data: bytes) -> dict[str, Any]:
+    """The JSON object in ``data``, of this format version, with exactly its keys."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise _fail(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_STATE_BYTES:
@@ -314,89 +341,118 @@ def decode_state(data: bytes, settings: Settings | None = None) -> RendezvousSta
     unknown = doc.keys() - _KEYS
     if missing or unknown:
         raise _fail(f"missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+    return doc
 
-    round_ = _int(doc["round"], "round")
-    complete = _bool(doc["complete"], "complete")
-    closed = _bool(doc["closed"], "closed")
-    world = _int(doc["world"], "world size")
-    participants = _node_map(doc, "p", "participants")
-    wait_list = _node_set(doc, "w", "wait list")
-    redundancy_list = _node_set(doc, "r", "redundancy list")
-    heartbeats = _node_map(doc, "hb", "heartbeats")
-    last_call = None if doc["lc"] is None else _int(doc["lc"], "last call", 1)
-    last_call_seq = _int(doc["lcs"], "last call sequence")
-    last_ranks = _node_map(doc, "lr", "last ranks")
-    heartbeat_seq = _int(doc["hs"], "heartbeat sequence")
-    phase = _int(doc["ph"], "phase")
-    intent_cursor = _int(doc["ic"], "intent cursor")
 
-    if settings is not None:
-        _check_against(settings, round_, complete, world, len(participants), last_call)
-    if complete:
+def _state_of(doc: dict[str, Any]) -> RendezvousState:
+    """The state ``doc`` holds, each field of its type (nothing checked across fields)."""
+    return RendezvousState(
+        round=_int(doc["round"], "round"),
+        complete=_bool(doc["complete"], "complete"),
+        closed=_bool(doc["closed"], "closed"),
+        world_size=_int(doc["world"], "world size"),
+        participants=Map(_node_map(doc, "p", "participants")),
+        wait_list=_node_set(doc, "w", "wait list"),
+        redundancy_list=_node_set(doc, "r", "redundancy list"),
+        heartbeats=Map(_node_map(doc, "hb", "heartbeats")),
+        last_call=None if doc["lc"] is None else _int(doc["lc"], "last call", 1),
+        last_call_seq=_int(doc["lcs"], "last call sequence"),
+        last_ranks=Map(_node_map(doc, "lr", "last ranks")),
+        heartbeat_seq=_int(doc["hs"], "heartbeat sequence"),
+        phase=_int(doc["ph"], "phase"),
+        intent_cursor=_int(doc["ic"], "intent cursor"),
+        restarts=_int(doc["rs"], "restarts"),
+        charged_through=_int(doc["ct"], "charged-through round"),
+        excluded=Map(_node_map(doc, "x", "excluded nodes")),
+    )
+
+
+def _check_round(state: RendezvousState) -> None:
+    """A complete round has distinct ranks within its world size and no last call;
+    an incomplete one has neither a world size nor ranks."""
+    participants = state.participants
+    world = state.world_size
+    if state.complete:
         if not participants:
             # The departure of a complete round's last participant advances the round.
-            raise _fail(f"complete round {round_} has no participants")
+            raise _fail(f"complete round {state.round} has no participants")
         ranks = list(participants.values())
         if len(set(ranks)) != len(ranks):
             raise _fail("two participants share a rank")
         if len(participants) > world or any(r >= world for r in ranks):
             raise _fail(f"a rank or the participant count exceeds the world size {world}")
-        if last_call is not None:
+        if state.last_call is not None:
             raise _fail("a complete round has an armed last call")
     else:
         if world != 0:
             raise _fail("an incomplete round has a world size")
         if any(ranks := [r for r in participants.values() if r != 0]):
             raise _fail(f"an incomplete round has assigned ranks {ranks}")
-    if sorted(last_ranks.values()) != list(range(len(last_ranks))):
+    last_ranks = sorted(state.last_ranks.values())
+    if last_ranks != list(range(len(last_ranks))):
         # They are the ranks a round completed with: exactly 0..n-1.
-        raise _fail(f"the last ranks {sorted(last_ranks.values())[:20]} are not 0..n-1")
-    if last_call is not None and last_call > last_call_seq:
+        raise _fail(f"the last ranks {last_ranks[:20]} are not 0..n-1")
+    if state.last_call is not None and state.last_call > state.last_call_seq:
         raise _fail("the last call is newer than its sequence")
-    if set(participants) & wait_list or set(participants) & redundancy_list:
+    if state.charged_through > state.round + 1:
+        raise _fail(
+            f"failures are counted through round {state.charged_through - 1}, "
+            f"after round {state.round}"
+        )
+    if state.charged_through and not state.restarts:
+        raise _fail("failures are counted but the restart count is 0")
+
+
+def _check_members(state: RendezvousState) -> None:
+    """Each node is in one list at most, with a heartbeat entry; excluded nodes
+    only stand by."""
+    participants = frozenset(state.participants)
+    wait_list, redundancy_list = state.wait_list, state.redundancy_list
+    if participants & wait_list or participants & redundancy_list:
         raise _fail("a node is both a participant and waiting or redundant")
     if wait_list & redundancy_list:
         raise _fail("a node is both waiting and redundant")
-    _check_heartbeats(participants, wait_list, redundancy_list, heartbeats, heartbeat_seq)
-
-    return RendezvousState(
-        round=round_,
-        complete=complete,
-        closed=closed,
-        world_size=world,
-        participants=Map(participants),
-        wait_list=wait_list,
-        redundancy_list=redundancy_list,
-        heartbeats=Map(heartbeats),
-        last_call=last_call,
-        last_call_seq=last_call_seq,
-        last_ranks=Map(last_ranks),
-        heartbeat_seq=heartbeat_seq,
-        phase=phase,
-        intent_cursor=intent_cursor,
-    )
+    _check_exclusions(state)
+    _check_heartbeats(state)
 
 
-def _check_heartbeats(
-    participants: dict[NodeDesc, int],
-    wait_list: frozenset[NodeDesc],
-    redundancy_list: frozenset[NodeDesc],
-    heartbeats: dict[NodeDesc, int],
-    heartbeat_seq: int,
-) -> None:
+def _check_budget(state: RendezvousState, budget: int | None) -> None:
+    """The failure after the last restart of the budget closed the rendezvous."""
+    if budget is None:
+        return
+    if state.restarts > budget + 1:
+        raise _fail(f"{state.restarts} restarts overspend the restart budget of {budget}")
+    if state.restarts > budget and not state.closed:
+        raise _fail(f"the restart budget of {budget} is spent but the rendezvous is open")
+
+
+def _check_exclusions(state: RendezvousState) -> None:
+    """An excluded node never waits or takes part, and an exclusion that has run
+    out is gone (a new round drops them)."""
+    for node, until in state.excluded.items():
+        if until <= state.round:
+            raise _fail(f"node {node}'s exclusion ended at round {until} but is still listed")
+        if node in state.participants or node in state.wait_list:
+            raise _fail(f"node {node} is excluded until round {until} but is a member")
+
+
+def _check_heartbeats(state: RendezvousState) -> None:
     """Every member has a heartbeat entry and nobody else does; every counter is one
     the sequence handed out (1..heartbeat_seq)."""
-    members = participants.keys() | wait_list | redundancy_list
-    if members != heartbeats.keys():
+    heartbeats = state.heartbeats
+    heartbeat_seq = state.heartbeat_seq
+    members = state.members()
+    counted = frozenset(heartbeats)
+    if members != counted:
         # A member without an entry could never be found dead (nor alive): the
         # round would wait for it forever. An entry without a member is a
         # removal that was half written.
-        if without := sorted(members - heartbeats.keys()):
+        if without := sorted(members - counted):
             raise _fail(
                 f"node {without[0]} is a member but has no heartbeat entry "
                 f"({len(without)} such node(s))"
             )
-        stray = sorted(heartbeats.keys() - members)
+        stray = sorted(counted - members)
         raise _fail(
             f"node {stray[0]} has a heartbeat entry but is not a member ({len(stray)} such node(s))"
         )
@@ -456,15 +512,18 @@ def _check_against(
 #: The settings every node of one run must agree on: the ones the validity of the
 #: shared state (min/max nodes), the ranks (stable ranks) and the liveness window
 #: (a node beats every keep_alive_interval; its peers declare it dead after their
-#: own interval times attempts) depend on. Timeouts are each node's own business.
+#: own interval times attempts), the job-wide restart budget and the length of an
+#: exclusion depend on. Timeouts are each node's own business.
 SHARED_SETTINGS = (
     "min_nodes",
     "max_nodes",
     "stable_ranks",
     "keep_alive_interval",
     "keep_alive_max_attempt",
+    "restart_budget",
+    "exclusion_rounds",
 )
-_SETTINGS_VERSION = 1
+_SETTINGS_VERSION = 2
 
 
 def encode_shared_settings(settings: Settings) -> bytes:
@@ -497,6 +556,8 @@ def _decode_shared_settings(data: bytes) -> dict[str, Any]:
         value = doc[name]
         if name == "stable_ranks":
             ok = isinstance(value, bool)
+        elif name == "restart_budget":
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
         elif name == "keep_alive_interval":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         else:

@@ -24,8 +24,10 @@ from .state import Context
 
 __all__ = [
     "JOIN_TABLE",
+    "ChargeRestartOp",
     "CloseOp",
     "Context",
+    "ExcludeOp",
     "ExitOp",
     "JoinOp",
     "JoinRow",
@@ -97,11 +99,20 @@ JOIN_TABLE: tuple[JoinRow, ...] = (
     ),
     JoinRow("closed", lambda c, d: c.state.closed, Action.ERROR_CLOSED),
     JoinRow(
-        "redundant, round full, keep-alive due",
-        lambda c, d: c.is_redundant and _full(c) and keep_alive_due(c),
+        "excluded: stand by as redundant",
+        lambda c, d: c.is_excluded and not (c.is_redundant or c.is_participant or c.is_waiting),
+        Action.ADD_TO_REDUNDANCY_LIST,
+    ),
+    JoinRow(
+        "redundant, round full or excluded, keep-alive due",
+        lambda c, d: c.is_redundant and (_full(c) or c.is_excluded) and keep_alive_due(c),
         Action.KEEP_ALIVE,
     ),
-    JoinRow("redundant, round full", lambda c, d: c.is_redundant and _full(c), Action.SYNC),
+    JoinRow(
+        "redundant, round full or excluded",
+        lambda c, d: c.is_redundant and (_full(c) or c.is_excluded),
+        Action.SYNC,
+    ),
     JoinRow(
         "redundant, round has room: become a regular joiner",
         lambda c, d: c.is_redundant,
@@ -193,11 +204,14 @@ class JoinOp:
         if state.closed:
             return _ERROR_GRACEFUL_EXIT if redundant else _ERROR_CLOSED
         full = len(state.participants) >= settings.max_nodes
+        participant = node in state.participants
+        excluded = bool(state.excluded) and state.excluded.get(node, 0) > state.round
+        if excluded and not (redundant or participant or node in state.wait_list):
+            return _ADD_TO_REDUNDANCY_LIST
         if redundant:
-            if full:
+            if full or excluded:
                 return _KEEP_ALIVE if keep_alive_due(ctx) else _SYNC
             return _REMOVE_FROM_REDUNDANCY_LIST
-        participant = node in state.participants
         complete = state.complete
         if complete and participant:
             return _FINISH
@@ -239,6 +253,38 @@ class CloseOp:
         if _timed_out(ctx, deadline):
             return Action.ERROR_TIMEOUT
         return Action.MARK_RENDEZVOUS_CLOSED
+
+
+class ChargeRestartOp:
+    """Count a failure of the workers of round ``round_`` in the job-wide restarts.
+
+    Once per round: when several nodes' workers fail in one round, the first
+    node's charge counts and the others' find it done. A failure reported after
+    its round ended (every participant left) is not counted: those who left over
+    it counted it, or they left because the membership changed, which is free.
+    """
+
+    def __init__(self, round_: int) -> None:
+        self.round = round_
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        state = ctx.state
+        if state.closed or state.round != self.round or state.charged_through > self.round:
+            return Action.FINISH
+        if _timed_out(ctx, deadline):
+            return Action.ERROR_TIMEOUT
+        return Action.CHARGE_RESTART
+
+
+class ExcludeOp:
+    """Exclude this node for ``exclusion_rounds`` rounds (it leaves its round)."""
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        if ctx.state.closed or ctx.is_excluded:
+            return Action.FINISH
+        if _timed_out(ctx, deadline):
+            return Action.ERROR_TIMEOUT
+        return Action.EXCLUDE
 
 
 class KeepAliveOp:

@@ -109,6 +109,13 @@ class Settings:
     #: Keep a surviving node's rank across rounds where possible, instead of
     #: re-ranking all participants by node order (torch's behaviour).
     stable_ranks: bool = False
+    #: How many failure-caused rounds the whole job may start (a job-wide
+    #: ``--max-restarts``): the failure after the last one closes the rendezvous.
+    #: None: no shared budget; each agent counts its own restarts, as torch does.
+    restart_budget: int | None = None
+    #: How many rounds a node that excluded itself (a failed health check, or
+    #: workers failing again and again) sits out, standing by as a spare.
+    exclusion_rounds: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id:
@@ -140,6 +147,14 @@ class Settings:
             raise ValueError(f"rollback_period must be >= 0 seconds, got {rollback!r}")
         if not isinstance(self.stable_ranks, bool):
             raise ValueError(f"stable_ranks must be a bool, got {self.stable_ranks!r}")
+        budget = self.restart_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise ValueError(f"restart_budget must be an integer or None, got {budget!r}")
+        if budget is not None and budget < 0:
+            raise ValueError(f"restart_budget must be at least 0, got {budget}")
+        rounds = self.exclusion_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"exclusion_rounds must be an integer >= 1, got {rounds!r}")
 
     # Read before every decision: computed once (the fields are frozen).
     @functools.cached_property
@@ -183,6 +198,15 @@ class RendezvousState:
             waiters wait for the phase, not for every write (docs/design.md, decision 8).
         intent_cursor: how many entries of this round's intent log (joiners that
             announced themselves) were already admitted; a new round starts at 0.
+        restarts: how many failure-caused rounds the job has started (the
+            job-wide restart budget's count). Never decreases.
+        charged_through: failures in rounds below this one are already counted
+            in ``restarts``: the workers of several nodes failing in one round
+            cost one restart. Never decreases.
+        excluded: node -> the first round it may be a participant of again. A
+            node excludes itself (a failed health check, repeated failures);
+            while excluded it may only stand by in the redundancy list. Entries
+            are dropped once their round is reached.
     """
 
     round: int = 0
@@ -199,12 +223,16 @@ class RendezvousState:
     heartbeat_seq: int = 0
     phase: int = 0
     intent_cursor: int = 0
+    restarts: int = 0
+    charged_through: int = 0
+    excluded: Map[NodeDesc, int] = field(default_factory=Map)
 
     def __post_init__(self) -> None:
         # Accept plain dicts/sets from callers; store immutable, hashable forms.
         object.__setattr__(self, "participants", _frozen_map(self.participants))
         object.__setattr__(self, "heartbeats", _frozen_map(self.heartbeats))
         object.__setattr__(self, "last_ranks", _frozen_map(self.last_ranks))
+        object.__setattr__(self, "excluded", _frozen_map(self.excluded))
         object.__setattr__(self, "wait_list", frozenset(self.wait_list))
         object.__setattr__(self, "redundancy_list", frozenset(self.redundancy_list))
 
@@ -260,7 +288,7 @@ class RendezvousState:
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RendezvousState))
 _FIELD_SET = frozenset(_FIELD_NAMES)
-_MAP_FIELDS = frozenset({"participants", "heartbeats", "last_ranks"})
+_MAP_FIELDS = frozenset({"participants", "heartbeats", "last_ranks", "excluded"})
 _SET_FIELDS = frozenset({"wait_list", "redundancy_list"})
 
 
@@ -377,3 +405,8 @@ class Context:
     @property
     def is_redundant(self) -> bool:
         return self.node in self.state.redundancy_list
+
+    @property
+    def is_excluded(self) -> bool:
+        """The node excluded itself and its exclusion has not run out yet."""
+        return self.state.excluded.get(self.node, 0) > self.state.round

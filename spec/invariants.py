@@ -31,7 +31,10 @@ def check_state(state: RendezvousState, settings: Settings) -> list[str]:
       has a distinct rank in 0..world-1, and if none has left yet the ranks are
       exactly 0..n-1;
     * a node is never both participant and waiting (or redundant);
-    * every participant is within max_nodes.
+    * every participant is within max_nodes;
+    * an excluded node is never a participant (nor waiting) while excluded;
+    * with a restart budget, the restarts never overspend it by more than the
+      failure that ends the job, and that failure closed the rendezvous.
     """
     problems: list[str] = []
     participants = state.participants
@@ -62,14 +65,41 @@ def check_state(state: RendezvousState, settings: Settings) -> list[str]:
         problems.append(f"nodes {sorted(map(str, both))} are participants and waiting/redundant")
     if state.wait_list & state.redundancy_list:
         problems.append("a node is both waiting and redundant")
+    problems.extend(_exclusion_problems(state))
+    budget = settings.restart_budget
+    if budget is not None and state.restarts > budget and not state.closed:
+        problems.append(f"{state.restarts} restarts spent a budget of {budget}; still open")
+    if budget is not None and state.restarts > budget + 1:
+        problems.append(f"{state.restarts} restarts overspend the budget of {budget}")
+    return problems
+
+
+def _exclusion_problems(state: RendezvousState) -> list[str]:
+    problems: list[str] = []
+    for node, until in state.excluded.items():
+        if until > state.round and (node in state.participants or node in state.wait_list):
+            problems.append(f"{node} is excluded until round {until} but is a member")
     return problems
 
 
 def check_transition(before: RendezvousState, after: RendezvousState) -> list[str]:
     """Properties of one step: closed never reverts, round never decreases, a
     complete round stays complete until the round advances, and its world size and
-    ranks never change and nobody joins it."""
+    ranks never change and nobody joins it; the restart budget never grows back
+    (the count of restarts never decreases, nor does the round they are counted
+    through), one step counts one failure at most, and an exclusion is never cut
+    short."""
     problems: list[str] = []
+    if after.restarts < before.restarts or after.charged_through < before.charged_through:
+        problems.append(
+            f"the restart count went back from {before.restarts} (through round "
+            f"{before.charged_through}) to {after.restarts} (through {after.charged_through})"
+        )
+    if after.restarts > before.restarts + 1:
+        problems.append(f"one step counted {after.restarts - before.restarts} failures")
+    for node, until in before.excluded.items():
+        if until > after.round and after.excluded.get(node, 0) < until:
+            problems.append(f"{node}'s exclusion until round {until} was cut short")
     if before.closed and not after.closed:
         problems.append("a closed rendezvous was reopened")
     if after.round < before.round:

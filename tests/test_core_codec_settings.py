@@ -97,7 +97,7 @@ def _bytes(doc: dict) -> bytes:
     ("mutate", "message"),
     [
         (lambda d: d.update(v=1), "format version 1 is not supported"),
-        (lambda d: d.update(v=3), "format version 3 is not supported"),
+        (lambda d: d.update(v=2), "format version 2 is not supported"),
         (lambda d: d.update(ph=-1), "phase must be >= 0"),
         (lambda d: d.update(ic="0"), "intent cursor must be an integer"),
         (lambda d: d.update(v=True), "format version True"),

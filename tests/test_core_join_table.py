@@ -71,6 +71,44 @@ def test_redundant_with_room_becomes_a_joiner_and_resets_its_deadline():
     assert action.resets_deadline
 
 
+def excluded_setup():
+    """node(2) of a complete round of three (max=3) excluded itself; node(0) and
+    node(1) left to regroup: round 1 is open."""
+    s = settings(2, 3, exclusion_rounds=1)
+    state = completed(3, s)
+    state = step(state, node(2), Action.EXCLUDE, s)
+    for i in (0, 1):
+        state = step(state, node(i), Action.REMOVE_FROM_PARTICIPANTS, s)
+    assert state.round == 1 and not state.complete
+    return s, state
+
+
+def test_an_excluded_node_stands_by_as_redundant_even_past_its_deadline():
+    s, state = excluded_setup()
+    action = decide(ctx(node(2), state, s, now=100.0), deadline=0.0)
+    assert action is Action.ADD_TO_REDUNDANCY_LIST
+
+
+def test_an_excluded_spare_waits_in_a_round_with_room():
+    s, state = excluded_setup()
+    state = step(state, node(2), Action.ADD_TO_REDUNDANCY_LIST, s)
+    assert decide(ctx(node(2), state, s)) is Action.SYNC
+    obs = ctx(node(2), state, s, now=0.0).observations
+    later = ctx(node(2), state, s, now=s.keep_alive_interval, obs=obs)
+    assert decide(later) is Action.KEEP_ALIVE
+
+
+def test_an_excluded_spare_joins_once_its_exclusion_runs_out():
+    s, state = excluded_setup()
+    state = step(state, node(2), Action.ADD_TO_REDUNDANCY_LIST, s)
+    state = joined([node(0), node(1)], s, state)
+    state = step(state, node(0), Action.MARK_RENDEZVOUS_COMPLETE, s)
+    for i in (0, 1):  # round 1 ends: round 2 is open and the exclusion is over
+        state = step(state, node(i), Action.REMOVE_FROM_PARTICIPANTS, s)
+    assert state.round == 2 and not state.excluded
+    assert decide(ctx(node(2), state, s)) is Action.REMOVE_FROM_REDUNDANCY_LIST
+
+
 def test_participant_of_complete_round_finishes():
     s = settings()
     state = completed(2, s)
