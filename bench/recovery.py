@@ -19,6 +19,12 @@ every stamp.
   ``keep_alive_interval=1,keep_alive_max_attempt=2`` (torch's c10d rendezvous reads
   the same two ``--rdzv-conf`` keys, as whole seconds).
 
+* ``spare``: ``--nnodes 4`` with a fifth agent started once the first round runs: it
+  stands by as a spare (rallypoint with ``stable_ranks=1``). One active agent (not
+  the store host) and its workers get SIGKILL, with the short liveness window.
+  Recovery is the time from the signal until the 3 survivors and the spare have each
+  started a worker of a 4-node round.
+
 torchrun's agent restarts only on a local failure or a waiting node, so after a
 lost peer its survivors may never regroup (their workers would hang in a
 collective until it times out). A run that has not regrouped after ``--give-up``
@@ -26,7 +32,7 @@ seconds is stopped and reported as "no regroup within N s" instead of failing.
 
 Usage::
 
-    python bench/recovery.py [--repeats 3] [--figures crash,sigterm,sigkill]
+    python bench/recovery.py [--repeats 3] [--figures crash,sigterm,sigkill,spare]
                              [--give-up 60] [--with-torch-handler]
 
 Prints one line per figure and launcher (median over repeats, runs in brackets) and
@@ -230,29 +236,41 @@ def measure_loss(
     timeout: float = 120.0,
 ) -> float | None:
     """Node loss: 4 agents (``--nnodes 3:4``) run a round; one agent gets SIGTERM
-    (``how="sigterm"``) or is SIGKILLed with its workers (``how="sigkill"``).
+    (``how="sigterm"``) or is SIGKILLed with its workers (``how="sigkill"``). With
+    ``how="spare"``, ``--nnodes 4`` and a fifth agent standing by; the SIGKILLed
+    agent's place is taken by the spare.
 
-    Returns the seconds from the signal until each survivor has started a worker
-    of a 3-node round, or None when that did not happen within ``give_up`` s.
+    Returns the seconds from the signal until each survivor (and the spare) has
+    started a worker of the next round, or None when that did not happen within
+    ``give_up`` s.
     """
     run_dir = workdir / f"{how}-{launcher}-{backend}-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir()
     worker = run_dir / "worker.py"
     worker.write_text(LOSS_WORKER)
     stamps, finish = run_dir / "stamps", run_dir / "finish"
-    common = _common(launcher, backend, f"{NODES - 1}:{NODES}", _free_port(), run_dir.name)
+    spare = how == "spare"
+    nnodes = str(NODES) if spare else f"{NODES - 1}:{NODES}"
+    next_world = NODES if spare else NODES - 1
+    common = _common(launcher, backend, nnodes, _free_port(), run_dir.name)
     conf = [f"last_call_timeout={LAST_CALL_S}"]
-    if how == "sigkill":
+    if how in ("sigkill", "spare"):
         conf.append(SHORT_LIVENESS)
+    if spare and launcher == "rallypoint":
+        conf.append("stable_ranks=1")
     agents = _Agents(run_dir)
+
+    def start(index: int) -> None:
+        # Agent 0 hosts the c10d store, for both launchers (torch's c10d backend
+        # reads is_host too; left out, whichever agent binds the port first hosts).
+        node_conf = [*conf, f"is_host={'true' if index == 0 else 'false'}"]
+        argv = [sys.executable, "-m", _module(launcher), *common]
+        argv += ["--rdzv-conf", ",".join(node_conf), str(worker), str(stamps), str(finish)]
+        agents.start(argv, index)
+
     try:
         for index in range(NODES):
-            # Agent 0 hosts the c10d store, for both launchers (torch's c10d backend
-            # reads is_host too; left out, whichever agent binds the port first hosts).
-            node_conf = [*conf, f"is_host={'true' if index == 0 else 'false'}"]
-            argv = [sys.executable, "-m", _module(launcher), *common]
-            argv += ["--rdzv-conf", ",".join(node_conf), str(worker), str(stamps), str(finish)]
-            agents.start(argv, index)
+            start(index)
         pids = [popen.pid for popen, _ in agents.agents]
 
         def check_alive(skip: int | None = None) -> None:
@@ -274,10 +292,14 @@ def measure_loss(
             if full >= set(pids) and time.time() - max(t for _, _, t in seen) > SETTLE_S:
                 break
             time.sleep(0.05)
+        if spare:
+            start(NODES)  # the round is complete and full: it stands by
+            time.sleep(SETTLE_S)
+            check_alive()
 
-        # The last agent, which does not host the c10d store, is the one lost.
-        victim = agents.agents[-1][0]
-        survivors = set(pids) - {victim.pid}
+        # The last active agent, which does not host the c10d store, is the one lost.
+        victim = agents.agents[NODES - 1][0]
+        survivors = {popen.pid for popen, _ in agents.agents} - {victim.pid}
         doomed = _tree(victim.pid)
         signalled = time.time()
         if how == "sigterm":
@@ -292,7 +314,7 @@ def measure_loss(
         while time.monotonic() < deadline:
             first: dict[int, float] = {}
             for agent, world, started in _read_stamps(stamps):
-                if agent in survivors and world == NODES - 1 and started > signalled:
+                if agent in survivors and world == next_world and started > signalled:
                     first[agent] = min(started, first.get(agent, math.inf))
             if len(first) == len(survivors):
                 return max(first.values()) - signalled
@@ -315,6 +337,10 @@ FIGURES = {
         f"recovery, {NODES} agents x 1 worker, nnodes {NODES - 1}:{NODES}, "
         f"agent+workers SIGKILL ({SHORT_LIVENESS}) -> {NODES - 1} survivors in a new round"
     ),
+    "spare": (
+        f"recovery, {NODES} agents x 1 worker + 1 spare, nnodes {NODES}, agent+workers "
+        f"SIGKILL ({SHORT_LIVENESS}) -> {NODES - 1} survivors and the spare in a new round"
+    ),
 }
 
 
@@ -327,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--figures",
-        default="crash,sigterm,sigkill",
+        default="crash,sigterm,sigkill,spare",
         help="comma-separated subset of: " + ", ".join(FIGURES),
     )
     parser.add_argument(
