@@ -3,6 +3,7 @@
 * ``rallypoint run ...``      -- the torchrun-compatible elastic launcher (agent/)
 * ``rallypoint spec ...``     -- the formal model: ``diagram``, ``check`` (spec/)
 * ``rallypoint simulate ...`` -- the many-node simulator (spec/)
+* ``rallypoint events FILE``  -- the events an agent wrote with ``--events-file`` (agent/)
 
 Each area owns its own argument parser; this module only dispatches, importing an
 area lazily so that ``rallypoint spec`` does not pay for importing torch.
@@ -13,11 +14,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-_USAGE = """usage: rallypoint {run,spec,simulate} ...
+_USAGE = """usage: rallypoint {run,spec,simulate,events} ...
 
   run        launch an elastic job (torchrun-compatible flags; see 'rallypoint run -h')
   spec       the formal model: 'rallypoint spec diagram', 'rallypoint spec check'
   simulate   simulate many nodes joining, failing and leaving
+  events     print the events written by 'rallypoint run --events-file FILE'
 """
 
 
@@ -42,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .spec.cli import simulate_main
 
         return simulate_main(rest)
+    if command == "events":
+        from .agent.events import events_main
+
+        return events_main(rest)
     print(f"rallypoint: unknown command {command!r}\n\n{_USAGE}", end="", file=sys.stderr)
     return 2
 
