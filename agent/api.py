@@ -29,6 +29,7 @@ from ._function_worker import ARGS_ENV, FUNCTION_ENV
 from .agent import AgentState, ElasticAgent, RunResult
 from .config import ConfigError, LaunchConfig
 from .errors import AgentError, ProcessFailure
+from .logs import EventStatus
 from .rendezvous import build_handler
 
 __all__ = ["WorkerFailedError", "elastic_launch", "function_spec", "record_end"]
@@ -147,20 +148,14 @@ def record_end(agent: ElasticAgent, result: RunResult | None) -> None:
     (``result`` None: the run raised)."""
     if not agent.events.enabled:
         return
-    # torch: the agent's run SUCCEEDED when it completed, whatever its workers did.
-    run_state = ""
-    failed: list[ProcessFailure] = []
-    if result is not None and result.state is AgentState.SUCCEEDED:
-        run_state = "SUCCEEDED"
-    elif result is not None and result.state is AgentState.FAILED:
-        run_state, failed = "FAILED", result.failures
+    state = _EVENT_STATES.get(result.state) if result is not None else None
+    failed = result.failures if state is EventStatus.FAILED and result is not None else []
     failures = {f.global_rank: (f.exitcode, f.pid, f.error_file) for f in failed}
-    agent.events.finished(
-        run_state,
-        failures,
-        agent_failed=not run_state,
-        restarts=agent.config.max_restarts - agent.remaining_restarts,
-    )
+    agent.events.finished(state, failures, restarts=agent.restarts_spent)
+
+
+#: The runs that completed, as torch's events name them; the others were cut short.
+_EVENT_STATES = {AgentState.SUCCEEDED: EventStatus.SUCCEEDED, AgentState.FAILED: EventStatus.FAILED}
 
 
 def _results(result: RunResult, entrypoint: Callable[..., Any] | str) -> dict[int, Any]:

@@ -23,7 +23,8 @@ is declared dead while its heartbeat moves. So a failure that repeats on every
 attempt still exhausts a budget and ends the job.
 
 The agent calls :func:`judge` in a loop, with fresh evidence and time each call,
-and :func:`refund` once the next round has formed.
+and keeps its budget in a :class:`RestartBudget`, which applies :func:`refund` once
+the next round has formed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import enum
 from collections.abc import Hashable, Set
 from dataclasses import dataclass
 
-__all__ = ["Charge", "FailureCase", "evidence_window", "judge", "refund"]
+__all__ = ["Charge", "FailureCase", "RestartBudget", "evidence_window", "judge", "refund"]
 
 
 class Charge(enum.Enum):
@@ -110,3 +111,45 @@ def refund(failed_round: Set[Hashable] | None, next_round: Set[Hashable] | None)
     if failed_round is None or next_round is None:
         return False
     return not set(failed_round) <= set(next_round)
+
+
+class RestartBudget:
+    """An agent's ``--max-restarts`` budget, with the refund of a charge that the
+    next round shows was a peer's loss seen early.
+
+    Attributes:
+        max_restarts: the whole budget.
+        remaining: restarts left.
+    """
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.remaining = max_restarts
+        #: the members of the failed round whose failure was charged, until settled
+        self._charged: frozenset[Hashable] | None = None
+
+    @property
+    def spent(self) -> int:
+        """Restarts spent (torch's ``TORCHELASTIC_RESTART_COUNT``)."""
+        return self.max_restarts - self.remaining
+
+    def spend(self, members: Set[Hashable] | None) -> bool:
+        """Spend a restart on a failure of the round of ``members`` (None: not known);
+        False: none was left (the job gives up)."""
+        if self.remaining <= 0:
+            return False
+        self.remaining -= 1
+        self._charged = frozenset(members) if members is not None else None
+        return True
+
+    def settle(self, members: Set[Hashable] | None) -> frozenset[Hashable]:
+        """A new round of ``members`` formed: refund the last charge if that round
+        lacks a participant of the charged one. Returns the participants it lacks
+        (empty: nothing refunded)."""
+        charged, self._charged = self._charged, None
+        if members is None or charged is None or not refund(charged, members):
+            return frozenset()
+        if self.remaining >= self.max_restarts:
+            return frozenset()
+        self.remaining += 1
+        return charged - frozenset(members)

@@ -34,6 +34,7 @@ __all__ = [
     "ProcessFailure",
     "WorkerFailedError",  # noqa: F822 (module __getattr__: defined in .api)
     "format_failures",
+    "load_error_file",
     "read_error_file",
     "record",
     "write_error_file",
@@ -119,16 +120,21 @@ def _record_exception(exc: BaseException) -> None:
             print(f"rallypoint: could not write error file {path}: {err}", flush=True)
 
 
+def load_error_file(path: str) -> Any:
+    """The JSON content of an error file, as written; None if absent or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as fp:
+            return json.load(fp)
+    except (OSError, ValueError):
+        return None
+
+
 def read_error_file(path: str) -> tuple[str, str, float] | None:
     """Read ``(message, traceback, time)`` from an error file; None if absent or unreadable.
 
     Accepts torch's layout and its older flat ``{"message": str, "timestamp": int}``.
     """
-    try:
-        with open(path, encoding="utf-8") as fp:
-            data = json.load(fp)
-    except (OSError, ValueError):
-        return None
+    data = load_error_file(path)
     if not isinstance(data, dict):
         return None
     message = data.get("message")
@@ -198,23 +204,21 @@ class ProcessFailure:
     @property
     def signal_name(self) -> str:
         """The signal that ended the worker, or '' when it exited on its own."""
-        if self.exitcode >= 0:
-            return ""
-        try:
-            return signal.Signals(-self.exitcode).name
-        except ValueError:
-            return f"signal {-self.exitcode}"
+        return _signal_name(-self.exitcode) if self.exitcode < 0 else ""
 
 
 def describe_exit(exitcode: int) -> str:
     """'exit code 3' or 'killed by SIGKILL' for a worker without an error file."""
     if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"killed by {name}"
+        return f"killed by {_signal_name(-exitcode)}"
     return f"exit code {exitcode}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def format_failures(name: str, failures: Sequence[ProcessFailure], width: int = 120) -> str:

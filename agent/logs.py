@@ -10,6 +10,8 @@ make the workers' output land elsewhere, nor read it afterwards.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
 import re
@@ -19,12 +21,17 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .config import ConfigError, LaunchConfig, Std
+from .errors import load_error_file
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing import LogsDest
 
 __all__ = [
     "EventLog",
+    "EventStatus",
     "StartedWorker",
     "WorkerLogs",
     "console_prefix",
@@ -116,11 +123,11 @@ def worker_logs(
     """
     out_filters = tuple(config.duplicate_stdout_filters or ())
     err_filters = tuple(config.duplicate_stderr_filters or ())
+    dest: LogsDest | None = None
     if config.logs_specs is not None:
         dest = config.logs_specs.reify(dict(envs))
         filtered = (str(dest.filtered_stdout), str(dest.filtered_stderr))
     else:
-        dest = None
         filtered = (
             os.path.join(attempt_dir, "filtered_stdout.log"),
             os.path.join(attempt_dir, "filtered_stderr.log"),
@@ -132,41 +139,56 @@ def worker_logs(
     result: dict[int, WorkerLogs] = {}
     for local_rank, env in envs.items():
         if dest is not None:
-            stdout_file = str(dest.stdouts.get(local_rank, ""))
-            stderr_file = str(dest.stderrs.get(local_rank, ""))
-            redirect = (Std.OUT if stdout_file else Std.NONE) | (
-                Std.ERR if stderr_file else Std.NONE
-            )
-            tee = (Std.OUT if local_rank in dest.tee_stdouts else Std.NONE) | (
-                Std.ERR if local_rank in dest.tee_stderrs else Std.NONE
-            )
-            error_file = str(dest.error_files.get(local_rank, ""))
-            if error_file == os.devnull:
-                error_file = ""  # nothing to read back (and never a file to remove)
-            console = True  # the spec's own decision: unshown streams go to os.devnull
+            logs = _spec_logs(dest, local_rank)
         else:
-            rank_dir = os.path.join(attempt_dir, str(local_rank))
-            stdout_file = os.path.join(rank_dir, "stdout.log")
-            stderr_file = os.path.join(rank_dir, "stderr.log")
-            redirect = config.redirects.get(local_rank, Std.NONE)
-            tee = config.tee.get(local_rank, Std.NONE)
-            error_file = os.path.join(rank_dir, "error.json")
-            console = config.local_ranks_filter is None or local_rank in config.local_ranks_filter
-            env["TORCHELASTIC_ERROR_FILE"] = error_file
-        shown = tee if console else Std.NONE
-        dup_out = (filtered[0], out_filters) if out_filters and shown & Std.OUT else None
-        dup_err = (filtered[1], err_filters) if err_filters and shown & Std.ERR else None
-        result[local_rank] = WorkerLogs(
-            error_file=error_file,
-            redirect=redirect,
-            tee=tee,
-            console=console,
-            stdout_file=stdout_file,
-            stderr_file=stderr_file,
-            duplicate_stdout=dup_out,
-            duplicate_stderr=dup_err,
+            logs = _own_logs(config, attempt_dir, local_rank)
+            env["TORCHELASTIC_ERROR_FILE"] = logs.error_file
+        shown = logs.tee if logs.console else Std.NONE
+        result[local_rank] = dataclasses.replace(
+            logs,
+            duplicate_stdout=_duplicate(filtered[0], out_filters, shown & Std.OUT),
+            duplicate_stderr=_duplicate(filtered[1], err_filters, shown & Std.ERR),
         )
     return result
+
+
+def _duplicate(
+    path: str, filters: tuple[str, ...], shown: Std
+) -> tuple[str, tuple[str, ...]] | None:
+    """Where a stream's filtered lines go: only a stream shown on the console, and
+    only with filters."""
+    return (path, filters) if filters and shown else None
+
+
+def _spec_logs(dest: LogsDest, local_rank: int) -> WorkerLogs:
+    """A worker's files as torch's ``LogsSpecs`` decided them."""
+    stdout_file = str(dest.stdouts.get(local_rank, ""))
+    stderr_file = str(dest.stderrs.get(local_rank, ""))
+    error_file = str(dest.error_files.get(local_rank, ""))
+    if error_file == os.devnull:
+        error_file = ""  # nothing to read back (and never a file to remove)
+    return WorkerLogs(
+        error_file=error_file,
+        redirect=(Std.OUT if stdout_file else Std.NONE) | (Std.ERR if stderr_file else Std.NONE),
+        tee=(Std.OUT if local_rank in dest.tee_stdouts else Std.NONE)
+        | (Std.ERR if local_rank in dest.tee_stderrs else Std.NONE),
+        console=True,  # the spec's own decision: unshown streams go to os.devnull
+        stdout_file=stdout_file,
+        stderr_file=stderr_file,
+    )
+
+
+def _own_logs(config: LaunchConfig, attempt_dir: str, local_rank: int) -> WorkerLogs:
+    """A worker's files in rallypoint's layout, per the config's routing flags."""
+    rank_dir = os.path.join(attempt_dir, str(local_rank))
+    return WorkerLogs(
+        error_file=os.path.join(rank_dir, "error.json"),
+        redirect=config.redirects.get(local_rank, Std.NONE),
+        tee=config.tee.get(local_rank, Std.NONE),
+        console=config.local_ranks_filter is None or local_rank in config.local_ranks_filter,
+        stdout_file=os.path.join(rank_dir, "stdout.log"),
+        stderr_file=os.path.join(rank_dir, "stderr.log"),
+    )
 
 
 @dataclass(frozen=True)
@@ -178,6 +200,20 @@ class StartedWorker:
     role_rank: int
     role_world_size: int
     pid: int
+
+
+class EventStatus(enum.Enum):
+    """The states torch's agent events name (``torchelastic.worker.status.<state>``)."""
+
+    START = "START"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    #: a worker the agent stopped because another failed
+    TERMINATED = "TERMINATED"
+
+
+#: What an event is about (torch's ``EventSource``).
+_Source = Literal["WORKER", "AGENT"]
 
 
 class EventLog:
@@ -227,47 +263,49 @@ class EventLog:
         self._group_rank, self._group_world_size = group_rank, group_world_size
         self._restarts, self._backend = restarts, backend
         for worker in self.workers:
-            self._record("START", "WORKER", worker)
+            self._record(EventStatus.START, "WORKER", worker)
 
     def finished(
         self,
-        state: str,
+        state: EventStatus | None,
         failures: Mapping[int, tuple[int, int, str]],
         *,
-        agent_failed: bool,
         restarts: int,
     ) -> None:
         """Record the end of the run.
 
         Args:
-            state: ``SUCCEEDED`` or ``FAILED`` for a run that completed, else ''.
+            state: SUCCEEDED or FAILED for a run that completed; None for one cut
+                short (signal, closed rendezvous, error): then only the agent's
+                event is recorded, as FAILED.
             failures: global rank -> (exit code, pid, error file) of failed workers.
-            agent_failed: the agent's run was cut short (signal, closed rendezvous).
             restarts: restarts spent.
         """
         self._restarts = restarts
-        if state:
+        if state is not None:
             for worker in self.workers:
                 failure = failures.get(worker.global_rank)
                 if failure is None:
-                    worker_state = "TERMINATED" if state == "FAILED" else state
-                    self._record(worker_state, "WORKER", worker)
+                    failed = state is EventStatus.FAILED
+                    self._record(EventStatus.TERMINATED if failed else state, "WORKER", worker)
                 else:
                     exit_code, pid, error_file = failure
                     self._record(
-                        "FAILED",
+                        EventStatus.FAILED,
                         "WORKER",
                         worker,
                         raw_error=json.dumps(_error_data(error_file)),
                         exit_code=exit_code,
                         pid=pid,
                     )
-        self._record("FAILED" if agent_failed else "SUCCEEDED", "AGENT")
+        # torch: the agent's run SUCCEEDED when it completed, whatever its workers did.
+        agent = EventStatus.FAILED if state is None else EventStatus.SUCCEEDED
+        self._record(agent, "AGENT")
 
     def _record(
         self,
-        state: str,
-        source: str,
+        state: EventStatus,
+        source: _Source,
         worker: StartedWorker | None = None,
         *,
         raw_error: str | None = None,
@@ -299,7 +337,7 @@ class EventLog:
             "worker_id": str(worker.pid) if worker else None,
             "role": self._role,
             "hostname": socket.getfqdn(),
-            "state": state,
+            "state": state.value,
             "total_run_time": int(time.monotonic() - self._started),
             "rdzv_backend": self._backend,
             "raw_error": raw_error,
@@ -308,7 +346,7 @@ class EventLog:
             "duration_ms": None,
         }
         event = events_api.Event(
-            name=f"torchelastic.worker.status.{state}",
+            name=f"torchelastic.worker.status.{state.value}",
             source=events_api.EventSource[source],
             metadata=metadata,
         )
@@ -317,8 +355,5 @@ class EventLog:
 
 def _error_data(error_file: str) -> Any:
     # torch puts the worker's error file (or its placeholder) in raw_error.
-    try:
-        with open(error_file, encoding="utf-8") as fp:
-            return json.load(fp)
-    except (OSError, ValueError):
-        return {"message": "<NONE>"}
+    data = load_error_file(error_file)
+    return {"message": "<NONE>"} if data is None else data

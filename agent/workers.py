@@ -46,6 +46,7 @@ from typing import IO
 import psutil
 
 from .config import Std
+from .errors import ProcessFailure
 
 __all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "die_with_agent", "kill_tree"]
 
@@ -280,6 +281,27 @@ class WorkerGroup:
         """Exit code per local rank (None while the worker runs)."""
         return {w.launch.local_rank: w.poll() for w in self.workers}
 
+    def failures(self, role: str, local_ranks: Sequence[int]) -> list[ProcessFailure]:
+        """The failures of the workers of ``local_ranks`` (exited: see :meth:`poll`),
+        root cause (the earliest) first."""
+        by_rank = {w.launch.local_rank: w for w in self.workers}
+        failures = []
+        for local_rank in local_ranks:
+            worker = by_rank[local_rank]
+            code = worker.poll()
+            failures.append(
+                ProcessFailure.from_exit(
+                    role=role,
+                    local_rank=local_rank,
+                    global_rank=worker.launch.global_rank,
+                    pid=worker.pid,
+                    exitcode=code if code is not None else 0,
+                    exit_time=worker.exit_time or time.time(),
+                    error_file=worker.launch.error_file,
+                )
+            )
+        return sorted(failures, key=lambda f: f.time)
+
     def fence(self, grace: float) -> bool:
         """Stop every worker's process tree now (SIGTERM, up to ``grace`` s, then
         SIGKILL), from any thread, without reaping: :meth:`poll` then reports the
@@ -378,56 +400,71 @@ def kill_tree(pid: int, grace: float = 0.0) -> None:
     _signal_tree(tree, signal.SIGKILL)
 
 
-def _start_one(launch: WorkerLaunch) -> WorkerProcess:
-    os.makedirs(launch.log_dir, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(launch.error_file)
-    files: list[IO[bytes]] = []
-    pumps: list[
-        tuple[Std, IO[bytes], IO[str] | None, tuple[IO[bytes], tuple[str, ...]] | None]
-    ] = []
-    streams: dict[Std, int | IO[bytes] | None] = {}
-    routes: tuple[tuple[Std, str, IO[str], str, tuple[str, tuple[str, ...]] | None], ...] = (
+#: A teed stream: which one, its log file, the console (None: not shown) and the
+#: shared file its filtered lines are copied to, with the filters.
+_Pump = tuple[Std, IO[bytes], IO[str] | None, tuple[IO[bytes], tuple[str, ...]] | None]
+
+
+@dataclass
+class _Routes:
+    """Where a worker's streams go: what ``Popen`` gets per stream, the teed streams
+    to pump, and the files this agent opened (closed by :meth:`WorkerGroup.stop`)."""
+
+    streams: dict[Std, int | IO[bytes] | None] = field(default_factory=dict)
+    pumps: list[_Pump] = field(default_factory=list)
+    files: list[IO[bytes]] = field(default_factory=list)
+
+
+def _route_streams(launch: WorkerLaunch) -> _Routes:
+    routes = _Routes()
+    for bit, name, console, given_path, duplicate in (
         (Std.OUT, "stdout", sys.stdout, launch.stdout_file, launch.duplicate_stdout),
         (Std.ERR, "stderr", sys.stderr, launch.stderr_file, launch.duplicate_stderr),
-    )
-    for bit, name, console, given_path, duplicate in routes:
+    ):
         path = given_path or os.path.join(launch.log_dir, f"{name}.log")
         log: IO[bytes]
         # The files outlive this function: WorkerGroup.stop closes them.
         if launch.tee & bit:
             log = open(path, "wb")  # noqa: SIM115
-            files.append(log)
-            streams[bit] = subprocess.PIPE
+            routes.files.append(log)
+            routes.streams[bit] = subprocess.PIPE
             copy: tuple[IO[bytes], tuple[str, ...]] | None = None
             if duplicate is not None:
                 shared: IO[bytes] = open(duplicate[0], "ab", buffering=0)  # noqa: SIM115
-                files.append(shared)
+                routes.files.append(shared)
                 copy = (shared, duplicate[1])
-            pumps.append((bit, log, console if launch.console else None, copy))
+            routes.pumps.append((bit, log, console if launch.console else None, copy))
         elif launch.redirect & bit:
             log = open(path, "wb")  # noqa: SIM115
-            files.append(log)
-            streams[bit] = log
+            routes.files.append(log)
+            routes.streams[bit] = log
         elif not launch.console:
-            streams[bit] = subprocess.DEVNULL
+            routes.streams[bit] = subprocess.DEVNULL
         else:
-            streams[bit] = None
+            routes.streams[bit] = None
+    return routes
+
+
+def _start_one(launch: WorkerLaunch) -> WorkerProcess:
+    os.makedirs(launch.log_dir, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(launch.error_file)
+    routes = _route_streams(launch)
     try:
         popen = subprocess.Popen(
             die_with_agent(launch.argv),
             env=dict(launch.env),
             stdin=subprocess.DEVNULL,
-            stdout=streams[Std.OUT],
-            stderr=streams[Std.ERR],
+            stdout=routes.streams[Std.OUT],
+            stderr=routes.streams[Std.ERR],
             start_new_session=True,
         )
     except OSError as exc:
-        for fp in files:
+        for fp in routes.files:
             fp.close()
         raise OSError(exc.errno, f"cannot start worker {launch.argv[0]!r}: {exc.strerror}") from exc
-    worker = WorkerProcess(launch=launch, popen=popen, start_time=time.time(), files=files)
-    for bit, log, sink, copy in pumps:
+    worker = WorkerProcess(launch=launch, popen=popen, start_time=time.time(), files=routes.files)
+    for bit, log, sink, copy in routes.pumps:
         source = popen.stdout if bit == Std.OUT else popen.stderr
         assert source is not None  # PIPE was requested for this stream
         thread = threading.Thread(
