@@ -30,7 +30,7 @@ __all__ = [
     "AgentEvent",
     "EventFileError",
     "EventKind",
-    "EventLog",
+    "EventRecorder",
     "events_main",
     "read_events",
 ]
@@ -85,7 +85,7 @@ class EventFileError(ValueError):
     """An events file cannot be written or read (the message names the file)."""
 
 
-class EventLog:
+class EventRecorder:
     """Where one agent's events go: a JSON-lines file (optional) and logging.
 
     Writing never raises into the agent: a full disk must not stop a job. The first

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.agent.events import EventFileError, EventKind, EventLog, read_events
+from rallypoint.agent.events import EventFileError, EventKind, EventRecorder, read_events
 from rallypoint.cli import main
 
 
 def test_events_are_json_lines_and_log_records(tmp_path: Path, caplog) -> None:
     path = tmp_path / "events.jsonl"
-    log = EventLog(str(path), "host_1_0")
+    log = EventRecorder(str(path), "host_1_0")
     with caplog.at_level(logging.INFO, logger="rallypoint.events"):
         log.emit(EventKind.ROUND, 3, group_rank=1, group_world_size=2, rendezvous_s=0.25)
     log.close()
@@ -28,9 +28,9 @@ def test_events_are_json_lines_and_log_records(tmp_path: Path, caplog) -> None:
 
 def test_agents_sharing_a_file_never_tear_each_others_lines(tmp_path: Path) -> None:
     path = str(tmp_path / "events.jsonl")
-    logs = [EventLog(path, f"n{i}") for i in range(4)]
+    logs = [EventRecorder(path, f"n{i}") for i in range(4)]
 
-    def write(log: EventLog) -> None:
+    def write(log: EventRecorder) -> None:
         for i in range(200):
             log.emit(EventKind.FAILURE, i, detail="x" * 300)
 
@@ -68,7 +68,7 @@ def test_reading_merges_files_by_time_and_skips_torn_lines(tmp_path: Path) -> No
 
 def test_the_events_command_prints_a_table(tmp_path: Path, capsys) -> None:
     path = tmp_path / "events.jsonl"
-    log = EventLog(str(path), "host_7_0")
+    log = EventRecorder(str(path), "host_7_0")
     log.emit(EventKind.RESTART, 0, cause="failure", charged=True, decide_s=0.5)
     log.emit(EventKind.ROUND, 1, rendezvous_s=0.125)
     log.close()
@@ -90,4 +90,4 @@ def test_a_missing_events_file_is_one_line_not_a_traceback(tmp_path: Path, capsy
 
 def test_an_events_file_in_a_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EventFileError, match=r"--events-file .*cannot open for appending"):
-        EventLog(str(tmp_path / "no" / "such" / "events.jsonl"), "n")
+        EventRecorder(str(tmp_path / "no" / "such" / "events.jsonl"), "n")
