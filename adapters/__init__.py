@@ -3,30 +3,51 @@
 ``create_handler(params)`` builds a :class:`RallypointHandler` from torch's
 ``RendezvousParameters`` (backend ``c10d``/``etcd`` or the torchrun entry-point
 names ``rallypoint-c10d``/``rallypoint-etcd``). See docs/adapters.md.
+
+Importing this package stays cheap (no torch), so that the launcher can check its
+flags with :mod:`rallypoint.adapters.config` before torch loads; everything else
+loads on first use.
 """
 
-from .backend import BackendStats, MemoryBackend, RendezvousBackend, StateSizeLimit, Token
-from .config import BACKENDS, RendezvousConfig, parse_endpoint, parse_endpoints, parse_params
-from .errors import (
-    RendezvousClosedError,
-    RendezvousConnectionError,
-    RendezvousGracefulExitError,
-    RendezvousSettingsError,
-    RendezvousStateError,
-    RendezvousTimeoutError,
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .config import (
+    BACKENDS,
+    ConfigError,
+    RendezvousConfig,
+    RendezvousConfigError,
+    parse_endpoint,
+    parse_endpoints,
+    parse_params,
 )
-from .factory import create_handler
-from .handler import RallypointHandler
-from .sync import StateSync
+
+if TYPE_CHECKING:
+    from .backend import BackendStats, MemoryBackend, RendezvousBackend, StateSizeLimit, Token
+    from .errors import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousGracefulExitError,
+        RendezvousSettingsError,
+        RendezvousStateError,
+        RendezvousTimeoutError,
+    )
+    from .factory import create_handler
+    from .handler import RallypointHandler
+    from .sync import StateSync
 
 __all__ = [
     "BACKENDS",
     "BackendStats",
+    "ConfigError",
     "MemoryBackend",
     "RallypointHandler",
     "RendezvousBackend",
     "RendezvousClosedError",
     "RendezvousConfig",
+    "RendezvousConfigError",
     "RendezvousConnectionError",
     "RendezvousGracefulExitError",
     "RendezvousSettingsError",
@@ -40,3 +61,18 @@ __all__ = [
     "parse_endpoints",
     "parse_params",
 ]
+
+#: The modules of the other names (they import torch), in the order __getattr__
+#: looks a name up in them; each loads on first use.
+_LAZY_MODULES = ("backend", "errors", "factory", "handler", "sync")
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        for module_name in _LAZY_MODULES:
+            module = importlib.import_module(f".{module_name}", __name__)
+            if hasattr(module, name):
+                value = getattr(module, name)
+                globals()[name] = value
+                return value
+    raise AttributeError(f"module 'rallypoint.adapters' has no attribute {name!r}")

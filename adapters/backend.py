@@ -53,7 +53,8 @@ so a backend without them still works):
 
 Implementations: :class:`MemoryBackend` (tests, simulation, one process),
 :class:`rallypoint.adapters.c10d.C10dBackend` (torch TCPStore/FileStore) and
-:class:`rallypoint.adapters.etcd.EtcdBackend` (etcd v3).
+:class:`rallypoint.adapters.etcd.EtcdBackend` (etcd v3). Each keeps its name,
+endpoint, key namespace and counters the same way, in :class:`BackendBase`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from .errors import RendezvousStateError, describe
+
 __all__ = [
+    "BackendBase",
     "BackendStats",
     "MemoryBackend",
     "RendezvousBackend",
@@ -189,7 +193,78 @@ class RendezvousBackend(Protocol):
         ...
 
 
-class MemoryBackend:
+class BackendBase:
+    """The bookkeeping every backend here shares: its name (torch's
+    ``get_backend()``), where it lives and which run it serves (for messages), the
+    run's key namespace, and the operation counters.
+
+    Args:
+        run_id: the run whose keys this backend reads and writes (non-empty).
+        name: the backend's name.
+        endpoint: ``host:port``, a member list or a path, for messages.
+        root: the prefix of every key of the run (``key(suffix)`` is ``root + suffix``).
+
+    Attributes:
+        name: the backend's name as torch reports it (``get_backend()``).
+        endpoint: where the backend lives, as given.
+        stats: operation and byte counts so far.
+    """
+
+    #: What a :class:`RendezvousStateError` tells the user to check.
+    STATE_CHECK = "that no other program uses the same storage and run id"
+
+    def __init__(self, run_id: str, *, name: str, endpoint: str, root: str) -> None:
+        if not run_id:
+            raise ValueError("run_id must be a non-empty string")
+        self.name = name
+        self.endpoint = endpoint
+        self.stats = BackendStats()
+        self._run_id = run_id
+        self._root = root
+        self._stats_lock = threading.Lock()
+
+    def key(self, suffix: str) -> str:
+        """The full name of this run's key ``suffix`` (``state``, ``hb/<node>``), as
+        the backend's own tools show it."""
+        return self._root + suffix
+
+    def _count(
+        self,
+        *,
+        ops: int = 1,
+        written: int = 0,
+        read: int = 0,
+        heartbeat_ops: int = 0,
+        heartbeat_written: int = 0,
+    ) -> None:
+        with self._stats_lock:
+            stats = self.stats
+            stats.ops += ops
+            stats.bytes_written += written
+            stats.bytes_read += read
+            stats.heartbeat_ops += heartbeat_ops
+            stats.heartbeat_bytes_written += heartbeat_written
+
+    def _describe(self, what: str, check: str) -> str:
+        """An error message: ``what``, this run and endpoint, and what to ``check``."""
+        return describe(what, run_id=self._run_id, endpoint=self.endpoint, check=check)
+
+    def _state_error(self, what: str) -> RendezvousStateError:
+        """The error for a stored value this backend did not write: ``what``, and
+        :attr:`STATE_CHECK`."""
+        return RendezvousStateError(self._describe(what, self.STATE_CHECK))
+
+    def _counter(self, key: str, raw: bytes) -> int:
+        """The heartbeat counter stored under ``key`` (see :func:`parse_counter`)."""
+        return parse_counter(key, raw, self._state_error)
+
+    @staticmethod
+    def _check_phase(phase: int | None) -> None:
+        if phase is not None and phase < 0:
+            raise ValueError(f"phase must be a non-negative integer, got {phase}")
+
+
+class MemoryBackend(BackendBase):
     """An in-process backend: a dict behind a condition variable.
 
     Share one instance between the handlers of a test or simulation (threads). The
@@ -198,8 +273,7 @@ class MemoryBackend:
     """
 
     def __init__(self, run_id: str = "memory", endpoint: str = "memory") -> None:
-        self._run_id = run_id
-        self._endpoint = endpoint
+        super().__init__(run_id, name="memory", endpoint=endpoint, root=f"{run_id}/")
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
         # Phase waiters sleep on a condition of their own (same lock), which only
@@ -210,40 +284,19 @@ class MemoryBackend:
         self._heartbeats: dict[str, int] = {}
         self._phase = -1  # the highest published phase; -1: none yet
         self._intents: dict[int, list[bytes]] = {}
-        self._stats = BackendStats()
         self._closed = False
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def stats(self) -> BackendStats:
-        return self._stats
-
-    def key(self, suffix: str) -> str:
-        """The name of this run's key ``suffix`` (for messages)."""
-        return f"{self._run_id}/{suffix}"
 
     def get_state(self) -> tuple[bytes, Token] | None:
         with self._cond:
-            self._stats.ops += 1
-            if self._blob is None:
-                return None
-            self._stats.bytes_read += len(self._blob)
-            return self._blob, self._version
+            blob = self._blob
+            self._count(read=0 if blob is None else len(blob))
+            return None if blob is None else (blob, self._version)
 
     def set_state(
         self, state: bytes, token: Token | None = None, phase: int | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        if phase is not None and phase < 0:
-            raise ValueError(f"phase must be a non-negative integer, got {phase}")
+        self._check_phase(phase)
         with self._cond:
-            self._stats.ops += 1
             if token is None:
                 matches = self._version == 0
             else:
@@ -251,19 +304,16 @@ class MemoryBackend:
                 # 1.0 == 1, or 0, which stands for "nothing written").
                 matches = type(token) is int and token >= 1 and token == self._version
             if not matches:
-                if self._blob is None:
-                    return None
-                self._stats.bytes_read += len(self._blob)
-                return self._blob, self._version, False
+                blob = self._blob
+                self._count(read=0 if blob is None else len(blob))
+                return None if blob is None else (blob, self._version, False)
             self._blob = bytes(state)
             self._version += 1
-            self._stats.bytes_written += len(state)
-            if phase is not None:
-                # What a networked store would send for the phase key.
-                self._stats.bytes_written += 8
-                if phase > self._phase:
-                    self._phase = phase
-                    self._phase_cond.notify_all()
+            # With a phase, what a networked store would send for the phase key too.
+            self._count(written=len(state) + (0 if phase is None else 8))
+            if phase is not None and phase > self._phase:
+                self._phase = phase
+                self._phase_cond.notify_all()
             self._cond.notify_all()
             return self._blob, self._version, True
 
@@ -271,7 +321,7 @@ class MemoryBackend:
         seen = 0 if token is None else token
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            self._stats.ops += 1
+            self._count()
             while self._version == seen and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -282,7 +332,7 @@ class MemoryBackend:
     def wait_for_phase(self, phase: int, timeout: float) -> bool:
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            self._stats.ops += 1
+            self._count()
             while self._phase <= phase and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -293,33 +343,27 @@ class MemoryBackend:
     def announce(self, round: int, entry: bytes) -> None:
         entry = check_intent_entry(entry)
         with self._cond:
-            self._stats.ops += 1
-            self._stats.bytes_written += len(entry) + 8
+            self._count(written=len(entry) + 8)
             self._intents.setdefault(round, []).append(entry)
 
     def intents(self, round: int) -> list[bytes]:
         with self._cond:
-            self._stats.ops += 1
             log = list(self._intents.get(round, ()))
-            self._stats.bytes_read += sum(len(e) + 1 for e in log)
+            self._count(read=sum(len(e) + 1 for e in log))
             return log
 
     def beat(self, node: str) -> int:
         with self._cond:
-            self._stats.ops += 1
-            self._stats.heartbeat_ops += 1
             # The key and an 8-byte counter: what a networked store would send.
             size = len(node) + 8
-            self._stats.bytes_written += size
-            self._stats.heartbeat_bytes_written += size
+            self._count(written=size, heartbeat_ops=1, heartbeat_written=size)
             value = self._heartbeats.get(node, 0) + 1
             self._heartbeats[node] = value
             return value
 
     def get_heartbeats(self, nodes: Collection[str]) -> dict[str, int]:
         with self._cond:
-            self._stats.ops += 1
-            self._stats.bytes_read += 8 * len(nodes)
+            self._count(read=8 * len(nodes))
             return {node: self._heartbeats.get(node, 0) for node in nodes}
 
     def close(self) -> None:

@@ -1,7 +1,18 @@
-"""Parse torch's ``RendezvousParameters`` into rallypoint settings and options.
+"""A rendezvous's configuration: the one home of every check on it, and the parser of
+torch's ``RendezvousParameters``.
+
+Two paths reach a rendezvous: ``rallypoint run`` (:mod:`rallypoint.agent.config`
+checks its flags) and torchrun or the Python API (:func:`parse_params` checks
+torch's parameters). Both call the checks here: one table of backend names
+(:data:`BACKENDS`), one endpoint parser (:func:`parse_endpoint`,
+:func:`parse_endpoints`, :func:`split_scheme`), one run-id, host and duration
+check, and one error type (:class:`ConfigError`). The messages differ only in how
+they name the option: ``--rdzv-endpoint`` for the launcher, "rendezvous endpoint"
+for the parameters. Nothing here imports torch.
 
 ``--rdzv-conf`` values arrive as strings (``"true"``, ``"5"``) or typed values;
-both are accepted, as in torch. Defaults follow torch's c10d rendezvous.
+both are accepted, as in torch. Defaults are those of the core's
+:class:`~rallypoint.core.Settings` (torch's c10d rendezvous).
 
 Unlike torch's handlers, an option this handler does not read is an error naming
 the closest known one: a misspelt ``join_timout=5`` silently left the join timeout
@@ -12,33 +23,48 @@ them (``torch/distributed/launcher/api.py``); that key is accepted and ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import ipaddress
-import math
 import os
 import re
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from ..core import Settings
+    from ..core import Settings
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_PORTS",
+    "ETCD_BACKENDS",
+    "MAX_RUN_ID_LENGTH",
+    "MAX_SECONDS",
     "OPTIONS",
+    "ConfigError",
     "EtcdAuth",
     "EtcdTLS",
     "RendezvousConfig",
     "RendezvousConfigError",
+    "check_backend",
+    "check_host",
     "check_local_addr",
+    "check_protocol",
+    "check_run_id",
+    "check_seconds",
+    "format_endpoint",
     "parse_endpoint",
     "parse_endpoints",
     "parse_params",
+    "split_scheme",
 ]
 
-#: Accepted ``params.backend`` names: the plain ones and the torchrun entry points.
+#: rallypoint's backends: each name ``params.backend`` (or ``--rdzv-backend``) may
+#: give -> the kind of store behind it. The plain names and the torchrun entry points.
 BACKENDS: dict[str, str] = {
     "c10d": "c10d",
     "rallypoint-c10d": "c10d",
@@ -46,41 +72,23 @@ BACKENDS: dict[str, str] = {
     "rallypoint-etcd": "etcd",
 }
 
-#: The options each kind of backend reads (``--rdzv-conf`` keys); any other key is
-#: rejected, so a new option must be added here.
-_COMMON_OPTIONS = frozenset(
-    {
-        "join_timeout",
-        "last_call_timeout",
-        "close_timeout",
-        "heartbeat_timeout",
-        "keep_alive_interval",
-        "keep_alive_max_attempt",
-        "stable_ranks",
-        "local_addr",
-        "read_timeout",
-    }
-)
-OPTIONS: dict[str, frozenset[str]] = {
-    "c10d": _COMMON_OPTIONS | {"is_host", "store_type"},
-    "etcd": _COMMON_OPTIONS
-    | {
-        "ttl",
-        # TLS: the names of torch's etcd rendezvous (etcd_rendezvous.py), and of its
-        # etcd-v2 backend (ssl_cert, ssl_cert_key, ca_cert) as aliases.
-        "protocol",
-        "cacert",
-        "cert",
-        "key",
-        "ca_cert",
-        "ssl_cert",
-        "ssl_cert_key",
-        # etcd's own authentication (torch has none).
-        "user",
-        "password",
-        "password_file",
-    },
-}
+#: The port of an endpoint that names only a host, per kind (torch's defaults).
+DEFAULT_PORTS: dict[str, int] = {"c10d": 29400, "etcd": 2379}
+
+#: rallypoint's etcd backends: their endpoint may list the members of one etcd
+#: cluster (:func:`parse_endpoints`) and name TLS by a scheme (:func:`split_scheme`).
+ETCD_BACKENDS = frozenset(name for name, kind in BACKENDS.items() if kind == "etcd")
+
+#: Longest duration a seconds option takes (a week): the store clients' timeouts
+#: overflow long before infinity, and nobody means them.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+#: Longest run id: it prefixes every store key, so a pasted blob would make every
+#: key as large.
+MAX_RUN_ID_LENGTH = 255
+
+#: The read timeout (seconds) when ``read_timeout`` is not given.
+_READ_TIMEOUT = 60.0
 
 #: torch's etcd-v2 backend names for the TLS options -> the names used here.
 _ETCD_ALIASES = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
@@ -88,20 +96,288 @@ _ETCD_ALIASES = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
 #: Keys torch's launcher adds to every backend's parameters, whatever the user wrote.
 _LAUNCHER_KEYS = frozenset({"timeout"})
 
-#: Longest duration a seconds option takes (a week): the store clients' timeouts
-#: overflow long before infinity.
-_MAX_SECONDS = 7 * 24 * 3600.0
-
 _TRUE = {"1", "true", "t", "yes", "y", "on"}
 _FALSE = {"0", "false", "f", "no", "n", "off"}
 
+# A DNS name or an IPv4 address: dot-separated labels of letters, digits, '-' and
+# '_' (underscores appear in container and cluster host names).
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}")
 _PORT = re.compile(r"[0-9]{1,5}")
 
+#: How messages name an endpoint given in torch's parameters (the launcher's
+#: checks pass ``--rdzv-endpoint``).
+_ENDPOINT = "rendezvous endpoint"
 
-class RendezvousConfigError(ValueError):
-    """A rendezvous parameter (endpoint, run id or option) is invalid; the message says
-    which and what is accepted."""
+
+class ConfigError(ValueError):
+    """A configuration value is invalid: a launch flag, or a rendezvous backend,
+    endpoint, run id or option. The message is one line that names it and says
+    what is accepted."""
+
+
+#: The adapters' name for :class:`ConfigError`: what :func:`parse_params` and
+#: ``create_handler`` raise for invalid parameters.
+RendezvousConfigError = ConfigError
+
+
+# --- values of every kind ----------------------------------------------------------------
+
+
+def check_backend(name: str, known: Collection[str], option: str = "rendezvous backend") -> None:
+    """Refuse a backend ``name`` that is not in ``known``.
+
+    Raises:
+        ConfigError: naming ``option`` and every known name.
+    """
+    if name not in known:
+        raise ConfigError(f"{option} {name!r} is unknown; use one of {', '.join(sorted(known))}")
+
+
+def check_host(host: str, option: str) -> str:
+    """Return ``host`` if it is a host name, an IPv4 or an IPv6 address.
+
+    A malformed host (a space, a stray ``:``) would otherwise reach the resolver
+    and the store client, which retry it for a minute before failing.
+
+    Raises:
+        ConfigError: naming ``option`` and the accepted forms.
+    """
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"{option} {host!r}: not a valid IPv6 address") from None
+        return host
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise ConfigError(
+            f"{option} {host!r}: expected a host name (letters, digits, '-', '_' "
+            "between dots), an IPv4 address or an IPv6 address"
+        )
+    return host
+
+
+def check_run_id(run_id: str, option: str = "rendezvous run id") -> None:
+    """Refuse a run id that would break the store's key layout or the log directory.
+
+    Keys live under ``rallypoint/<run_id>/``: a ``/`` in one run id can reach into
+    another run's keys.
+
+    Raises:
+        ConfigError: the id is empty, too long, or has a ``/`` or a control character.
+    """
+    if not isinstance(run_id, str) or not run_id:
+        raise ConfigError(f"{option} must not be empty")
+    if len(run_id) > MAX_RUN_ID_LENGTH:
+        raise ConfigError(
+            f"{option} must be at most {MAX_RUN_ID_LENGTH} characters, got {len(run_id)}"
+        )
+    if "/" in run_id or not run_id.isprintable():
+        raise ConfigError(f"{option} {run_id!r}: must not contain '/' or control characters")
+
+
+def check_seconds(value: float, option: str, *, allow_zero: bool = False) -> float:
+    """Return ``value`` if it is a duration up to :data:`MAX_SECONDS` (more than 0,
+    or at least 0 with ``allow_zero``).
+
+    Raises:
+        ConfigError: NaN, infinite or out of range.
+    """
+    if allow_zero:
+        ok, accepted = value >= 0, f"between 0 and {MAX_SECONDS:.0f} seconds"
+    else:
+        ok, accepted = value > 0, f"more than 0 and at most {MAX_SECONDS:.0f} seconds"
+    # NaN fails every comparison, infinity the upper bound.
+    if not (ok and value <= MAX_SECONDS):
+        raise ConfigError(f"{option} must be {accepted}, got {value}")
+    return value
+
+
+# --- endpoints ---------------------------------------------------------------------------
+
+
+def format_endpoint(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (``[::1]:29400``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _split_host_port(text: str, endpoint: str, option: str) -> tuple[str, str]:
+    """``host[:port]`` or ``[ipv6][:port]`` -> (host, port text; '' if none is given)."""
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ConfigError(f"{option} {endpoint!r}: missing ']' after the IPv6 host")
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"{option} {endpoint!r}: expected [IPv6]:PORT")
+        return host, rest[1:]
+    if text.count(":") > 1:
+        raise ConfigError(
+            f"{option} {endpoint!r}: expected HOST:PORT with one ':' "
+            "(an IPv6 address goes in brackets, [::1]:29400)"
+        )
+    host, _, port_text = text.partition(":")
+    return host, port_text
+
+
+def parse_endpoint(
+    endpoint: str, default_port: int | None, *, option: str = _ENDPOINT, backend: str | None = None
+) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets) -> (host, port); an empty endpoint is
+    ``localhost``, as in torch.
+
+    The host is checked too: a malformed one (a space, a second ``:``) would
+    otherwise be retried by the resolver and the store client for a minute.
+
+    Args:
+        default_port: the port of an endpoint without one (None: a port is required).
+        option: how messages name the endpoint (``--rdzv-endpoint`` for the launcher).
+        backend: the backend's name, for messages.
+
+    Raises:
+        ConfigError: a list of endpoints (only :func:`parse_endpoints` takes one),
+            a malformed or missing host, a missing port where there is no default,
+            or a port that is not a decimal integer in 0..65535.
+    """
+    who = "this backend" if backend is None else f"the {backend} backend"
+    if "," in endpoint:
+        raise ConfigError(
+            f"{option} {endpoint!r}: {who} takes one HOST:PORT; a comma-separated list "
+            "(the members of one etcd cluster) is accepted only by the etcd backends "
+            f"({', '.join(sorted(ETCD_BACKENDS))})"
+        )
+    text = endpoint.strip()
+    host, port_text = _split_host_port(text, endpoint, option) if text else ("localhost", "")
+    if not host:
+        raise ConfigError(f"{option} {endpoint!r}: missing host (expected host:port)")
+    check_host(host, f"{option} {endpoint!r}: host")
+    if not port_text:
+        if default_port is None:
+            raise ConfigError(f"{option} {endpoint!r}: {who} needs host:port")
+        return host, default_port
+    if not _PORT.fullmatch(port_text):
+        raise ConfigError(f"{option} {endpoint!r}: port {port_text!r} is not a number")
+    port = int(port_text)
+    if port > 65535:
+        raise ConfigError(f"{option} {endpoint!r}: port {port} is out of range 0..65535")
+    return host, port
+
+
+def parse_endpoints(
+    endpoints: str, default_port: int | None, *, option: str = _ENDPOINT
+) -> list[tuple[str, int]]:
+    """``host[:port][,host[:port]...]`` (the members of one etcd cluster) ->
+    [(host, port), ...], in the order given (the order of failover); each member
+    as :func:`parse_endpoint` reads it.
+
+    Raises:
+        ConfigError: an empty item (``a:1,,b:2``), an item that
+            :func:`parse_endpoint` refuses, or the same member twice.
+    """
+    items = [item.strip() for item in endpoints.split(",")]
+    if len(items) > 1 and not all(items):
+        raise ConfigError(
+            f"{option} {endpoints!r}: an empty entry in the list; give "
+            "HOST:PORT,HOST:PORT,... (the members of one etcd cluster)"
+        )
+    members = [parse_endpoint(item, default_port, option=option) for item in items]
+    repeated = sorted({format_endpoint(*m) for m in members if members.count(m) > 1})
+    if repeated:
+        raise ConfigError(
+            f"{option} {endpoints!r}: a member is named twice ({', '.join(repeated)}); "
+            "give each etcd member once"
+        )
+    return members
+
+
+def split_scheme(endpoint: str, option: str = _ENDPOINT) -> tuple[str | None, str]:
+    """``https://host:port`` -> ("https", "host:port"); no scheme -> (None, endpoint).
+
+    The scheme is how torch's etcd users ask for TLS. A list
+    (``https://a:2379,https://b:2379``) loses each member's scheme; the members
+    that name one must name the same.
+
+    Raises:
+        ConfigError: a scheme other than http and https, or both in one list.
+    """
+    if "://" not in endpoint:
+        return None, endpoint
+    schemes: set[str] = set()
+    members: list[str] = []
+    for item in endpoint.split(","):
+        scheme, sep, address = item.strip().partition("://")
+        if not sep:
+            members.append(item.strip())
+            continue
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ConfigError(f"{option} {endpoint!r}: the scheme must be http:// or https://")
+        schemes.add(scheme)
+        members.append(address.removesuffix("/"))
+    if len(schemes) > 1:
+        raise ConfigError(
+            f"{option} {endpoint!r} mixes http:// and https://; the members of one etcd "
+            "cluster are reached the same way"
+        )
+    return schemes.pop(), ",".join(members)
+
+
+def check_protocol(
+    given: object,
+    scheme: str | None,
+    *,
+    option: str = "rendezvous option",
+    endpoint_option: str = "the rendezvous endpoint",
+) -> str | None:
+    """The etcd ``protocol`` option (``http`` or ``https``; None if not given),
+    checked against the endpoint's ``scheme`` (:func:`split_scheme`).
+
+    Raises:
+        ConfigError: another protocol, or one the scheme contradicts.
+    """
+    if given is None:
+        return None
+    protocol = str(given).strip().lower()
+    if protocol not in ("http", "https"):
+        raise ConfigError(f"{option} protocol={given!r}: use http or https")
+    if scheme is not None and scheme != protocol:
+        raise ConfigError(
+            f"{option} protocol={given} contradicts the {scheme}:// of {endpoint_option}; "
+            "give one of them"
+        )
+    return protocol
+
+
+def check_local_addr(addr: str) -> None:
+    """``addr`` must name this host: each node serves its workers' store there, and a
+    server on another host's address waited for itself until join_timeout.
+
+    Raises:
+        ConfigError: ``addr`` does not resolve, or no address it resolves to can
+            be bound here.
+    """
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigError(
+            f"local address {addr!r} does not resolve ({exc.strerror or exc}); give an "
+            "address or host name of this host"
+        ) from None
+    addresses = list(dict.fromkeys((info[0], str(info[4][0])) for info in infos))
+    for family, address in addresses:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))
+            except OSError:
+                continue
+            return
+    shown = ", ".join(address for _, address in addresses)
+    raise ConfigError(
+        f"local address {addr!r} ({shown}) is not an address of this host; give one of "
+        "its addresses or host names (local_addr, --local-addr)"
+    )
+
+
+# --- torch's RendezvousParameters -------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -144,17 +420,19 @@ class RendezvousConfig:
     etcd_auth: EtcdAuth | None = None
 
 
-def _bool(value: object, key: str) -> bool | None:
+def _bool(value: object, key: str, default: bool | None = None) -> bool | None:
     if value is None or isinstance(value, bool):
-        return value
+        return default if value is None else value
     text = str(value).strip().lower()
     if text in _TRUE:
         return True
     if text in _FALSE:
         return False
-    raise RendezvousConfigError(
-        f"rendezvous option {key}={value!r} is not a boolean (use true or false)"
-    )
+    raise ConfigError(f"rendezvous option {key}={value!r} is not a boolean (use true or false)")
+
+
+def _flag(value: object, key: str, default: bool) -> bool:
+    return bool(_bool(value, key, default))
 
 
 def _seconds(value: object, key: str, default: float) -> float:
@@ -163,27 +441,52 @@ def _seconds(value: object, key: str, default: float) -> float:
     try:
         seconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise RendezvousConfigError(
-            f"rendezvous option {key}={value!r} is not a number of seconds"
-        ) from None
-    if not math.isfinite(seconds) or not 0 < seconds <= _MAX_SECONDS:
-        raise RendezvousConfigError(
-            f"rendezvous option {key}={value!r} must be more than 0 and at most "
-            f"{_MAX_SECONDS:.0f} seconds"
-        )
-    return seconds
+        raise ConfigError(f"rendezvous option {key}={value!r} is not a number of seconds") from None
+    return check_seconds(seconds, f"rendezvous option {key}")
 
 
 def _int(value: object, key: str, default: int) -> int:
     if value is None:
         return default
     try:
-        number = int(str(value))
+        return int(str(value))
     except ValueError:
-        raise RendezvousConfigError(
-            f"rendezvous option {key}={value!r} is not an integer"
-        ) from None
-    return number
+        raise ConfigError(f"rendezvous option {key}={value!r} is not an integer") from None
+
+
+#: The options that set a field of the core's :class:`Settings`, each with its
+#: parser; an option not given keeps the field's default.
+_SETTINGS_OPTIONS: dict[str, Callable[[object, str, Any], Any]] = {
+    "join_timeout": _seconds,
+    "last_call_timeout": _seconds,
+    "close_timeout": _seconds,
+    "heartbeat_timeout": _seconds,
+    "keep_alive_interval": _seconds,
+    "keep_alive_max_attempt": _int,
+    "stable_ranks": _flag,
+}
+
+#: The options each kind of backend reads (``--rdzv-conf`` keys); any other key is
+#: rejected, so a new option must be added here.
+_COMMON_OPTIONS = frozenset(_SETTINGS_OPTIONS) | {"local_addr", "read_timeout"}
+OPTIONS: dict[str, frozenset[str]] = {
+    "c10d": _COMMON_OPTIONS | {"is_host", "store_type"},
+    "etcd": _COMMON_OPTIONS
+    | {
+        "ttl",
+        # TLS: the names of torch's etcd rendezvous (etcd_rendezvous.py), and of its
+        # etcd-v2 backend (ssl_cert, ssl_cert_key, ca_cert) as aliases.
+        "protocol",
+        "cacert",
+        "cert",
+        "key",
+        *_ETCD_ALIASES,
+        # etcd's own authentication (torch has none).
+        "user",
+        "password",
+        "password_file",
+    },
+}
 
 
 def _check_keys(keys: Iterable[object], kind: str, backend_name: str) -> None:
@@ -193,202 +496,63 @@ def _check_keys(keys: Iterable[object], kind: str, backend_name: str) -> None:
             continue
         close = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise RendezvousConfigError(
+        raise ConfigError(
             f"unknown rendezvous option {key!r} for the {backend_name} backend; "
             f"{hint}known options: {', '.join(sorted(known))}"
         )
 
 
-def _check_host(host: str, endpoint: str) -> None:
-    if ":" in host:
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise RendezvousConfigError(
-                f"rendezvous endpoint {endpoint!r}: {host!r} is not an IPv6 address"
-            ) from None
-        return
-    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
-    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-        raise RendezvousConfigError(
-            f"rendezvous endpoint {endpoint!r}: the host must be a host name (letters, "
-            "digits, '-', '_' between dots), an IPv4 address or an IPv6 address in brackets"
-        )
+def _settings(params: RendezvousParameters) -> Settings:
+    """The core's settings: each option given, else the field's default."""
+    # Loaded here: the launcher's checks, and the workers importing rallypoint.agent,
+    # need none of the core.
+    from ..core import Settings
 
-
-def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
-    """``host[:port]`` (IPv6 in brackets) -> (host, port).
-
-    The host is checked too: a malformed one (a space, a second ``:``) would
-    otherwise be retried by the resolver and the store client for a minute.
-
-    Raises:
-        RendezvousConfigError: a malformed host, or a port that is not a decimal
-            integer in 0..65535.
-    """
-    text = endpoint.strip()
-    if not text:
-        return "localhost", default_port
-    if "," in text:
-        raise RendezvousConfigError(
-            f"rendezvous endpoint {endpoint!r}: one HOST:PORT expected here; a "
-            "comma-separated list of endpoints is accepted only by the etcd backends "
-            "(the members of one etcd cluster)"
-        )
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
-            raise RendezvousConfigError(
-                f"rendezvous endpoint {endpoint!r}: expected [IPv6] or [IPv6]:PORT"
-            )
-        port_text = rest[1:]
-    elif text.count(":") > 1:
-        raise RendezvousConfigError(
-            f"rendezvous endpoint {endpoint!r}: expected HOST:PORT with one ':' "
-            "(an IPv6 address goes in brackets, [::1]:29400)"
-        )
-    else:
-        host, _, port_text = text.partition(":")
-    _check_host(host, endpoint)
-    if not port_text:
-        return host, default_port
-    if not _PORT.fullmatch(port_text) or int(port_text) > 65535:
-        raise RendezvousConfigError(
-            f"the port in rendezvous endpoint {endpoint!r} is not in 0..65535"
-        )
-    return host, int(port_text)
-
-
-def parse_endpoints(endpoints: str, default_port: int) -> list[tuple[str, int]]:
-    """``host[:port][,host[:port]...]`` (the members of one etcd cluster) ->
-    [(host, port), ...], in the order given (the order of failover).
-
-    Raises:
-        RendezvousConfigError: an empty item (``a:1,,b:2``), an item that
-            :func:`parse_endpoint` refuses, or the same member twice.
-    """
-    items = [item.strip() for item in endpoints.split(",")]
-    if len(items) > 1 and not all(items):
-        raise RendezvousConfigError(
-            f"rendezvous endpoint list {endpoints!r}: an empty entry; give "
-            "HOST:PORT,HOST:PORT,... (the members of one etcd cluster)"
-        )
-    members = [parse_endpoint(item, default_port) for item in items]
-    repeated = sorted({f"{h}:{p}" for h, p in members if members.count((h, p)) > 1})
-    if repeated:
-        raise RendezvousConfigError(
-            f"rendezvous endpoint list {endpoints!r} names {', '.join(repeated)} twice; "
-            "give each etcd member once"
-        )
-    return members
-
-
-def _check_run_id(run_id: str) -> None:
-    # Keys live under rallypoint/<run_id>/: a '/' would reach into another run's keys.
-    if not isinstance(run_id, str) or not run_id:
-        raise RendezvousConfigError("the rendezvous run id must be a non-empty string")
-    if "/" in run_id or not run_id.isprintable():
-        raise RendezvousConfigError(
-            f"rendezvous run id {run_id!r}: must not contain '/' or control characters"
-        )
-
-
-def check_local_addr(addr: str) -> None:
-    """``addr`` must name this host: each node serves its workers' store there, and a
-    server on another host's address waited for itself until join_timeout.
-
-    Raises:
-        RendezvousConfigError: ``addr`` does not resolve, or no address it resolves
-            to can be bound here.
-    """
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    values = {
+        key: parse(params.config.get(key), key, defaults[key])
+        for key, parse in _SETTINGS_OPTIONS.items()
+    }
     try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise RendezvousConfigError(
-            f"local address {addr!r} does not resolve ({exc.strerror or exc}); give an "
-            "address or host name of this host"
-        ) from None
-    addresses = list(dict.fromkeys((info[0], str(info[4][0])) for info in infos))
-    for family, address in addresses:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((address, 0))
-            except OSError:
-                continue
-            return
-    shown = ", ".join(address for _, address in addresses)
-    raise RendezvousConfigError(
-        f"local address {addr!r} ({shown}) is not an address of this host; give one of "
-        "its addresses or host names (local_addr, --local-addr)"
-    )
+        return Settings(
+            run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes, **values
+        )
+    except ValueError as exc:  # Settings' own range checks
+        raise ConfigError(f"rendezvous settings: {exc}") from None
+
+
+def _local_addr(params: RendezvousParameters) -> str:
+    given = params.config.get("local_addr") or params.local_addr
+    if given:
+        check_local_addr(str(given))
+    return str(given or socket.getfqdn())
 
 
 def _readable_file(value: object, key: str) -> str:
     path = os.path.expanduser(str(value).strip())
     if not path or not os.path.isfile(path) or not os.access(path, os.R_OK):
-        raise RendezvousConfigError(
+        raise ConfigError(
             f"rendezvous option {key}={value!r}: not a readable file (a PEM file on every node)"
         )
     return path
 
 
-def _split_scheme(endpoint: str) -> tuple[str | None, str]:
-    """``https://host:port`` -> ("https", "host:port"); no scheme -> (None, endpoint).
-
-    A list (``https://a:2379,https://b:2379``) loses each member's scheme; the
-    members that name one must name the same.
-    """
-    if "://" not in endpoint:
-        return None, endpoint
-    schemes: set[str] = set()
-    rest: list[str] = []
-    for item in endpoint.split(","):
-        scheme, sep, address = item.strip().partition("://")
-        if not sep:
-            rest.append(item.strip())
-            continue
-        scheme = scheme.lower()
-        if scheme not in ("http", "https"):
-            raise RendezvousConfigError(
-                f"rendezvous endpoint {endpoint!r}: the scheme must be http:// or https://"
-            )
-        schemes.add(scheme)
-        rest.append(address.removesuffix("/"))
-    if len(schemes) > 1:
-        raise RendezvousConfigError(
-            f"rendezvous endpoint {endpoint!r} mixes http:// and https://; the members "
-            "of one etcd cluster are reached the same way"
-        )
-    return schemes.pop(), ",".join(rest)
-
-
 def _etcd_tls(conf: Mapping[str, object], scheme: str | None) -> EtcdTLS | None:
-    protocol = conf.get("protocol")
-    if protocol is not None:
-        protocol = str(protocol).strip().lower()
-        if protocol not in ("http", "https"):
-            raise RendezvousConfigError(
-                f"rendezvous option protocol={conf.get('protocol')!r}: use http or https"
-            )
-        if scheme is not None and scheme != protocol:
-            raise RendezvousConfigError(
-                f"rendezvous option protocol={protocol} contradicts the endpoint's "
-                f"{scheme}:// scheme; give one of them"
-            )
     files = {name: conf.get(name) for name in ("cacert", "cert", "key")}
     given = sorted(name for name, value in files.items() if value is not None)
     # Certificates without a protocol mean https: torch would send them nowhere
     # (plain http) and the user would believe the connection is protected.
-    protocol = protocol or scheme or ("https" if given else "http")
+    protocol = check_protocol(conf.get("protocol"), scheme) or scheme
+    protocol = protocol or ("https" if given else "http")
     if protocol == "http":
         if given:
-            raise RendezvousConfigError(
+            raise ConfigError(
                 f"rendezvous options {', '.join(given)} need protocol=https "
                 "(or an https:// endpoint); with http they would not be used"
             )
         return None
     if (files["cert"] is None) != (files["key"] is None):
-        raise RendezvousConfigError(
+        raise ConfigError(
             "rendezvous options cert and key go together: the client certificate and "
             "its private key (PEM files)"
         )
@@ -406,22 +570,20 @@ def _etcd_auth(conf: Mapping[str, object]) -> EtcdAuth | None:
         conf.get("password_file"),
     )
     if password is not None and password_file is not None:
-        raise RendezvousConfigError(
-            "rendezvous options password and password_file: give one of them"
-        )
+        raise ConfigError("rendezvous options password and password_file: give one of them")
     if password_file is not None:
         path = _readable_file(password_file, "password_file")
         try:
             with open(path, encoding="utf-8") as file:
                 password = file.read().rstrip("\r\n")
         except (OSError, UnicodeDecodeError) as exc:
-            raise RendezvousConfigError(
+            raise ConfigError(
                 f"rendezvous option password_file={password_file!r}: cannot read it ({exc})"
             ) from None
     if user is None and password is None:
         return None
     if not user or password is None:
-        raise RendezvousConfigError(
+        raise ConfigError(
             "rendezvous options user and password (or password_file) go together: "
             "the etcd user and its password"
         )
@@ -437,7 +599,7 @@ def _etcd_conf(config: Mapping[str, object]) -> dict[str, object]:
             continue
         value = conf.pop(alias)
         if name in conf and str(conf[name]) != str(value):
-            raise RendezvousConfigError(
+            raise ConfigError(
                 f"rendezvous options {name} and {alias} name the same file but differ; "
                 "give one of them"
             )
@@ -445,65 +607,49 @@ def _etcd_conf(config: Mapping[str, object]) -> dict[str, object]:
     return conf
 
 
+def _etcd_access(params: RendezvousParameters) -> tuple[str, EtcdTLS | None, EtcdAuth | None]:
+    """The member list (without scheme), TLS and authentication of an etcd backend;
+    a malformed list fails here, before anything starts."""
+    scheme, endpoint = split_scheme(params.endpoint)
+    parse_endpoints(endpoint, DEFAULT_PORTS["etcd"])
+    conf = _etcd_conf(params.config)
+    return endpoint, _etcd_tls(conf, scheme), _etcd_auth(conf)
+
+
 def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     """Validate ``params`` and turn them into a :class:`RendezvousConfig`.
 
     Raises:
-        RendezvousConfigError: an unknown backend name (the message lists the
-            accepted ones), an unknown option (the message suggests the closest
-            known one), an option of the wrong type or range, a run id with '/',
-            a local address that is not this host's, or (etcd) contradicting or
-            incomplete TLS and authentication options or an unreadable file.
+        ConfigError: an unknown backend name (the message lists the accepted
+            ones), an unknown option (the message suggests the closest known
+            one), an option of the wrong type or range, a run id with '/', a
+            local address that is not this host's, a malformed etcd endpoint
+            list, or (etcd) contradicting or incomplete TLS and authentication
+            options or an unreadable file.
     """
-    kind = BACKENDS.get(params.backend)
-    if kind is None:
-        raise RendezvousConfigError(
-            f"unknown rendezvous backend {params.backend!r}; rallypoint accepts "
-            f"{', '.join(sorted(BACKENDS))}"
-        )
+    check_backend(params.backend, BACKENDS)
+    kind = BACKENDS[params.backend]
     _check_keys(params.config, kind, params.backend)
-    _check_run_id(params.run_id)
+    check_run_id(params.run_id)
+    settings = _settings(params)
+    local_addr = _local_addr(params)
     get = params.config.get
-    try:
-        settings = Settings(
-            run_id=params.run_id,
-            min_nodes=params.min_nodes,
-            max_nodes=params.max_nodes,
-            join_timeout=_seconds(get("join_timeout"), "join_timeout", 600.0),
-            last_call_timeout=_seconds(get("last_call_timeout"), "last_call_timeout", 30.0),
-            close_timeout=_seconds(get("close_timeout"), "close_timeout", 30.0),
-            heartbeat_timeout=_seconds(get("heartbeat_timeout"), "heartbeat_timeout", 5.0),
-            keep_alive_interval=_seconds(get("keep_alive_interval"), "keep_alive_interval", 5.0),
-            keep_alive_max_attempt=_int(get("keep_alive_max_attempt"), "keep_alive_max_attempt", 3),
-            stable_ranks=bool(_bool(get("stable_ranks"), "stable_ranks")),
-        )
-    except RendezvousConfigError:
-        raise
-    except ValueError as exc:  # Settings' own range checks
-        raise RendezvousConfigError(f"rendezvous settings: {exc}") from None
-    given_addr = get("local_addr") or params.local_addr
-    if given_addr:
-        check_local_addr(str(given_addr))
-    local_addr = given_addr or socket.getfqdn()
     store_type = str(get("store_type", "tcp")).strip().lower()
     if store_type not in ("tcp", "file"):
-        raise RendezvousConfigError(f"rendezvous option store_type={store_type!r}: use tcp or file")
-    ttl = get("ttl")
+        raise ConfigError(f"rendezvous option store_type={store_type!r}: use tcp or file")
     endpoint, tls, auth = params.endpoint, None, None
     if kind == "etcd":
-        scheme, endpoint = _split_scheme(params.endpoint)
-        parse_endpoints(endpoint, 2379)  # a malformed list fails here, before anything starts
-        conf = _etcd_conf(params.config)
-        tls, auth = _etcd_tls(conf, scheme), _etcd_auth(conf)
+        endpoint, tls, auth = _etcd_access(params)
+    ttl = get("ttl")
     return RendezvousConfig(
         kind=kind,
         backend_name=params.backend,
         endpoint=endpoint,
         settings=settings,
-        local_addr=str(local_addr),
+        local_addr=local_addr,
         is_host=_bool(get("is_host"), "is_host"),
         store_type=store_type,
-        read_timeout=_seconds(get("read_timeout"), "read_timeout", 60.0),
+        read_timeout=_seconds(get("read_timeout"), "read_timeout", _READ_TIMEOUT),
         etcd_ttl=None if ttl is None else _seconds(ttl, "ttl", 1.0),
         etcd_tls=tls,
         etcd_auth=auth,

@@ -15,7 +15,7 @@ def create_handler(params: RendezvousParameters) -> RallypointHandler:
     ``rallypoint-etcd``.
 
     Raises:
-        ValueError: an unknown backend or a malformed option.
+        ConfigError: (a ValueError) an unknown backend, a malformed endpoint or option.
         RendezvousConnectionError: the backend cannot be reached.
     """
     config = parse_params(params)

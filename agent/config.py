@@ -3,21 +3,32 @@
 The launcher turns torchrun-style flags into a :class:`LaunchConfig`; the Python
 API (:mod:`rallypoint.agent.api`) builds one directly. Validation happens here, in
 :meth:`LaunchConfig.__post_init__`, so both paths reject the same bad input with
-the same one-line :class:`ConfigError`.
+the same one-line :class:`ConfigError`. The checks of the rendezvous (backend
+names, endpoints, run ids, hosts, durations) and the error type are
+:mod:`rallypoint.adapters.config`'s, which also checks what torchrun hands
+rallypoint's handler: the flags' names in the messages are the only difference.
 """
 
 from __future__ import annotations
 
 import enum
-import ipaddress
 import logging
 import os
-import re
 import signal
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from ..adapters import config as rdzv_config
+from ..adapters.config import (
+    MAX_RUN_ID_LENGTH,
+    MAX_SECONDS,
+    ConfigError,
+    check_host,
+    check_seconds,
+    format_endpoint,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing import LogsSpecs
@@ -35,10 +46,13 @@ __all__ = [
     "NUMA_BINDING_MODES",
     "SHUTDOWN_TIMEOUT_ENV",
     "START_METHODS",
+    "TORCH_BACKENDS",
     "ConfigError",
     "LaunchConfig",
     "Std",
     "check_host",
+    "check_nnodes",
+    "check_nproc",
     "check_run_id",
     "numa_command_prefix",
     "parse_endpoint",
@@ -71,77 +85,42 @@ NUMA_BINDING_MODES = ("node", "socket", "exclusive", "core-complex")
 #: fails here instead of exhausting memory in the per-rank tables.
 MAX_NPROC_PER_NODE = 4096
 
-#: Longest duration a seconds option takes (a week): longer ones overflow the
-#: store client's timeouts, and nobody means them.
-MAX_SECONDS = 7 * 24 * 3600.0
+#: The launcher's names for the options of the rendezvous, in messages.
+_BACKEND_FLAG = "--rdzv-backend"
+_ENDPOINT_FLAG = "--rdzv-endpoint"
 
-#: Longest ``--rdzv-id``: it prefixes every store key, so a pasted blob would
-#: make every key as large.
-MAX_RUN_ID_LENGTH = 255
+#: torch's own handlers, which the launcher also offers: ``torch-<kind>`` for each
+#: kind of rallypoint's backends (for comparisons) and ``static``, torchrun's
+#: default -> the name torch's handler registry knows each by.
+TORCH_BACKENDS: dict[str, str] = {
+    **{f"torch-{kind}": kind for kind in sorted(set(rdzv_config.BACKENDS.values()))},
+    "static": "static",
+}
 
-#: Accepted ``--rdzv-backend`` values and the implementation behind each.
+#: Accepted ``--rdzv-backend`` values and the implementation behind each:
+#: rallypoint's backends (:data:`rallypoint.adapters.config.BACKENDS`) and torch's.
 BACKENDS: dict[str, str] = {
-    "c10d": "rallypoint",
-    "etcd": "rallypoint",
-    "rallypoint-c10d": "rallypoint",
-    "rallypoint-etcd": "rallypoint",
-    "torch-c10d": "torch",
-    "torch-etcd": "torch",
-    "static": "torch",
+    **dict.fromkeys(rdzv_config.BACKENDS, "rallypoint"),
+    **dict.fromkeys(TORCH_BACKENDS, "torch"),
 }
 
-#: Default port when an endpoint names only a host (None: the port is required).
+#: Default port when an endpoint names only a host: etcd's, for every etcd backend
+#: (rallypoint's and torch's); None: the port is required.
 DEFAULT_PORTS: dict[str, int | None] = {
-    "c10d": None,
-    "rallypoint-c10d": None,
-    "torch-c10d": None,
-    "etcd": 2379,
-    "rallypoint-etcd": 2379,
-    "torch-etcd": 2379,
-    "static": None,
+    name: rdzv_config.DEFAULT_PORTS["etcd"] if kind == "etcd" else None
+    for name, kind in {**rdzv_config.BACKENDS, **TORCH_BACKENDS}.items()
 }
-
-# A DNS name or an IPv4 address: dot-separated labels of letters, digits, '-' and
-# '_' (underscores appear in container and cluster host names).
-_HOST_LABEL = re.compile(r"[A-Za-z0-9_-]{1,63}")
-_PORT = re.compile(r"[0-9]{1,5}")
-
-
-class ConfigError(ValueError):
-    """A launch option is invalid. The message is one line a user can act on."""
-
-
-def check_host(host: str, option: str) -> str:
-    """Return ``host`` if it is a host name, an IPv4 or an IPv6 address.
-
-    A malformed host (a space, a stray ``:``) would otherwise reach the resolver
-    and the store client, which retry it for a minute before failing.
-
-    Raises:
-        ConfigError: naming ``option`` and the accepted forms.
-    """
-    if ":" in host:
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ConfigError(f"{option} {host!r}: not a valid IPv6 address") from None
-        return host
-    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
-    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-        raise ConfigError(
-            f"{option} {host!r}: expected a host name (letters, digits, '-', '_' "
-            "between dots), an IPv4 address or an IPv6 address"
-        )
-    return host
 
 
 def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
-    """Split ``host:port`` (IPv6 as ``[::1]:port``); fill a backend's default port.
+    """``--rdzv-endpoint`` for ``backend``: ``host:port`` (IPv6 as ``[::1]:port``),
+    with the backend's default port filled in (:data:`DEFAULT_PORTS`).
 
     rallypoint's etcd backends (``etcd``, ``rallypoint-etcd``) also take the
     members of one etcd cluster, comma-separated (``h1:2379,h2:2379,h3:2379``):
     each member is checked and the first is returned; the backend gets the list
     as given and fails over along it. Every other backend takes one endpoint.
+    The rules are :func:`rallypoint.adapters.config.parse_endpoint`'s.
 
     Raises:
         ConfigError: empty or malformed host, missing port where the backend has no
@@ -149,84 +128,46 @@ def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
             for a backend that takes one endpoint, an empty list entry, or a
             member named twice.
     """
-    option = "--rdzv-endpoint"
-    if "," in endpoint:
-        if backend not in ("etcd", "rallypoint-etcd"):
-            raise ConfigError(
-                f"{option} {endpoint!r}: the {backend} backend takes one HOST:PORT; a "
-                "comma-separated list (the members of one etcd cluster) is for the etcd "
-                "and rallypoint-etcd backends"
-            )
-        items = [item.strip() for item in endpoint.split(",")]
-        if not all(items):
-            raise ConfigError(
-                f"{option} {endpoint!r}: an empty entry in the list; give "
-                "HOST:PORT,HOST:PORT,... (the members of one etcd cluster)"
-            )
-        members = [parse_endpoint(item, backend) for item in items]
-        if len(set(members)) < len(members):
-            raise ConfigError(
-                f"{option} {endpoint!r}: a member is named twice; give each etcd member once"
-            )
-        return members[0]
-    text = endpoint.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep:
-            raise ConfigError(f"{option} {endpoint!r}: missing ']' after the IPv6 host")
-        if rest and not rest.startswith(":"):
-            raise ConfigError(f"{option} {endpoint!r}: expected [IPv6]:PORT")
-        port_text = rest[1:]
-    elif text.count(":") > 1:
-        raise ConfigError(
-            f"{option} {endpoint!r}: expected HOST:PORT with one ':' "
-            "(an IPv6 address goes in brackets, [::1]:29400)"
-        )
-    else:
-        host, _, port_text = text.partition(":")
-    if not host:
-        raise ConfigError(f"{option} {endpoint!r}: missing host (expected host:port)")
-    check_host(host, f"{option} {endpoint!r}: host")
-    if not port_text:
-        default = DEFAULT_PORTS.get(backend)
-        if default is None:
-            raise ConfigError(f"{option} {endpoint!r}: the {backend} backend needs host:port")
-        return host, default
-    if not _PORT.fullmatch(port_text):
-        raise ConfigError(f"{option} {endpoint!r}: port {port_text!r} is not a number")
-    port = int(port_text)
-    if port > 65535:
-        raise ConfigError(f"{option} {endpoint!r}: port {port} is out of range 0..65535")
-    return host, port
-
-
-def _check_seconds(value: float, option: str, *, allow_zero: bool) -> None:
-    if allow_zero:
-        ok, accepted = value >= 0, f"between 0 and {MAX_SECONDS:.0f} seconds"
-    else:
-        ok, accepted = value > 0, f"more than 0 and at most {MAX_SECONDS:.0f} seconds"
-    # NaN fails every comparison, infinity the upper bound.
-    if not (ok and value <= MAX_SECONDS):
-        raise ConfigError(f"{option} must be {accepted}, got {value}")
+    port = DEFAULT_PORTS.get(backend)
+    if backend in rdzv_config.ETCD_BACKENDS:
+        return rdzv_config.parse_endpoints(endpoint, port, option=_ENDPOINT_FLAG)[0]
+    return rdzv_config.parse_endpoint(endpoint, port, option=_ENDPOINT_FLAG, backend=backend)
 
 
 def check_run_id(run_id: str) -> None:
-    """Reject a run id that would break the store's key layout or the log directory.
-
-    Keys live under ``rallypoint/<run_id>/``: a ``/`` in one run id can reach into
-    another run's keys.
+    """Refuse a ``--rdzv-id`` that would break the store's key layout or the log
+    directory (:func:`rallypoint.adapters.config.check_run_id`).
 
     Raises:
         ConfigError: the id is empty, too long, or has a ``/`` or a control character.
     """
-    if not run_id:
-        raise ConfigError("--rdzv-id must not be empty")
-    if len(run_id) > MAX_RUN_ID_LENGTH:
+    rdzv_config.check_run_id(run_id, "--rdzv-id")
+
+
+def check_nnodes(min_nodes: int, max_nodes: int) -> None:
+    """Refuse a ``--nnodes MIN:MAX`` no round can have.
+
+    Raises:
+        ConfigError: the minimum is below 1 or above the maximum.
+    """
+    if min_nodes < 1:
+        raise ConfigError(f"--nnodes: the minimum must be at least 1, got {min_nodes}")
+    if min_nodes > max_nodes:
         raise ConfigError(
-            f"--rdzv-id must be at most {MAX_RUN_ID_LENGTH} characters, got {len(run_id)}"
+            f"--nnodes {min_nodes}:{max_nodes}: the minimum is larger than the maximum"
         )
-    if "/" in run_id or not run_id.isprintable():
-        raise ConfigError(f"--rdzv-id {run_id!r}: must not contain '/' or control characters")
+
+
+def check_nproc(nproc: int) -> None:
+    """Refuse a ``--nproc-per-node`` out of 1..:data:`MAX_NPROC_PER_NODE`.
+
+    Raises:
+        ConfigError: naming the accepted range.
+    """
+    if not 1 <= nproc <= MAX_NPROC_PER_NODE:
+        raise ConfigError(
+            f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE}, got {nproc}"
+        )
 
 
 _UNCATCHABLE = frozenset({"SIGKILL", "SIGSTOP"})
@@ -462,45 +403,53 @@ class LaunchConfig:
         self._resolve_shutdown_timeout()
         self.duplicate_stdout_filters = list(self.duplicate_stdout_filters or [])
         self.duplicate_stderr_filters = list(self.duplicate_stderr_filters or [])
-        if self.min_nodes < 1:
-            raise ConfigError(f"--nnodes: the minimum must be at least 1, got {self.min_nodes}")
-        if self.min_nodes > self.max_nodes:
-            raise ConfigError(
-                f"--nnodes {self.min_nodes}:{self.max_nodes}: "
-                "the minimum is larger than the maximum"
-            )
-        if not 1 <= self.nproc_per_node <= MAX_NPROC_PER_NODE:
-            raise ConfigError(
-                f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE}, "
-                f"got {self.nproc_per_node}"
-            )
+        check_nnodes(self.min_nodes, self.max_nodes)
+        check_nproc(self.nproc_per_node)
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        _check_seconds(self.monitor_interval, "--monitor-interval", allow_zero=False)
-        _check_seconds(self.exit_barrier_timeout, "--exit-barrier-timeout", allow_zero=True)
+        check_seconds(self.monitor_interval, "--monitor-interval")
+        check_seconds(self.exit_barrier_timeout, "--exit-barrier-timeout", allow_zero=True)
         check_run_id(self.run_id)
         if not self.role:
             raise ConfigError("--role must not be empty")
+        self._check_rendezvous()
+        self._check_devices()
+        self._check_torch_options()
+
+    def _check_rendezvous(self) -> None:
+        """The backend, its endpoint and options, and the addresses; the endpoint's
+        presence is checked where it is used (:meth:`rendezvous_endpoint`): a
+        config whose handler is built elsewhere needs none."""
+        rdzv_config.check_backend(self.rdzv_backend, BACKENDS, _BACKEND_FLAG)
+        if self.rdzv_endpoint.strip():
+            parse_endpoint(self.rdzv_endpoint, self.rdzv_backend)
+        if BACKENDS[self.rdzv_backend] == "rallypoint" and "timeout" in self.rdzv_configs:
+            # Accepted from torch's launcher, which always adds it; from a user it
+            # would be silently ignored.
+            raise ConfigError(
+                f"--rdzv-conf timeout: the {self.rdzv_backend} backend has no such option "
+                "(torch's static and etcd-v1 rendezvous do); use join_timeout"
+            )
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port must be between 0 and 65535, got {self.master_port}")
         check_host(self.master_addr, "--master-addr")
         if self.local_addr is not None:
             check_host(self.local_addr, "--local-addr")
-        if self.rdzv_backend == "static" and self.min_nodes != self.max_nodes:
+        if self.is_static and self.min_nodes != self.max_nodes:
             raise ConfigError(
                 "the static backend needs a fixed --nnodes N (use c10d or etcd to be elastic)"
             )
-        if self.rdzv_backend == "static" and not 0 <= self.node_rank < self.max_nodes:
+        if self.is_static and not 0 <= self.node_rank < self.max_nodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank} is out of range 0..{self.max_nodes - 1}"
             )
+
+    def _check_devices(self) -> None:
         if self.bind_gpus and len(self.visible_devices) < self.nproc_per_node:
             raise ConfigError(
                 f"binding GPUs needs one device per local rank: {self.nproc_per_node} "
                 f"workers but {len(self.visible_devices)} visible devices"
             )
-        if self.rdzv_backend == "static" and self.rdzv_endpoint:
-            parse_endpoint(self.rdzv_endpoint, "static")
         if self.virtual_local_rank:
             visible = self._visible_devices_env()
             if visible is not None and len(visible.split(",")) < self.nproc_per_node:
@@ -508,10 +457,35 @@ class LaunchConfig:
                     f"--virtual-local-rank: {self.nproc_per_node} workers but "
                     f"CUDA_VISIBLE_DEVICES={visible} names fewer devices"
                 )
-        self._check_torch_options()
+
+    def rendezvous_endpoint(self) -> str:
+        """The endpoint the rendezvous handler gets.
+
+        The static backend: ``--rdzv-endpoint``, else ``--master-addr:--master-port``
+        (torchrun's rule). A standalone agent: ``127.0.0.1:0`` (it hosts the store
+        on a free port). Every other: ``--rdzv-endpoint`` with the backend's
+        default port filled in; an etcd member list as given (each member checked).
+
+        Raises:
+            ConfigError: no ``--rdzv-endpoint`` where the backend needs one.
+        """
+        given = self.rdzv_endpoint.strip()
+        if self.is_static and not given:
+            return format_endpoint(self.master_addr, self.master_port)
+        if self.standalone and not self.is_static:
+            return "127.0.0.1:0"
+        if not given:
+            raise ConfigError(
+                f"{_ENDPOINT_FLAG} is required for the {self.rdzv_backend} backend "
+                "(or use --standalone for a single node)"
+            )
+        if "," in given:  # etcd cluster members, each checked on construction
+            return self.rdzv_endpoint
+        host, port = parse_endpoint(self.rdzv_endpoint, self.rdzv_backend)
+        return format_endpoint(host, port)
 
     def _resolve_shutdown_timeout(self) -> None:
-        _check_seconds(self.stop_grace, "--stop-grace", allow_zero=True)
+        check_seconds(self.stop_grace, "--stop-grace", allow_zero=True)
         timeout, option = self.shutdown_timeout, "--shutdown-timeout"
         if timeout is None and self.stop_grace == DEFAULT_STOP_GRACE:
             text = os.environ.get(SHUTDOWN_TIMEOUT_ENV)
@@ -524,7 +498,7 @@ class LaunchConfig:
                         f"{SHUTDOWN_TIMEOUT_ENV}={text!r}: expected whole seconds"
                     ) from None
         if timeout is not None:
-            _check_seconds(float(timeout), option, allow_zero=True)
+            check_seconds(float(timeout), option, allow_zero=True)
             self.stop_grace = float(timeout)
 
     def _check_torch_options(self) -> None:

@@ -29,19 +29,20 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar, cast
 
+from ..adapters.config import ETCD_BACKENDS, check_local_addr, check_protocol, split_scheme
 from .config import (
     BACKENDS,
     DEFAULT_SIGNALS_TO_HANDLE,
     DEFAULT_STOP_GRACE,
-    MAX_NPROC_PER_NODE,
     NUMA_BINDING_MODES,
     START_METHODS,
     ConfigError,
     LaunchConfig,
+    check_nnodes,
+    check_nproc,
     check_run_id,
-    parse_endpoint,
     parse_std,
 )
 from .logs import make_log_root
@@ -214,13 +215,17 @@ def _filter_list(text: str) -> list[str]:
     return [item.replace(marker, ",") for item in text.replace(",,", marker).split(",")]
 
 
+#: Adds one flag: its names (each ``--dashed-name`` also as ``--underscored_name``,
+#: as torchrun spells them) and ``argparse.add_argument``'s keywords.
+_AddFlag = Callable[..., None]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser: every torchrun flag, plus rallypoint's few extras."""
     p = _Parser(
         prog="rallypoint run",
         description="Launch an elastic job (torchrun-compatible flags).",
     )
-    env, flag = _EnvDefault, _EnvFlag
 
     def opt(*names: str, **kw: Any) -> None:
         spelled = list(names)
@@ -229,6 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
                 spelled.append("--" + name[2:].replace("-", "_"))
         p.add_argument(*spelled, **kw)
 
+    _add_job_flags(opt)
+    _add_program_flags(opt)
+    _add_output_flags(opt)
+    _add_address_flags(opt)
+    _add_worker_flags(opt)
+    p.add_argument("training_script", help="the script, module or program to run.")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _add_job_flags(opt: _AddFlag) -> None:
+    """The job's shape, its rendezvous, and the agent's own loop."""
+    env, flag = _EnvDefault, _EnvFlag
     opt("--nnodes", action=env, default="1:1", help="MIN:MAX nodes, or N.")
     opt(
         "--nproc-per-node",
@@ -258,9 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch's event handler for agent and worker events: null, console, ...",
     )
     opt("--role", action=env, default="default", help="worker role name.")
+
+
+def _add_program_flags(opt: _AddFlag) -> None:
+    """How each worker runs the training script."""
+    flag = _EnvFlag
     opt("-m", "--module", action=flag, help="run the script as a Python module (python -m).")
     opt("--no-python", action=flag, help="run the script as a program, not with python.")
     opt("--run-path", action=flag, help="run the script with runpy.run_path.")
+
+
+def _add_output_flags(opt: _AddFlag) -> None:
+    """Where the workers' output goes."""
+    env = _EnvDefault
     opt("--log-dir", action=env, default=None, help="where per-attempt logs go.")
     opt("-r", "--redirects", action=env, default="0", help="0-3 or 0:1,1:2 (files only).")
     opt("-t", "--tee", action=env, default="0", help="0-3 or 0:1,1:2 (files and console).")
@@ -280,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="the same for stderr (filtered_stderr.log).",
     )
+
+
+def _add_address_flags(opt: _AddFlag) -> None:
+    """The static backend's store, and this node's address."""
+    env = _EnvDefault
     opt("--node-rank", action=env, type=int, default=0, help="node rank (static backend).")
     opt("--master-addr", action=env, default="127.0.0.1", help="store host (static backend).")
     opt(
@@ -290,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"store port (static backend; {_DEFAULT_MASTER_PORT} unless given).",
     )
     opt("--local-addr", action=env, default=None, help="this node's reachable address.")
+
+
+def _add_worker_flags(opt: _AddFlag) -> None:
+    """Where the workers' files go, how they are bound, and how they are stopped."""
+    env, flag = _EnvDefault, _EnvFlag
     opt(
         "--logs-specs",
         default=None,
@@ -336,19 +374,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a finished node waits for the others.",
     )
     opt("--bind-gpus", action=flag, help="CUDA_VISIBLE_DEVICES: one device per local rank.")
-    p.add_argument("training_script", help="the script, module or program to run.")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    return p
 
 
 def _parse_nnodes(text: str) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX``, checked (also under ``--standalone``, which
+    then runs one node)."""
     try:
         if ":" in text:
             low, high = text.split(":", 1)
-            return int(low), int(high)
-        return int(text), int(text)
+            nodes = int(low), int(high)
+        else:
+            nodes = int(text), int(text)
     except ValueError:
         raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    check_nnodes(*nodes)
+    return nodes
 
 
 def _cuda_devices() -> tuple[str, ...]:
@@ -428,49 +468,17 @@ def _split_etcd_scheme(
     backend: str, endpoint: str, rdzv_conf: dict[str, str]
 ) -> tuple[str, dict[str, str]]:
     """``https://HOST:PORT`` for rallypoint's etcd backends -> (``HOST:PORT``, the
-    options with ``protocol=https``): the scheme is how torch's etcd users name TLS.
-
-    A member list (``https://h1:2379,https://h2:2379``) loses each member's scheme;
-    the members that name one must name the same."""
-    if "://" not in endpoint or backend not in ("etcd", "rallypoint-etcd"):
+    options with ``protocol=https``): the scheme is how torch's etcd users name TLS
+    (:func:`rallypoint.adapters.config.split_scheme`, which the handler applies
+    to torchrun's parameters)."""
+    if backend not in ETCD_BACKENDS:
         return endpoint, rdzv_conf
-    schemes: set[str] = set()
-    members: list[str] = []
-    for item in endpoint.split(","):
-        scheme, sep, address = item.strip().partition("://")
-        if not sep:
-            members.append(item.strip())
-            continue
-        scheme = scheme.lower()
-        if scheme not in ("http", "https"):
-            raise ConfigError(
-                f"--rdzv-endpoint {endpoint!r}: the scheme must be http:// or https://"
-            )
-        schemes.add(scheme)
-        members.append(address.removesuffix("/"))
-    if len(schemes) > 1:
-        raise ConfigError(
-            f"--rdzv-endpoint {endpoint!r} mixes http:// and https://; the members of "
-            "one etcd cluster are reached the same way"
-        )
-    scheme, rest = schemes.pop(), ",".join(members)
+    scheme, members = split_scheme(endpoint, "--rdzv-endpoint")
+    if scheme is None:
+        return endpoint, rdzv_conf
     given = rdzv_conf.get("protocol")
-    if given is not None and given.strip().lower() != scheme:
-        raise ConfigError(
-            f"--rdzv-conf protocol={given} contradicts the {scheme}:// of --rdzv-endpoint; "
-            "give one of them"
-        )
-    return rest.removesuffix("/"), {**rdzv_conf, "protocol": scheme}
-
-
-def _check_local_addr(addr: str) -> None:
-    # torch's backends would also serve (and wait for) the workers' store there.
-    from ..adapters.config import RendezvousConfigError, check_local_addr
-
-    try:
-        check_local_addr(addr)
-    except RendezvousConfigError as exc:
-        raise ConfigError(str(exc)) from None
+    check_protocol(given, scheme, option="--rdzv-conf", endpoint_option="--rdzv-endpoint")
+    return members, {**rdzv_conf, "protocol": scheme}
 
 
 def _check_entrypoint(args: argparse.Namespace) -> None:
@@ -559,6 +567,63 @@ def _shutdown_timeout(args: argparse.Namespace) -> float | None:
     return float(timeout) if timeout is not None else grace
 
 
+class _Rendezvous(NamedTuple):
+    """The rendezvous flags, as the agent uses them."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    configs: dict[str, str]
+    standalone: bool
+
+
+def _rendezvous_flags(args: argparse.Namespace, max_nodes: int) -> _Rendezvous:
+    """``--rdzv-*`` and ``--standalone``: a standalone agent runs c10d under a fresh
+    run id; an etcd endpoint's scheme becomes the ``protocol`` option. The
+    backend and the endpoint are checked by :class:`LaunchConfig`."""
+    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    standalone = args.standalone or _standalone_by_default(args, max_nodes)
+    if standalone:
+        backend, endpoint, run_id = "c10d", "", str(uuid.uuid4())
+    configs = _parse_rdzv_conf(args.rdzv_conf)
+    endpoint, configs = _split_etcd_scheme(backend, endpoint, configs)
+    return _Rendezvous(backend, endpoint, run_id, configs, standalone)
+
+
+def _standalone_by_default(args: argparse.Namespace, max_nodes: int) -> bool:
+    """torchrun (2.13) runs a single-node static job without a given port on c10d
+    on a free port, as ``--standalone`` does, rather than on port 29500."""
+    if args.rdzv_backend != "static" or args.rdzv_endpoint or args.master_port is not None:
+        return False
+    if max_nodes != 1:
+        return False
+    # Its run id is a fresh one; a malformed --rdzv-id is still a mistake worth reporting.
+    if args.rdzv_id not in ("none", ""):
+        check_run_id(args.rdzv_id)
+    return True
+
+
+def _worker_env(nproc: int) -> dict[str, str]:
+    """What every worker's environment gets on top of the agent's (torchrun's rule)."""
+    if "OMP_NUM_THREADS" in os.environ or nproc <= 1:
+        return {}
+    print(
+        "rallypoint: setting OMP_NUM_THREADS=1 for each worker to avoid overloading "
+        "the system; set it yourself to tune performance.",
+        file=sys.stderr,
+    )
+    return {"OMP_NUM_THREADS": "1"}
+
+
+def _ranks_filter(text: str) -> frozenset[int] | None:
+    if not text:
+        return None
+    try:
+        return frozenset(int(rank) for rank in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--local-ranks-filter {text!r}: expected e.g. 0,1") from None
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Validate parsed flags into a :class:`LaunchConfig`.
 
@@ -566,75 +631,27 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         ConfigError: any invalid value, with a one-line message.
     """
     min_nodes, max_nodes = _parse_nnodes(args.nnodes)
-    if min_nodes > max_nodes:
-        raise ConfigError(f"--nnodes {args.nnodes}: the minimum is larger than the maximum")
     nproc = _parse_nproc(str(args.nproc_per_node))
-    # Checked here, before the per-rank tables below are built from it.
-    if not 1 <= nproc <= MAX_NPROC_PER_NODE:
-        raise ConfigError(
-            f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE}, got {nproc}"
-        )
+    check_nproc(nproc)  # before the per-rank tables below are built from it
     _check_entrypoint(args)
-    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
-    standalone = args.standalone
-    if (
-        not standalone
-        and backend == "static"
-        and not endpoint
-        and args.master_port is None
-        and max_nodes == 1
-    ):
-        # torchrun (2.13) runs a single-node job without a given port on c10d on a
-        # free port, as --standalone does, rather than on port 29500. Its run id is
-        # a fresh one; a malformed --rdzv-id is still a mistake worth reporting.
-        standalone = True
-        if run_id not in ("none", ""):
-            check_run_id(run_id)
-    if standalone:
+    rdzv = _rendezvous_flags(args, max_nodes)
+    if rdzv.standalone:
         if max_nodes != 1:
             logger.warning("--standalone runs a single node: using --nnodes 1")
         min_nodes = max_nodes = 1
-        backend, endpoint, run_id = "c10d", "", str(uuid.uuid4())
-    env: dict[str, str] = {}
-    if "OMP_NUM_THREADS" not in os.environ and nproc > 1:
-        env["OMP_NUM_THREADS"] = "1"
-        print(
-            "rallypoint: setting OMP_NUM_THREADS=1 for each worker to avoid overloading "
-            "the system; set it yourself to tune performance.",
-            file=sys.stderr,
-        )
-    ranks_filter = None
-    if args.local_ranks_filter:
-        try:
-            ranks_filter = frozenset(int(r) for r in args.local_ranks_filter.split(","))
-        except ValueError:
-            raise ConfigError(
-                f"--local-ranks-filter {args.local_ranks_filter!r}: expected e.g. 0,1"
-            ) from None
+    env = _worker_env(nproc)
+    ranks_filter = _ranks_filter(args.local_ranks_filter)
     devices = _cuda_devices() if args.bind_gpus else ()
-    rdzv_conf = _parse_rdzv_conf(args.rdzv_conf)
-    endpoint, rdzv_conf = _split_etcd_scheme(backend, endpoint, rdzv_conf)
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"--rdzv-backend {backend!r} is unknown; use one of {', '.join(sorted(BACKENDS))}"
-        )
-    if backend != "static" and not standalone:
-        if not endpoint:
-            raise ConfigError(
-                f"--rdzv-endpoint is required for the {backend} backend "
-                "(or use --standalone for a single node)"
-            )
-        parse_endpoint(endpoint, backend)
     shutdown_timeout = _shutdown_timeout(args)
     logs_specs = _load_logs_specs(args, ranks_filter) if args.logs_specs else None
-    return LaunchConfig(
+    config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=nproc,
-        run_id=run_id,
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        rdzv_configs=rdzv_conf,
+        run_id=rdzv.run_id,
+        rdzv_backend=rdzv.backend,
+        rdzv_endpoint=rdzv.endpoint,
+        rdzv_configs=rdzv.configs,
         role=args.role,
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
@@ -652,7 +669,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         bind_gpus=args.bind_gpus,
         visible_devices=devices,
         env=env,
-        standalone=standalone,
+        standalone=rdzv.standalone,
         start_method=args.start_method,
         log_line_prefix_template=os.environ.get(PREFIX_TEMPLATE_ENV),
         event_log_handler=args.event_log_handler,
@@ -663,6 +680,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         virtual_local_rank=args.virtual_local_rank,
         logs_specs=logs_specs,
     )
+    config.rendezvous_endpoint()  # a missing endpoint fails now, before torch loads
+    return config
 
 
 def _setup_logging() -> None:
@@ -702,7 +721,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .rendezvous import build_handler
 
             if config.local_addr:
-                _check_local_addr(config.local_addr)
+                # torch's backends would also serve (and wait for) the workers' store there.
+                check_local_addr(config.local_addr)
             handler = _interruptible(lambda: build_handler(config))
             if BACKENDS[config.rdzv_backend] == "torch":
                 # A proxy: every attribute but next_rendezvous is the handler's own.

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from .config import (
     BACKENDS,
     DEFAULT_PORTS,
-    ConfigError,
+    TORCH_BACKENDS,
     LaunchConfig,
     parse_endpoint,
 )
@@ -40,69 +40,33 @@ __all__ = [
 
 
 def build_handler(config: LaunchConfig) -> RendezvousHandler:
-    """Create the rendezvous handler ``config`` asks for.
+    """Create the rendezvous handler ``config`` asks for (``config`` checked the
+    backend, the endpoint and the options when it was made).
 
     Raises:
-        ConfigError: unknown backend, malformed endpoint, or (rallypoint's backends)
-            an unknown or out-of-range ``--rdzv-conf`` option.
+        ConfigError: no endpoint where the backend needs one, or (rallypoint's
+            backends) an unknown or out-of-range ``--rdzv-conf`` option.
     """
-
     backend = config.rdzv_backend
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"--rdzv-backend {backend!r} is unknown; use one of {', '.join(sorted(BACKENDS))}"
-        )
     configs: dict[str, Any] = dict(config.rdzv_configs)
-    if backend == "static":
-        # torchrun's rule: the static store is --rdzv-endpoint when given, else
-        # --master-addr:--master-port.
-        if config.rdzv_endpoint:
-            host, port = parse_endpoint(config.rdzv_endpoint, backend)
-        else:
-            host, port = config.master_addr, config.master_port
-        endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if config.is_static:
         configs["rank"] = config.node_rank
-        torch_backend = "static"
-    else:
-        if config.standalone:
-            endpoint = "127.0.0.1:0"
-            configs.setdefault("is_host", True)
-        else:
-            if not config.rdzv_endpoint:
-                raise ConfigError(
-                    f"--rdzv-endpoint is required for the {backend} backend "
-                    "(or use --standalone for a single node)"
-                )
-            host, port = parse_endpoint(config.rdzv_endpoint, backend)
-            endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            if "," in config.rdzv_endpoint:  # etcd cluster members, each checked above
-                endpoint = config.rdzv_endpoint
-        torch_backend = backend.removeprefix("torch-").removeprefix("rallypoint-")
+    elif config.standalone:
+        configs.setdefault("is_host", True)
+    rallypoint = BACKENDS[backend] == "rallypoint"
     params = RendezvousParameters(
-        backend=torch_backend,
-        endpoint=endpoint,
+        backend=backend if rallypoint else TORCH_BACKENDS[backend],
+        endpoint=config.rendezvous_endpoint(),
         run_id=config.run_id,
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         local_addr=config.local_addr,
         **configs,
     )
-    if BACKENDS[backend] == "rallypoint":
+    if rallypoint:
         from ..adapters import create_handler
-        from ..adapters.config import RendezvousConfigError
 
-        if "timeout" in configs:
-            # Accepted from torch's launcher, which always adds it; from a user it
-            # would be silently ignored.
-            raise ConfigError(
-                f"--rdzv-conf timeout: the {backend} backend has no such option "
-                "(torch's static and etcd-v1 rendezvous do); use join_timeout"
-            )
-        params.backend = backend
-        try:
-            return create_handler(params)
-        except RendezvousConfigError as exc:
-            raise ConfigError(str(exc)) from None
+        return create_handler(params)
     return get_rendezvous_handler(params)
 
 

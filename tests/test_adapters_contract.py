@@ -226,20 +226,27 @@ def _wait_in_thread(backend: RendezvousBackend, phase: int) -> tuple[threading.T
     return thread, result
 
 
-@pytest.mark.parametrize("created", [False, True])
-def test_a_won_write_with_a_phase_wakes_a_phase_waiter(make: Make, created: bool) -> None:
-    a, b = make(), make()
-    token = a.set_state(b"one", None, phase=0)[1] if created else None  # type: ignore[index]
-    waiter, result = _wait_in_thread(b, 0)
+def _phase_wait_during_a_write(
+    waiting: RendezvousBackend, writing: RendezvousBackend, token: object, phase: int
+) -> list[bool]:
+    """What ``waiting.wait_for_phase(0)`` returns while ``writing`` wins a write of
+    ``phase`` over ``token`` ([]: the wait was still blocked 30 s later)."""
+    waiter, result = _wait_in_thread(waiting, 0)
     try:
-        _, _, won = a.set_state(b"two", token, phase=1)  # type: ignore[misc]
+        _, _, won = writing.set_state(b"two", token, phase=phase)  # type: ignore[misc]
         assert won
     finally:
         # Generous bound: the wait returns as soon as the write lands; a waiter
         # still blocked here means the phase was never published.
         waiter.join(timeout=30)
-    assert not waiter.is_alive()
-    assert result == [True]
+    return result
+
+
+@pytest.mark.parametrize("created", [False, True])
+def test_a_won_write_with_a_phase_wakes_a_phase_waiter(make: Make, created: bool) -> None:
+    a, b = make(), make()
+    token = a.set_state(b"one", None, phase=0)[1] if created else None  # type: ignore[index]
+    assert _phase_wait_during_a_write(b, a, token, phase=1) == [True]
 
 
 def test_a_write_that_keeps_the_phase_wakes_no_phase_waiter(make: Make) -> None:
@@ -454,10 +461,4 @@ def test_c10d_next_phase_wakes_waiters_a_dead_writer_stranded() -> None:
     dead = b"2:dead:one"
     assert a.store.compare_set("rallypoint/stranded/state", t0, dead) == dead  # type: ignore[arg-type]
     assert b.wait_for_phase(0, 0.05) is False
-    waiter, result = _wait_in_thread(b, 0)
-    try:
-        _, _, won = a.set_state(b"two", dead, phase=2)  # type: ignore[misc]
-        assert won
-    finally:
-        waiter.join(timeout=30)
-    assert result == [True]
+    assert _phase_wait_during_a_write(b, a, dead, phase=2) == [True]

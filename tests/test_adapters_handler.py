@@ -6,13 +6,13 @@ Short liveness settings (0.1 s x 2) keep the waits small; every wait is bounded.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import api as torch_api
+from wait_helpers import eventually
 
 from rallypoint.adapters import (
     MemoryBackend,
@@ -68,12 +68,7 @@ def _join_all(handlers: list[RallypointHandler]) -> list[torch_api.RendezvousInf
 
 
 def _eventually(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
+    return eventually(condition, timeout)
 
 
 def test_nodes_agree_on_round_ranks_and_world(cluster: tuple[MemoryBackend, Factory]) -> None:

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
+from wait_helpers import eventually
 
 from rallypoint.adapters.c10d import C10dBackend
 from rallypoint.core import decode_state
@@ -98,12 +98,7 @@ def spawn() -> Iterator[Callable[[list[str]], Node]]:
 
 
 def _eventually(condition: Callable[[], bool], timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
+    return eventually(condition, timeout, pause=0.05)
 
 
 def test_sigkilled_node_is_dropped_and_the_rest_complete(

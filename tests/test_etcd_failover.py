@@ -40,6 +40,7 @@ from rallypoint.adapters.config import parse_params as adapter_parse_params
 from rallypoint.adapters.errors import RendezvousStateError
 from rallypoint.adapters.etcd import EtcdBackend, EtcdCluster, EtcdConnection, EtcdServer, EtcdStore
 from rallypoint.adapters.etcd.client import FATAL, REAUTH, RETRY, classify
+from rallypoint.adapters.etcd.server import EtcdServerError, find_etcd_binary
 from rallypoint.adapters.sync import StateSync
 from rallypoint.agent.config import ConfigError
 from rallypoint.agent.config import parse_endpoint as agent_parse_endpoint
@@ -256,26 +257,37 @@ def _member_in_use(cluster: EtcdCluster, handler: RallypointHandler) -> int:
     return cluster.endpoints.split(",").index(backend.connection.endpoint_in_use)
 
 
-def test_handlers_fail_over_when_their_member_is_killed(
-    etcd_cluster_factory: Callable[..., EtcdCluster], handlers: list[RallypointHandler]
-) -> None:
-    cluster = etcd_cluster_factory(3)
-    handlers.extend(
-        create_handler(_params(cluster.endpoints, "member-killed", 2, 3, **CLUSTER))
-        for _ in range(2)
-    )
-    _join(handlers)
-    assert handlers[0].endpoint == cluster.endpoints
-    round_ = handlers[0].round
-    cluster.members[_member_in_use(cluster, handlers[0])].stop(kill=True)  # not restarted
+def _on_cluster(
+    cluster: EtcdCluster, run_id: str, count: int, min_nodes: int, max_nodes: int | None = None
+) -> list[RallypointHandler]:
+    """``count`` handlers of run ``run_id`` on every member of ``cluster``."""
+    params = _params(cluster.endpoints, run_id, min_nodes, max_nodes, **CLUSTER)
+    return [create_handler(params) for _ in range(count)]
+
+
+def _monitoring_carries_on(handlers: list[RallypointHandler], round_: int) -> None:
+    """The monitoring calls of the first two handlers answer, and round ``round_``
+    settles with nobody declared dead."""
     results, errors = _in_threads(
         {**_monitor_calls(handlers[0], "a"), **_monitor_calls(handlers[1], "b")}
     )
     assert not errors, errors
     assert results["a.num_nodes_waiting"] == 0 and results["b.is_closed"] is False
     _settled_without_deaths(handlers, round_)
+
+
+def test_handlers_fail_over_when_their_member_is_killed(
+    etcd_cluster_factory: Callable[..., EtcdCluster], handlers: list[RallypointHandler]
+) -> None:
+    cluster = etcd_cluster_factory(3)
+    handlers.extend(_on_cluster(cluster, "member-killed", 2, 2, 3))
+    _join(handlers)
+    assert handlers[0].endpoint == cluster.endpoints
+    round_ = handlers[0].round
+    cluster.members[_member_in_use(cluster, handlers[0])].stop(kill=True)  # not restarted
+    _monitoring_carries_on(handlers, round_)
     # A third node arrives: everybody regroups on the two members left.
-    handlers.append(create_handler(_params(cluster.endpoints, "member-killed", 2, 3, **CLUSTER)))
+    handlers.extend(_on_cluster(cluster, "member-killed", 1, 2, 3))
     infos = _join(handlers)
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert len({h.round for h in handlers}) == 1 and handlers[0].round > round_
@@ -285,9 +297,7 @@ def test_a_rendezvous_rides_out_the_leader_being_killed(
     etcd_cluster_factory: Callable[..., EtcdCluster], handlers: list[RallypointHandler]
 ) -> None:
     cluster = etcd_cluster_factory(3)
-    handlers.extend(
-        create_handler(_params(cluster.endpoints, "leader-join", 3, **CLUSTER)) for _ in range(3)
-    )
+    handlers.extend(_on_cluster(cluster, "leader-join", 3, 3))
     errors: list[str] = []
     results: dict[int, Any] = {}
     with ThreadPoolExecutor(3) as pool:
@@ -313,18 +323,11 @@ def test_monitoring_rides_out_the_leader_being_killed(
     etcd_cluster_factory: Callable[..., EtcdCluster], handlers: list[RallypointHandler]
 ) -> None:
     cluster = etcd_cluster_factory(3)
-    handlers.extend(
-        create_handler(_params(cluster.endpoints, "leader-monitor", 2, **CLUSTER)) for _ in range(2)
-    )
+    handlers.extend(_on_cluster(cluster, "leader-monitor", 2, 2))
     _join(handlers)
     round_ = handlers[0].round
     cluster.members[cluster.leader()].stop(kill=True)
-    results, errors = _in_threads(
-        {**_monitor_calls(handlers[0], "a"), **_monitor_calls(handlers[1], "b")}
-    )
-    assert not errors, errors
-    assert results["a.num_nodes_waiting"] == 0 and results["b.is_closed"] is False
-    _settled_without_deaths(handlers, round_)
+    _monitoring_carries_on(handlers, round_)
     handlers[0].set_closed()
     deadline = time.monotonic() + 10
     while not handlers[1].is_closed() and time.monotonic() < deadline:
@@ -392,6 +395,22 @@ def test_a_write_whose_answer_was_lost_is_applied_once(etcd_server: EtcdServer) 
     finally:
         backend.close()
         raw.close()
+
+
+def test_a_server_and_a_cluster_clean_up_after_a_with_block() -> None:
+    try:
+        find_etcd_binary()
+    except EtcdServerError as exc:
+        pytest.skip(str(exc))
+    with EtcdServer() as server:
+        assert server.is_running()
+        data = server.data_dir
+    assert not server.is_running() and not data.exists()
+    with EtcdCluster(1) as cluster:
+        assert cluster.leader(timeout=30) == 0
+        base = cluster.base_dir
+    assert not any(member.is_running() for member in cluster.members)
+    assert not base.exists()
 
 
 # --- endpoint lists ----------------------------------------------------------------------

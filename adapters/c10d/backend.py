@@ -42,15 +42,14 @@ waiting rendezvous.
 from __future__ import annotations
 
 import secrets
-import threading
 from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Protocol, TypeVar, cast
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from ..backend import BackendStats, StateSizeLimit, Token, check_intent_entry, parse_counter
-from ..errors import RendezvousConnectionError, RendezvousStateError, describe
+from ..backend import BackendBase, StateSizeLimit, Token, check_intent_entry
+from ..errors import RendezvousConnectionError
 
 __all__ = ["C10dBackend"]
 
@@ -77,22 +76,15 @@ class _ExtendedStore(Protocol):
     def multi_set(self, keys: list[str], values: list[bytes]) -> None: ...
 
 
-def _version(value: bytes, *, key: str, run_id: str, endpoint: str) -> tuple[int, bytes]:
+def _version(value: bytes) -> tuple[int, bytes] | None:
+    """``<version>:<nonce>:<blob>`` -> (version, blob); None if rallypoint did not
+    write ``value``."""
     head, sep, rest = bytes(value).partition(b":")
     _, sep2, blob = rest.partition(b":")
     # Version 0 is only ever the empty marker: any other version-0 value would read
     # as "no state yet" while every create loses against it (a spin, not an error).
     if not sep or not sep2 or not head.isdigit() or (int(head) == 0 and value != _EMPTY):
-        raise RendezvousStateError(
-            describe(
-                f"the rendezvous state key {key!r} holds a value rallypoint did not write "
-                f"({bytes(value)[:40]!r})",
-                run_id=run_id,
-                endpoint=endpoint,
-                check="that no other program (or another rendezvous backend) uses the same "
-                "store and run id",
-            )
-        )
+        return None
     return int(head), blob
 
 
@@ -103,7 +95,7 @@ def _tcp_store_of(store: Store) -> TCPStore | None:
     return store if isinstance(store, TCPStore) else None
 
 
-class C10dBackend:
+class C10dBackend(BackendBase):
     """A :class:`~rallypoint.adapters.backend.RendezvousBackend` on a c10d store.
 
     Args:
@@ -116,6 +108,10 @@ class C10dBackend:
         on_close: called by :meth:`close` (e.g. to drop the hosting server).
     """
 
+    STATE_CHECK = (
+        "that no other program (or another rendezvous backend) uses the same store and run id"
+    )
+
     def __init__(
         self,
         store: Store,
@@ -126,17 +122,10 @@ class C10dBackend:
         name: str = "rallypoint-c10d",
         on_close: Callable[[], None] | None = None,
     ) -> None:
-        if not run_id:
-            raise ValueError("run_id must be a non-empty string")
+        super().__init__(run_id, name=name, endpoint=endpoint, root=f"rallypoint/{run_id}/")
         self._store = store
         self._wait_store = wait_store if wait_store is not None else store
-        self._run_id = run_id
-        self._endpoint = endpoint
-        self._name = name
-        self._prefix = f"rallypoint/{run_id}/"
-        self._key = self._prefix + "state"
-        self._stats = BackendStats()
-        self._stats_lock = threading.Lock()
+        self._key = self.key("state")
         self._on_close = on_close
         has_extended_api = getattr(store, "has_extended_api", None)
         self._native_append = bool(has_extended_api()) if callable(has_extended_api) else False
@@ -149,18 +138,6 @@ class C10dBackend:
         )
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def stats(self) -> BackendStats:
-        return self._stats
-
-    @property
     def state_size_limit(self) -> StateSizeLimit | None:
         """A TCPStore's value limit (less the version head); none for a FileStore."""
         if _tcp_store_of(self._store) is None:
@@ -171,45 +148,16 @@ class C10dBackend:
             "fewer nodes per run (max_nodes) or shorter node addresses",
         )
 
-    def key(self, suffix: str) -> str:
-        """The store key of this run's ``suffix`` (for messages)."""
-        return self._prefix + suffix
-
-    def _state_error(self, what: str) -> RendezvousStateError:
-        return RendezvousStateError(
-            describe(
-                what,
-                run_id=self._run_id,
-                endpoint=self._endpoint,
-                check="that no other program (or another rendezvous backend) uses the same "
-                "store and run id",
-            )
-        )
-
-    def _counter(self, key: str, raw: bytes) -> int:
-        return parse_counter(key, raw, self._state_error)
-
     @property
     def store(self) -> Store:
         """The underlying store (the handler hands a per-round prefix of it to workers)."""
         return self._store
 
-    def _count(self, written: int = 0, read: int = 0, heartbeat: bool = False) -> None:
-        with self._stats_lock:
-            self._stats.ops += 1
-            self._stats.bytes_written += written
-            self._stats.bytes_read += read
-            if heartbeat:
-                self._stats.heartbeat_ops += 1
-                self._stats.heartbeat_bytes_written += written
-
     def _failure(self, exc: BaseException) -> RendezvousConnectionError:
         return RendezvousConnectionError(
-            describe(
+            self._describe(
                 f"the c10d store failed ({exc.__class__.__name__}: {str(exc)[:200]})",
-                run_id=self._run_id,
-                endpoint=self._endpoint,
-                check="that the node hosting the store (is_host) is running and reachable "
+                "that the node hosting the store (is_host) is running and reachable "
                 "at this address, and that read_timeout is long enough",
             )
         )
@@ -224,7 +172,13 @@ class C10dBackend:
         return result
 
     def _decode(self, value: bytes) -> tuple[int, bytes]:
-        return _version(value, key=self._key, run_id=self._run_id, endpoint=self._endpoint)
+        decoded = _version(value)
+        if decoded is None:
+            raise self._state_error(
+                f"the rendezvous state key {self._key!r} holds a value rallypoint did not "
+                f"write ({bytes(value)[:40]!r})"
+            )
+        return decoded
 
     def get_state(self) -> tuple[bytes, Token] | None:
         value = bytes(self._call(lambda: self._store.get(self._key), written=len(self._key)))
@@ -253,8 +207,7 @@ class C10dBackend:
                 write.
             RendezvousConnectionError: the store failed.
         """
-        if phase is not None and phase < 0:
-            raise ValueError(f"phase must be a non-negative integer, got {phase}")
+        self._check_phase(phase)
         expected = _EMPTY if token is None else self._own_token(token)
         if expected is None:
             stored = self.get_state()
@@ -291,21 +244,17 @@ class C10dBackend:
         self._call(lambda: store.multi_set(keys, [b""] * len(keys)), written=sum(map(len, keys)))
 
     def _vkey(self, version: int) -> str:
-        return f"{self._prefix}v/{version}"
+        return self.key(f"v/{version}")
 
     def _pkey(self, phase: int) -> str:
-        return f"{self._prefix}p/{phase}"
+        return self.key(f"p/{phase}")
 
     def _own_token(self, token: Token) -> bytes | None:
         """``token`` as the stored value it names, or None if it cannot be one."""
         if not isinstance(token, (bytes, bytearray, memoryview)):
             return None
         expected = bytes(token)
-        try:
-            self._decode(expected)
-        except RendezvousStateError:
-            return None
-        return expected
+        return None if _version(expected) is None else expected
 
     def wait_for_change(self, token: Token | None, timeout: float) -> bool:
         expected = _EMPTY if token is None else self._own_token(token)
@@ -334,7 +283,7 @@ class C10dBackend:
         return True
 
     def _ikey(self, round: int) -> str:
-        return f"{self._prefix}intents/{round}"
+        return self.key(f"intents/{round}")
 
     def announce(self, round: int, entry: bytes) -> None:
         """``store.append`` of ``entry + b"\\n"`` on a store that appends natively
@@ -396,7 +345,7 @@ class C10dBackend:
         return None if missing else value
 
     def _hbkey(self, node: str) -> str:
-        return f"{self._prefix}hb/{node}"
+        return self.key(f"hb/{node}")
 
     def beat(self, node: str) -> int:
         key = self._hbkey(node)
@@ -410,7 +359,7 @@ class C10dBackend:
             ) from exc
         except RuntimeError as exc:
             raise self._failure(exc) from exc
-        self._count(written=len(key) + 8, heartbeat=True)
+        self._count(written=len(key) + 8, heartbeat_ops=1, heartbeat_written=len(key) + 8)
         return value
 
     def get_heartbeats(self, nodes: Collection[str]) -> dict[str, int]:
@@ -425,8 +374,7 @@ class C10dBackend:
         if not check:
             return {n: self._counter_or_zero(k) for n, k in zip(names, keys, strict=True)}
         raw = self._call(lambda: self._store.multi_get(keys), written=sum(map(len, keys)))
-        with self._stats_lock:
-            self._stats.bytes_read += sum(len(v) for v in raw)
+        self._count(ops=0, read=sum(len(v) for v in raw))
         return {n: self._counter(k, v) for n, k, v in zip(names, keys, raw, strict=True)}
 
     def _counter_or_zero(self, key: str) -> int:

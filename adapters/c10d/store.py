@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from torch.distributed import FileStore, Store, TCPStore
 
-from ..config import RendezvousConfig, parse_endpoint
+from ..config import DEFAULT_PORTS, RendezvousConfig, parse_endpoint
 from ..errors import RendezvousConnectionError, describe
 from .backend import C10dBackend
 
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: torch's default c10d rendezvous port.
-DEFAULT_PORT = 29400
+DEFAULT_PORT = DEFAULT_PORTS["c10d"]
 
 #: Pause between connection attempts to a store that refuses them (not up yet).
 _CONNECT_RETRY_SECONDS = 0.25
@@ -234,41 +234,18 @@ def create_c10d_backend(config: RendezvousConfig) -> C10dBackend:
     """Connect to (or host) the store named by ``config`` and wrap it in a backend.
 
     Raises:
+        ConfigError: a malformed endpoint (a list: only etcd takes one).
         RendezvousConnectionError: the store cannot be created, or does not accept
             and answer a connection within the smaller of ``read_timeout`` and
             ``join_timeout``; the message names the run, the endpoint and what to check.
     """
     if config.store_type == "file":
-        path = config.endpoint
-        try:
-            store: Store = FileStore(path, -1)
-            waiter: Store = FileStore(path, -1)
-        except (RuntimeError, ValueError) as exc:
-            raise _connection_error(
-                config, exc, "that the file's directory exists and is writable by every node"
-            ) from exc
-        run_id, name = config.settings.run_id, config.backend_name
-        return C10dBackend(store, run_id, endpoint=path, wait_store=waiter, name=name)
-
-    host, port = parse_endpoint(config.endpoint, DEFAULT_PORT)
+        return _file_backend(config)
+    host, port = parse_endpoint(config.endpoint, DEFAULT_PORT, backend=config.backend_name)
     timeout = timedelta(seconds=config.read_timeout)
-    inferred = config.is_host is None
-    is_host = config.is_host if config.is_host is not None else is_local_host(host)
-    server: TCPStore | None = None
-    if is_host:
-        try:
-            server = host_tcp_store(host, port, timeout)
-            port = server.port
-        except (StoreBindError, RuntimeError, ValueError) as exc:
-            # Two processes on the endpoint's machine both infer they host; the one
-            # that loses the bind is a client (torch does the same).
-            if not inferred:
-                raise _connection_error(
-                    config,
-                    exc,
-                    "that the port is free and the endpoint's host is an address of this "
-                    "host, or set is_host=false",
-                ) from exc
+    server = _host_if_asked(config, host, port, timeout)
+    if server is not None:
+        port = server.port
     if port == 0:
         raise RendezvousConnectionError(
             describe(
@@ -301,3 +278,40 @@ def create_c10d_backend(config: RendezvousConfig) -> C10dBackend:
         name=config.backend_name,
         on_close=drop_server,
     )
+
+
+def _file_backend(config: RendezvousConfig) -> C10dBackend:
+    """A backend on the FileStore at the endpoint's path (two clients: one waits)."""
+    path = config.endpoint
+    try:
+        store: Store = FileStore(path, -1)
+        waiter: Store = FileStore(path, -1)
+    except (RuntimeError, ValueError) as exc:
+        raise _connection_error(
+            config, exc, "that the file's directory exists and is writable by every node"
+        ) from exc
+    run_id, name = config.settings.run_id, config.backend_name
+    return C10dBackend(store, run_id, endpoint=path, wait_store=waiter, name=name)
+
+
+def _host_if_asked(
+    config: RendezvousConfig, host: str, port: int, timeout: timedelta
+) -> TCPStore | None:
+    """The TCPStore server this node hosts: with ``is_host``, or when it is unset
+    and the endpoint names this machine (as torch decides). None: a client only."""
+    inferred = config.is_host is None
+    if not (is_local_host(host) if config.is_host is None else config.is_host):
+        return None
+    try:
+        return host_tcp_store(host, port, timeout)
+    except (StoreBindError, RuntimeError, ValueError) as exc:
+        # Two processes on the endpoint's machine both infer they host; the one
+        # that loses the bind is a client (torch does the same).
+        if inferred:
+            return None
+        raise _connection_error(
+            config,
+            exc,
+            "that the port is free and the endpoint's host is an address of this "
+            "host, or set is_host=false",
+        ) from exc

@@ -65,8 +65,8 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
-from ..backend import BackendStats, StateSizeLimit, Token, check_intent_entry, parse_counter
-from ..errors import RendezvousConnectionError, RendezvousStateError, describe
+from ..backend import BackendBase, StateSizeLimit, Token, check_intent_entry
+from ..errors import RendezvousConnectionError
 from .client import FATAL, EtcdConnection, classify, error_text
 
 __all__ = ["STATE_PREFIX", "EtcdBackend"]
@@ -95,7 +95,7 @@ def _is_revision(token: object) -> bool:
     return isinstance(token, int) and not isinstance(token, bool) and token > 0
 
 
-class EtcdBackend:
+class EtcdBackend(BackendBase):
     """A :class:`~rallypoint.adapters.backend.RendezvousBackend` on etcd v3.
 
     Args:
@@ -113,6 +113,8 @@ class EtcdBackend:
             first one; the next call still reconnects).
     """
 
+    STATE_CHECK = "that no other program uses the same etcd prefix and run id"
+
     def __init__(
         self,
         client: Any,
@@ -125,40 +127,23 @@ class EtcdBackend:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         retry_window: float = 0.0,
     ) -> None:
-        if not run_id:
-            raise ValueError("run_id must be a non-empty string")
+        root = f"{key_prefix.rstrip('/')}/{run_id}/"
+        super().__init__(run_id, name=name, endpoint=endpoint, root=root)
         if isinstance(client, EtcdConnection):
             self._conn = client
         else:
             self._conn = EtcdConnection.around(client, endpoint)
-        self._run_id = run_id
-        self._endpoint = endpoint
-        self._name = name
-        self._root = f"{key_prefix.rstrip('/')}/{run_id}/"
-        self._key = self._root + "state"
-        self._phase_key = self._root + "phase"
+        self._key = self.key("state")
+        self._phase_key = self.key("phase")
         self._ttl = None if ttl is None else max(1, int(ttl))
         self._lease_id: int | None = None
         self._counters: dict[str, int] = {}
-        self._stats = BackendStats()
         self._lock = threading.Lock()
         self._max_request_bytes = max_request_bytes
         self._retry_window = max(0.0, float(retry_window))
         self._rng = random.Random()
         self._down_since: float | None = None
         self._outages = 0
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def stats(self) -> BackendStats:
-        return self._stats
 
     @property
     def retry_window(self) -> float:
@@ -186,19 +171,6 @@ class EtcdBackend:
             "rallypoint)",
         )
 
-    def _state_error(self, what: str) -> RendezvousStateError:
-        return RendezvousStateError(
-            describe(
-                what,
-                run_id=self._run_id,
-                endpoint=self._endpoint,
-                check="that no other program uses the same etcd prefix and run id",
-            )
-        )
-
-    def _counter(self, key: str, value: bytes) -> int:
-        return parse_counter(key, value, self._state_error)
-
     @property
     def connection(self) -> EtcdConnection:
         """The connection (shared with :class:`EtcdStore`): the client in use and
@@ -210,20 +182,14 @@ class EtcdBackend:
         """The etcd client in use now (it is replaced after a connection error)."""
         return self._conn.current()
 
-    def key(self, suffix: str) -> str:
-        """The full etcd key of ``suffix`` in this run's namespace."""
-        return self._root + suffix
-
     def failure(self, exc: BaseException, waited: float | None = None) -> RendezvousConnectionError:
         """The error to raise for a client exception (``waited``: seconds spent
         retrying before giving up)."""
         after = "" if waited is None else f", still after retrying for {waited:.1f} s"
         return RendezvousConnectionError(
-            describe(
+            self._describe(
                 f"etcd failed ({error_text(exc)}{after})",
-                run_id=self._run_id,
-                endpoint=self._endpoint,
-                check="that the etcd server is running and reachable at this address "
+                "that the etcd server is running and reachable at this address "
                 "(etcdctl --endpoints=<endpoint> endpoint health), and that read_timeout "
                 "is longer than its outages",
             )
@@ -270,10 +236,7 @@ class EtcdBackend:
                 continue
             if self._down_since is not None:
                 self._back_up()
-            with self._lock:
-                self._stats.ops += 1
-                self._stats.bytes_written += written
-                self._stats.bytes_read += read
+            self._count(written=written, read=read)
             return result
 
     def _going_down(self, exc: BaseException) -> None:
@@ -301,8 +264,7 @@ class EtcdBackend:
         log.warning("etcd answers again after %.2f s, at %s", down, self._conn.endpoint_in_use)
 
     def _read_bytes(self, n: int) -> None:
-        with self._lock:
-            self._stats.bytes_read += n
+        self._count(ops=0, read=n)
 
     def _unframe(self, value: bytes) -> bytes:
         if not value.startswith(STATE_PREFIX):
@@ -342,8 +304,7 @@ class EtcdBackend:
                 write.
             RendezvousConnectionError: etcd stayed unreachable.
         """
-        if phase is not None and phase < 0:
-            raise ValueError(f"phase must be a non-negative integer, got {phase}")
+        self._check_phase(phase)
         if token is not None and not _is_revision(token):
             current = self.get_state()
             return None if current is None else (current[0], current[1], False)
@@ -487,7 +448,7 @@ class EtcdBackend:
         return True
 
     def _intents_prefix(self, round: int) -> str:
-        return f"{self._root}intents/{round}/"
+        return self.key(f"intents/{round}/")
 
     def announce(self, round: int, entry: bytes) -> None:
         """Put ``intents/<round>/<random suffix>`` = ``entry``: one put,
@@ -511,7 +472,7 @@ class EtcdBackend:
         return [value for value, _ in entries]
 
     def _hbkey(self, node: str) -> str:
-        return f"{self._root}hb/{node}"
+        return self.key(f"hb/{node}")
 
     def beat(self, node: str) -> int:
         key = self._hbkey(node)
@@ -522,9 +483,7 @@ class EtcdBackend:
         payload = str(counter).encode()
         self.call(lambda c: c.put(key, payload), written=len(key) + len(payload))
         self._counters[node] = counter
-        with self._lock:
-            self._stats.heartbeat_ops += 1
-            self._stats.heartbeat_bytes_written += len(key) + len(payload)
+        self._count(ops=0, heartbeat_ops=1, heartbeat_written=len(key) + len(payload))
         lease_id = self._lease_id
         if lease_id is not None:
             # Keep the state alive while anyone beats; a lease that already expired
@@ -536,7 +495,7 @@ class EtcdBackend:
         return counter
 
     def get_heartbeats(self, nodes: Collection[str]) -> dict[str, int]:
-        prefix = f"{self._root}hb/"
+        prefix = self.key("hb/")
 
         def read(c: Any) -> list[tuple[bytes, bytes]]:
             return [(bytes(meta.key), bytes(value)) for value, meta in c.get_prefix(prefix)]

@@ -19,6 +19,7 @@ and an ``atexit`` hook for a forgotten server).
 
 from __future__ import annotations
 
+import abc
 import atexit
 import contextlib
 import json
@@ -35,6 +36,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 __all__ = [
     "EtcdCluster",
@@ -97,7 +99,41 @@ def find_etcd_binary() -> str:
     )
 
 
-class EtcdServer:
+_Self = TypeVar("_Self", bound="_Managed")
+
+
+class _Managed(abc.ABC):
+    """What a test server and a cluster share: ``with`` starts it and cleans it up,
+    and processes their owner forgot are stopped when Python exits."""
+
+    def __init__(self) -> None:
+        atexit.register(self.stop)
+
+    @abc.abstractmethod
+    def start(self: _Self) -> _Self:
+        """Start and wait until healthy."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Terminate the processes."""
+
+    @abc.abstractmethod
+    def cleanup(self) -> None:
+        """Stop, and remove the data this object created."""
+
+    def __enter__(self: _Self) -> _Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+class EtcdServer(_Managed):
     """One etcd process; ``restart()`` keeps the data dir and the ports.
 
     Args:
@@ -140,7 +176,7 @@ class EtcdServer:
         self.cluster_token = cluster_token
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = self.data_dir.parent / f"{self.data_dir.name}.log"
-        atexit.register(self.stop)
+        super().__init__()
 
     @property
     def peer_url(self) -> str:
@@ -303,19 +339,8 @@ class EtcdServer:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         self._log.unlink(missing_ok=True)
 
-    def __enter__(self) -> EtcdServer:
-        return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
-
-
-class EtcdCluster:
+class EtcdCluster(_Managed):
     """``size`` etcd members forming one cluster on free 127.0.0.1 ports.
 
     Args:
@@ -355,7 +380,7 @@ class EtcdCluster:
             )
             for name, peer in zip(names, peers, strict=True)
         ]
-        atexit.register(self.stop)
+        super().__init__()
 
     @property
     def endpoints(self) -> str:
@@ -419,14 +444,3 @@ class EtcdCluster:
             member.cleanup()
         if self._own_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
-
-    def __enter__(self) -> EtcdCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()

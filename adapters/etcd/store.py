@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError, Store
 
-from ..config import RendezvousConfig, parse_endpoints
+from ..config import DEFAULT_PORTS, RendezvousConfig, parse_endpoints
 from ..errors import RendezvousConnectionError, describe
 from .backend import EtcdBackend
 from .client import GRPC_OPTIONS, EtcdConnection, error_text
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: etcd's default client port.
-DEFAULT_PORT = 2379
+DEFAULT_PORT = DEFAULT_PORTS["etcd"]
 
 
 def _bytes(value: str | bytes | bytearray) -> bytes:
@@ -307,7 +307,7 @@ def create_etcd_backend(
     Returns the backend and the store handed to the agent (same connection).
 
     Raises:
-        RendezvousConfigError: a malformed endpoint or endpoint list.
+        ConfigError: a malformed endpoint or endpoint list.
         RendezvousConnectionError: etcd does not answer a status request and a
             read of this run's state within ``read_timeout`` (TLS,
             authentication and permission failures at once; the message says
@@ -345,13 +345,21 @@ def create_etcd_backend(
         name=config.backend_name,
         retry_window=config.read_timeout,
     )
+    _check_access(backend, failed)
+    return backend, EtcdStore(backend, timedelta(seconds=config.read_timeout))
+
+
+def _check_access(
+    backend: EtcdBackend, failed: Callable[[BaseException], RendezvousConnectionError]
+) -> None:
+    """Ask for etcd's status and read this run's state key, so that a server that
+    does not answer, or refuses this client, fails here and not mid-rendezvous."""
     state_key = backend.key("state")
     try:
         backend.call(lambda c: c.status())
         # A status request needs no permission: read this run's key too, so a
-        # user without access to the prefix fails here and not mid-rendezvous.
+        # user without access to the prefix fails here.
         backend.call(lambda c: c.get_response(state_key))
     except RendezvousConnectionError as exc:
         backend.close()
         raise failed(exc.__cause__ or exc) from exc
-    return backend, EtcdStore(backend, timedelta(seconds=config.read_timeout))

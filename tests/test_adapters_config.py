@@ -1,0 +1,225 @@
+"""Issue 16: one home per configuration concept, shared by the launcher and the handler.
+
+* one error type for a bad configuration value, whoever checks it;
+* one table of rallypoint's backend names (the launcher's extra names derive from it);
+* one endpoint parser: the launcher (``--rdzv-endpoint``) and the handler (torch's
+  parameters) refuse the same input with the same message, but for the option's name;
+* one scheme split (``https://host:port``) for both;
+* the settings' defaults are the core's ``Settings`` defaults, not copies;
+* configuration parsing does not import torch;
+* ``LaunchConfig`` checks the rendezvous options itself, so the Python API refuses
+  what the launcher refuses;
+* the three backends keep their name, endpoint, keys and counters the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed import HashStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from rallypoint.adapters import MemoryBackend
+from rallypoint.adapters import config as adapters_config
+from rallypoint.adapters.c10d import C10dBackend
+from rallypoint.adapters.config import parse_params
+from rallypoint.adapters.etcd import EtcdBackend
+from rallypoint.agent import config as agent_config
+from rallypoint.agent.config import ConfigError, LaunchConfig
+from rallypoint.agent.launcher import _split_etcd_scheme, main
+from rallypoint.core import Settings
+
+BAD_SINGLE_ENDPOINTS = [
+    "127.0.0.1:+80",
+    "127.0.0.1: 80",
+    "127.0.0.1:29400:1",
+    "::1:29400",
+    "a b:29400",
+    "[a b]:29400",
+    "[::1]x:29400",
+    "[not-v6:1]:29400",
+    "[::1:29400",
+    ":29400",
+    "h:70000",
+    "h:1,h:2",
+]
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+def test_one_error_type_for_a_bad_configuration_value() -> None:
+    assert adapters_config.RendezvousConfigError is ConfigError
+    assert adapters_config.ConfigError is ConfigError
+
+
+@pytest.mark.parametrize("endpoint", BAD_SINGLE_ENDPOINTS)
+def test_the_launcher_and_the_handler_refuse_an_endpoint_alike(endpoint: str) -> None:
+    with pytest.raises(ConfigError) as by_launcher:
+        agent_config.parse_endpoint(endpoint, "rallypoint-c10d")
+    with pytest.raises(ConfigError) as by_handler:
+        adapters_config.parse_endpoint(endpoint, 29400)
+    assert type(by_launcher.value) is type(by_handler.value)
+    launcher_text = str(by_launcher.value).replace("the rallypoint-c10d backend", "this backend")
+    handler_text = str(by_handler.value)
+    assert launcher_text.startswith(f"--rdzv-endpoint {endpoint!r}"), launcher_text
+    assert handler_text.startswith(f"rendezvous endpoint {endpoint!r}"), handler_text
+    assert launcher_text.removeprefix("--rdzv-endpoint") == handler_text.removeprefix(
+        "rendezvous endpoint"
+    )
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "expected"),
+    [("h:1,,h:2", "empty entry"), ("h:1,h:1", "named twice"), ("h:1,h:x", "not a number")],
+)
+def test_an_etcd_member_list_is_refused_alike(endpoints: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected) as by_launcher:
+        agent_config.parse_endpoint(endpoints, "etcd")
+    with pytest.raises(ConfigError, match=expected) as by_handler:
+        adapters_config.parse_endpoints(endpoints, 2379)
+    assert str(by_launcher.value).removeprefix("--rdzv-endpoint") == str(
+        by_handler.value
+    ).removeprefix("rendezvous endpoint")
+
+
+def test_the_launchers_backend_names_derive_from_the_adapters_table() -> None:
+    kinds = set(adapters_config.BACKENDS.values())
+    rallypoint = {n for n, impl in agent_config.BACKENDS.items() if impl == "rallypoint"}
+    torch_names = {n for n, impl in agent_config.BACKENDS.items() if impl == "torch"}
+    assert rallypoint == set(adapters_config.BACKENDS)
+    assert torch_names == {f"torch-{kind}" for kind in kinds} | {"static"}
+    # Ports: etcd's is filled in (the adapters' default); every other needs one.
+    for name, port in agent_config.DEFAULT_PORTS.items():
+        etcd = name in ("etcd", "rallypoint-etcd", "torch-etcd")
+        assert port == (adapters_config.DEFAULT_PORTS["etcd"] if etcd else None), name
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [("gopher://h:1", "scheme must be"), ("https://h:1,http://h:2", "mixes")],
+)
+def test_a_bad_scheme_is_refused_alike(endpoint: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected) as by_launcher:
+        _split_etcd_scheme("etcd", endpoint, {})
+    params = RendezvousParameters("etcd", endpoint, "x", 1, 1, local_addr="127.0.0.1")
+    with pytest.raises(ConfigError, match=expected) as by_handler:
+        parse_params(params)
+    assert str(by_launcher.value).removeprefix("--rdzv-endpoint") == str(
+        by_handler.value
+    ).removeprefix("rendezvous endpoint")
+
+
+def test_a_contradicting_protocol_is_refused_by_both() -> None:
+    with pytest.raises(ConfigError, match="contradicts"):
+        _split_etcd_scheme("etcd", "https://h:1", {"protocol": "http"})
+    params = RendezvousParameters(
+        "etcd", "https://h:1", "x", 1, 1, local_addr="127.0.0.1", protocol="http"
+    )
+    with pytest.raises(ConfigError, match="contradicts"):
+        parse_params(params)
+
+
+def test_unset_options_take_the_core_settings_defaults() -> None:
+    params = RendezvousParameters("c10d", "127.0.0.1:0", "x", 1, 2, local_addr="127.0.0.1")
+    assert parse_params(params).settings == Settings("x", 1, 2)
+    # Every settings option the handler reads is a field of the core's Settings.
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    settings_options = adapters_config.OPTIONS["c10d"] - {
+        "local_addr",
+        "read_timeout",
+        "is_host",
+        "store_type",
+    }
+    assert settings_options <= fields
+
+
+def test_run_ids_are_checked_alike() -> None:
+    for run_id, expected in [("a/b", "must not contain '/'"), ("x" * 256, "at most 255")]:
+        with pytest.raises(ConfigError, match=expected):
+            agent_config.check_run_id(run_id)
+        params = RendezvousParameters("c10d", "127.0.0.1:0", run_id, 1, 1)
+        with pytest.raises(ConfigError, match=expected):
+            parse_params(params)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"rdzv_backend": "zookeeper"}, "--rdzv-backend 'zookeeper' is unknown; use one of"),
+        ({"rdzv_endpoint": "h:x"}, "is not a number"),
+        ({"rdzv_backend": "etcd", "rdzv_endpoint": "h1,h1"}, "named twice"),
+        ({"rdzv_backend": "torch-etcd", "rdzv_endpoint": "h1,h2"}, "takes one HOST:PORT"),
+        (
+            {"rdzv_backend": "etcd", "rdzv_endpoint": "h", "rdzv_configs": {"timeout": "5"}},
+            "has no such option",
+        ),
+    ],
+)
+def test_the_api_refuses_what_the_launcher_refuses(
+    options: dict[str, object], expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        LaunchConfig(1, 1, 1, **options)  # type: ignore[arg-type]
+
+
+def test_the_endpoint_a_handler_gets() -> None:
+    def endpoint(**options: object) -> str:
+        return LaunchConfig(1, 1, 1, **options).rendezvous_endpoint()  # type: ignore[arg-type]
+
+    assert endpoint(rdzv_backend="etcd", rdzv_endpoint="h") == "h:2379"
+    assert endpoint(rdzv_backend="etcd", rdzv_endpoint="h1, h2:3") == "h1, h2:3"
+    assert endpoint(rdzv_backend="c10d", rdzv_endpoint="[::1]:5") == "[::1]:5"
+    assert endpoint(rdzv_backend="c10d", standalone=True) == "127.0.0.1:0"
+    assert endpoint(rdzv_backend="static") == "127.0.0.1:29500"
+    assert endpoint(rdzv_backend="static", master_addr="::1", master_port=7) == "[::1]:7"
+    assert endpoint(rdzv_backend="static", rdzv_endpoint="h:8") == "h:8"
+    with pytest.raises(ConfigError, match="--rdzv-endpoint is required for the c10d backend"):
+        endpoint(rdzv_backend="c10d", rdzv_endpoint=" ")
+
+
+@pytest.mark.integration
+def test_a_blank_endpoint_is_a_missing_one(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--rdzv-backend", "etcd", "--rdzv-endpoint", " ", script]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--rdzv-endpoint is required for the etcd backend" in err[0], err
+
+
+@pytest.mark.integration
+def test_configuration_parsing_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "from rallypoint.adapters.config import check_run_id, parse_endpoints\n"
+        "from rallypoint.agent.config import LaunchConfig\n"
+        "parse_endpoints('h1:1,h2', 2379)\n"
+        "check_run_id('job')\n"
+        "LaunchConfig(1, 2, 1, rdzv_backend='etcd', rdzv_endpoint='h1,h2')\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
+def test_every_backend_needs_a_run_id_and_names_its_keys_alike() -> None:
+    for make in (
+        lambda run_id: MemoryBackend(run_id),
+        lambda run_id: C10dBackend(HashStore(), run_id, endpoint="hash"),
+        lambda run_id: EtcdBackend(object(), run_id, endpoint="h:1"),
+    ):
+        with pytest.raises(ValueError, match="run_id must be a non-empty string"):
+            make("")
+        backend = make("job")
+        assert backend.key("hb/n").endswith("job/hb/n")
+        assert backend.stats.ops >= 0 and backend.name and backend.endpoint
+        with pytest.raises(ValueError, match="phase must be a non-negative integer"):
+            backend.set_state(b"x", None, phase=-1)
