@@ -454,6 +454,13 @@ def _int(value: object, key: str, default: int) -> int:
         raise ConfigError(f"rendezvous option {key}={value!r} is not an integer") from None
 
 
+def _budget(value: object, key: str, default: int | None) -> int | None:
+    """A job-wide restart budget: an integer, or none/empty for no shared budget."""
+    if value is None or str(value).strip().lower() in ("", "none"):
+        return default if value is None else None
+    return _int(value, key, 0)
+
+
 #: The options that set a field of the core's :class:`Settings`, each with its
 #: parser; an option not given keeps the field's default.
 _SETTINGS_OPTIONS: dict[str, Callable[[object, str, Any], Any]] = {
@@ -464,6 +471,8 @@ _SETTINGS_OPTIONS: dict[str, Callable[[object, str, Any], Any]] = {
     "keep_alive_interval": _seconds,
     "keep_alive_max_attempt": _int,
     "stable_ranks": _flag,
+    "restart_budget": _budget,
+    "exclusion_rounds": _int,
 }
 
 #: The options each kind of backend reads (``--rdzv-conf`` keys); any other key is

@@ -47,7 +47,9 @@ from torch.distributed.elastic.rendezvous import (
 
 from ..core import (
     Action,
+    ChargeRestartOp,
     CloseOp,
+    ExcludeOp,
     ExitOp,
     JoinOp,
     KeepAliveOp,
@@ -380,6 +382,42 @@ class RallypointHandler(RendezvousHandler):
         timeout = self._settings.close_timeout
         done = self._sync.run(ExitOp(), self._sync.now() + timeout)
         self._raise_for(done.action, "leaving the rendezvous", timeout)
+
+    @property
+    def restarts(self) -> int:
+        """Failure-caused rounds the whole job has started (the job-wide restart
+        budget's count). Reads the backend at most every ``cache_duration`` seconds."""
+        return self._sync.refresh(self.cache_duration).restarts
+
+    def charge_restart(self, round_: int) -> bool:
+        """Count the failure of this node's workers in round ``round_`` in the job's
+        restarts (once per round, whichever node's workers failed; a failure
+        reported after its round ended costs nothing). True when it spent the last
+        of ``restart_budget``: the rendezvous is then closed for every node.
+
+        Raises:
+            RendezvousTimeoutError, RendezvousConnectionError, RendezvousStateError.
+        """
+        timeout = self._settings.close_timeout
+        done = self._sync.run(ChargeRestartOp(round_), self._sync.now() + timeout)
+        self._raise_for(done.action, "counting a restart", timeout)
+        budget = self._settings.restart_budget
+        return budget is not None and done.state.restarts > budget
+
+    def exclude(self) -> int:
+        """Take this node out of the job for ``exclusion_rounds`` rounds: it leaves
+        its round now, and its next joins stand by as a spare until the round
+        returned (the first it may take part in again) opens.
+
+        Raises:
+            RendezvousTimeoutError, RendezvousConnectionError, RendezvousStateError.
+        """
+        self._stop_heartbeats()
+        self._joined = None
+        timeout = self._settings.close_timeout
+        done = self._sync.run(ExcludeOp(), self._sync.now() + timeout)
+        self._raise_for(done.action, "excluding this node", timeout)
+        return done.state.excluded.get(self.node, done.state.round)
 
     def wait_for_change(self, timeout: float) -> None:
         """Block until the shared state changes or ``timeout`` seconds pass; the next

@@ -42,9 +42,11 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from .charging import Charge, FailureCase, RestartBudget
-from .config import LaunchConfig
+from .config import LaunchConfig, RestartScope
 from .errors import AgentError, ProcessFailure
-from .exit_barrier import exit_barrier
+from .events import EventKind, EventRecorder
+from .exit_barrier import acknowledge_close, exit_barrier, wait_for_acknowledgements
+from .health import FailureWindow, HealthResult, run_health_check
 from .launches import return_files, worker_launches
 from .lease import LeaseGuard, fence_grace
 from .logs import EventLog, StartedWorker, make_log_root
@@ -60,6 +62,8 @@ logger = logging.getLogger("rallypoint.agent")
 
 #: How many rounds in a row may fail to agree on ranks before the agent gives up.
 _ASSIGN_ATTEMPTS = 5
+#: How long an agent that ended the job on a failure waits for the others to see it.
+_CLOSE_SEEN_TIMEOUT = 5.0
 #: The ends of the two messages of a rendezvous closed by another agent.
 _CLOSED_WHILE_RUNNING = "while this node's workers ran (another node gave up?)"
 _CLOSED_BEFORE_REJOINING = "(the job finished or gave up) before this node could rejoin"
@@ -146,6 +150,16 @@ class ElasticAgent:
             if self.view.fences
             else None
         )
+        #: rallypoint's structured events (``--events-file``, and logging)
+        self.recorder = EventRecorder(config.events_file, self.view.node_name)
+        #: ``--exclude-after`` failures within ``--exclude-window``: exclude this node
+        self._failures_window = (
+            FailureWindow(config.exclude_after, config.exclude_window)
+            if config.exclude_after
+            else None
+        )
+        #: when the failure that ends the current round was noticed (monotonic)
+        self._failure_noticed: float | None = None
         self.events = EventLog(
             config.event_log_handler,
             run_id=config.run_id,
@@ -183,7 +197,15 @@ class ElasticAgent:
         guard = self._guard.running() if self._guard is not None else contextlib.nullcontext()
         with raise_on_signals(self.config.stop_signals), guard:
             try:
-                return self._run()
+                result = self._run()
+                self.recorder.emit(
+                    EventKind.FINISHED,
+                    self._round_number,
+                    state=result.state.value,
+                    exit_code=result.exit_code,
+                    message=result.message,
+                )
+                return result
             except SignalReceived as sig:
                 interrupted = True
                 stop_with = signal.Signals(sig.signum)  # forwarded to the workers
@@ -199,11 +221,30 @@ class ElasticAgent:
             finally:
                 # A second signal must not cut the cleanup short.
                 ignore_signals(self.config.stop_signals)
-                self.group.stop(self.config.stop_grace, stop_with)
                 if interrupted:
-                    self._leave_handler()
+                    self._preempted(stop_with)
                 else:
+                    self.group.stop(self.config.stop_grace, stop_with)
                     self._shutdown_handler(close_rendezvous=not unreachable)
+                self.recorder.close()
+
+    def _preempted(self, sig: signal.Signals) -> None:
+        """Stop on a signal (a preemption notice): the workers get the signal first
+        and ``stop_grace`` to checkpoint, but the node leaves the rendezvous at once,
+        so its peers regroup without waiting for that grace (or a liveness window)."""
+        started = time.monotonic()
+        self.group.forward(sig)
+        self._leave_handler()
+        left_s = time.monotonic() - started
+        self.group.stop(self.config.stop_grace, None)
+        self.recorder.emit(
+            EventKind.PREEMPTION,
+            self._round_number,
+            signal=sig.name,
+            left_s=left_s,
+            grace_s=self.config.stop_grace,
+            workers_stopped_s=time.monotonic() - started,
+        )
 
     def _leave_handler(self) -> None:
         # rallypoint's handler has leave() (take this node out of the shared state
@@ -265,6 +306,7 @@ class ElasticAgent:
             # The lease guard stopped them: a new round, without spending a restart.
             self.group.stop(self.config.stop_grace)
             logger.warning("[%s] workers fenced; joining a new round", self.config.role)
+            self._restarting("fenced", charged=False)
             return None
         if outcome is RoundOutcome.SUCCEEDED:
             return self._finish()
@@ -273,7 +315,20 @@ class ElasticAgent:
         self.group.stop(self.config.stop_grace)
         if outcome is RoundOutcome.CLOSED:
             return self._closed_result(_CLOSED_WHILE_RUNNING)
-        return None  # the membership changed: a new round, the budget untouched
+        # The membership changed: a new round, the budget untouched.
+        self._failure_noticed = time.monotonic()
+        self._restarting("membership", charged=False)
+        return None
+
+    def _restarting(self, cause: str, *, charged: bool, **fields: object) -> None:
+        self.recorder.emit(
+            EventKind.RESTART,
+            self._round_number,
+            cause=cause,
+            charged=charged,
+            restarts=self._restarts_spent(),
+            **fields,
+        )
 
     def _clear_fence(self) -> bool:
         """Clear the lease guard's mark; True: the guard had stopped the workers."""
@@ -301,7 +356,16 @@ class ElasticAgent:
         """A local worker failed: regroup, spending a restart unless the failure is
         explained by the group changing, or give up."""
         self._last_failures = failures
-        failed_at = time.monotonic()
+        failed_at = self._failure_noticed = time.monotonic()
+        self.recorder.emit(
+            EventKind.FAILURE,
+            self._round_number,
+            failures=[
+                {"rank": f.global_rank, "local_rank": f.local_rank, "exitcode": f.exitcode,
+                 "message": f.message}
+                for f in failures
+            ],
+        )  # fmt: skip
         # The other local workers may hang in a collective: stop them first.
         self.group.stop(self.config.stop_grace)
         current = self._current
@@ -310,30 +374,83 @@ class ElasticAgent:
             peers=current.assignment.group_world_size - 1,
             window=self.watch.evidence_window(),
         )
-        charge = self.watch.judge_failure(failures, case, self.budget.remaining)
+        charge = self.watch.judge_failure(failures, case, self._restarts_left())
+        decide_s = time.monotonic() - failed_at
         if charge is None:  # closed while this agent waited for evidence
             return self._closed_result(_CLOSED_WHILE_RUNNING)
         if charge is Charge.FREE:
+            self._restarting("failure", charged=False, decide_s=decide_s)
             return None
-        if self.budget.spend(current.members):
-            logger.warning(
-                "[%s] worker group failed (%s); restarting, %d of %d restarts left",
-                self.config.role,
-                failures[0].message if failures else "?",
-                self.budget.remaining,
-                self.config.max_restarts,
+        if not self._spend_restart(current):
+            self._restarting("failure", charged=True, decide_s=decide_s, budget_spent=True)
+            if self._job_scope:  # the charge closed the rendezvous
+                why = f"the job-wide restart budget ({self.config.max_restarts}) is spent"
+            else:
+                self.watch.close_rendezvous()
+                why = f"max restarts ({self.config.max_restarts}) exhausted"
+            wait_for_acknowledgements(
+                current.store, current.assignment, self.watch, _CLOSE_SEEN_TIMEOUT
             )
-            return None
-        self.watch.close_rendezvous()
+            return self._failed(why, failures)
+        logger.warning(
+            "[%s] worker group failed (%s); restarting, %d of %d %srestarts left",
+            self.config.role,
+            failures[0].message if failures else "?",
+            self._restarts_left(),
+            self.config.max_restarts,
+            "job-wide " if self._job_scope else "",
+        )
+        self._restarting("failure", charged=True, decide_s=decide_s)
+        if self._failures_window is not None and self._failures_window.record(failed_at):
+            self._exclude(
+                f"{self.config.exclude_after} failures within {self.config.exclude_window:g} s"
+            )
+        return None
+
+    @property
+    def _job_scope(self) -> bool:
+        return self.config.restart_scope is RestartScope.JOB and self.view.counts_restarts
+
+    def _restarts_spent(self) -> int:
+        """Restarts spent: this agent's, or the whole job's (``--restart-scope job``)."""
+        return self.view.restarts if self._job_scope else self.budget.spent
+
+    def _restarts_left(self) -> int:
+        return max(0, self.config.max_restarts - self._restarts_spent())
+
+    def _spend_restart(self, current: _Round) -> bool:
+        """Charge the failure of the ``current`` round; False: the budget is spent."""
+        if self._job_scope:
+            # Counted once per round, whichever node's workers failed; the failure
+            # after the last restart closes the rendezvous for every node.
+            return not self.view.charge_restart(current.assignment.round)
+        return self.budget.spend(current.members)
+
+    def _failed(self, message: str, failures: list[ProcessFailure]) -> RunResult:
         return RunResult(
-            AgentState.FAILED,
-            1,
-            failures=failures,
-            message=f"max restarts ({self.config.max_restarts}) exhausted",
-            rounds=self.rounds,
+            AgentState.FAILED, 1, failures=failures, message=message, rounds=self.rounds
         )
 
+    def _exclude(self, reason: str) -> None:
+        """Take this node out of the job for ``exclusion_rounds`` rounds: it leaves
+        its round and stands by as a spare (docs/design.md, decision 10)."""
+        until = self.view.exclude()
+        logger.warning(
+            "[%s] excluding this node until round %d: %s", self.config.role, until, reason
+        )
+        self.recorder.emit(EventKind.EXCLUSION, self._round_number, reason=reason, until=until)
+        if self._failures_window is not None:
+            self._failures_window.reset()
+
     def _closed_result(self, when: str) -> RunResult:
+        if self._round is not None:
+            acknowledge_close(self._round.store, self._round.assignment)
+        if self._job_scope and self.view.restarts > self.config.max_restarts:
+            return self._failed(
+                f"the job-wide restart budget ({self.config.max_restarts}) was spent "
+                "(the last failure was on another node)",
+                self._last_failures,
+            )
         return RunResult(
             AgentState.CLOSED,
             1,
@@ -351,25 +468,30 @@ class ElasticAgent:
         assert self._round is not None
         return self._round
 
+    @property
+    def _round_number(self) -> int | None:
+        return self._round.assignment.round if self._round is not None else None
+
     def _rendezvous_and_start(self) -> None:
         joined = self._join()
-        lost = self.budget.settle(joined.members)
-        if lost:
-            # The failure was a peer's loss seen early (docs/design.md, decision 6).
-            logger.warning(
-                "[%s] round %d formed without %s: the last failure came from losing it; "
-                "its restart is refunded, %d of %d left",
-                self.config.role,
-                joined.assignment.round,
-                ", ".join(sorted(map(str, lost))),
-                self.budget.remaining,
-                self.config.max_restarts,
-            )
+        while not self._healthy(joined):
+            joined = self._join()
+        if not self._job_scope:
+            self._refund_if_lost(joined)
         self._round = joined
         a = joined.assignment
+        started = time.monotonic()
         self.group.start(self._launches(a))
         self._record_started(a)
         self.rounds += 1
+        self.recorder.emit(
+            EventKind.WORKERS_STARTED,
+            a.round,
+            workers=self.config.nproc_per_node,
+            start_s=time.monotonic() - started,
+            since_failure_s=self._since_failure(),
+        )
+        self._failure_noticed = None
         logger.info(
             "[%s] round %d: group rank %d of %d, global ranks %d..%d of %d, master %s:%d",
             self.config.role,
@@ -383,6 +505,78 @@ class ElasticAgent:
             a.master_port,
         )
 
+    def _since_failure(self) -> float | None:
+        noticed = self._failure_noticed
+        return None if noticed is None else time.monotonic() - noticed
+
+    def _refund_if_lost(self, joined: _Round) -> None:
+        lost = self.budget.settle(joined.members)
+        if lost:
+            # The failure was a peer's loss seen early (docs/design.md, decision 6).
+            logger.warning(
+                "[%s] round %d formed without %s: the last failure came from losing it; "
+                "its restart is refunded, %d of %d left",
+                self.config.role,
+                joined.assignment.round,
+                ", ".join(sorted(map(str, lost))),
+                self.budget.remaining,
+                self.config.max_restarts,
+            )
+
+    def _healthy(self, joined: _Round) -> bool:
+        """Run the pre-flight health check of ``joined`` (``--health-check``); False:
+        this node must not start workers in it (it excluded itself, or a peer
+        failed its check), and joins the next round instead."""
+        check = self.config.health_check
+        if not check.enabled:
+            return True
+        a = joined.assignment
+        env = {
+            "MASTER_ADDR": a.master_addr,
+            "MASTER_PORT": str(a.master_port),
+            "RANK": str(a.group_rank),
+            "WORLD_SIZE": str(a.group_world_size),
+            "RALLYPOINT_ROUND": str(a.round),
+        }
+        result = run_health_check(check, round_env=env, device=self._check_device())
+        self._record_check(a.round, result)
+        if result.ok:
+            return True
+        logger.warning(
+            "[%s] round %d: health check failed (%s): %s",
+            self.config.role,
+            a.round,
+            result.stage,
+            result.reason,
+        )
+        self._round = joined
+        if result.exclude_self or (
+            self._failures_window is not None
+            and result.fault == "group"
+            and self._failures_window.record(time.monotonic())
+        ):
+            self._exclude(f"health check failed in stage {result.stage}: {result.reason}")
+        return False
+
+    @staticmethod
+    def _check_device() -> str:
+        """The device the health check's matmul runs on: every visible CUDA device
+        where there is one."""
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def _record_check(self, round_: int, result: HealthResult) -> None:
+        self.recorder.emit(
+            EventKind.HEALTH_CHECK,
+            round_,
+            ok=result.ok,
+            seconds=result.seconds,
+            stage=result.stage,
+            fault=result.fault,
+            reason=result.reason,
+        )
+
     def _join(self) -> _Round:
         """The next round, with this agent's ranks in it agreed.
 
@@ -392,7 +586,9 @@ class ElasticAgent:
         attempt = 0
         while True:
             attempt += 1
+            started = time.monotonic()
             info = self.handler.next_rendezvous()
+            rendezvous_s = time.monotonic() - started
             members = self.watch.round_members()
             last = self._round.assignment.round if self._round is not None else -1
             try:
@@ -407,6 +603,14 @@ class ElasticAgent:
                     choose_master=functools.partial(choose_master, self.config, self.handler, info),
                     dead_peers=self.view.dead_participants,
                 )
+                self.recorder.emit(
+                    EventKind.ROUND,
+                    assignment.round,
+                    group_rank=assignment.group_rank,
+                    group_world_size=assignment.group_world_size,
+                    rendezvous_s=rendezvous_s,
+                    since_failure_s=self._since_failure(),
+                )
                 return _Round(assignment, info.store, members)
             except (RoundAbandoned, RuntimeError) as exc:  # store errors are RuntimeErrors
                 if attempt == _ASSIGN_ATTEMPTS:
@@ -420,7 +624,7 @@ class ElasticAgent:
             self.argv,
             a,
             attempt_dir=self._attempt_dir(self.rounds),
-            restarts=self.budget.spent,
+            restarts=self._restarts_spent(),
             return_values=self.return_values,
         )
 

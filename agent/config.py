@@ -29,6 +29,7 @@ from ..adapters.config import (
     check_seconds,
     format_endpoint,
 )
+from .health import HealthCheckConfig
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing import LogsSpecs
@@ -49,6 +50,7 @@ __all__ = [
     "TORCH_BACKENDS",
     "ConfigError",
     "LaunchConfig",
+    "RestartScope",
     "Std",
     "check_host",
     "check_nnodes",
@@ -63,6 +65,17 @@ __all__ = [
 logger = logging.getLogger("rallypoint.agent")
 
 DEFAULT_ROLE = "default"
+
+
+class RestartScope(enum.Enum):
+    """What ``--max-restarts`` counts (``--restart-scope``)."""
+
+    #: each agent its own restarts, as torchrun does
+    AGENT = "agent"
+    #: the whole job's failure-caused rounds, in the shared state (rallypoint's
+    #: rendezvous only; docs/design.md, decision 10)
+    JOB = "job"
+
 
 #: torchrun's ``--signals-to-handle`` default: the signals that stop the agent gracefully.
 DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
@@ -351,6 +364,17 @@ class LaunchConfig:
             default) it sets ``stop_grace``.
         logs_specs: a torch ``LogsSpecs`` deciding where each worker's output and error
             file go (``--logs-specs``); None: rallypoint's private log directory.
+        restart_scope: whether ``max_restarts`` counts this agent's restarts
+            (torchrun's rule) or the whole job's (``--restart-scope job``).
+        exclusion_rounds: how many rounds a node that excluded itself sits out,
+            standing by as a spare (``--exclusion-rounds``; every node the same).
+        exclude_after: a node whose workers fail this many times within
+            ``exclude_window`` seconds excludes itself (0: never).
+        exclude_window: see ``exclude_after``.
+        health_check: the pre-flight check before each round's workers start
+            (``--health-check``); a node failing it excludes itself.
+        events_file: where rallypoint's structured events go, as JSON lines
+            (``--events-file``; None: logging only).
     """
 
     min_nodes: int
@@ -387,6 +411,12 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     shutdown_timeout: float | None = None
     logs_specs: LogsSpecs | None = None
+    restart_scope: RestartScope = RestartScope.AGENT
+    exclusion_rounds: int = 1
+    exclude_after: int = 0
+    exclude_window: float = 600.0
+    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+    events_file: str | None = None
     #: ``signals_to_handle`` parsed (set by validation).
     stop_signals: tuple[signal.Signals, ...] = field(init=False, default=())
 
@@ -413,8 +443,50 @@ class LaunchConfig:
         if not self.role:
             raise ConfigError("--role must not be empty")
         self._check_rendezvous()
+        self._check_recovery()
         self._check_devices()
         self._check_torch_options()
+
+    def _check_recovery(self) -> None:
+        """The job-wide budget, exclusions and the health check: their values, and
+        that the rendezvous keeps them (rallypoint's; torch's cannot)."""
+        try:
+            self.restart_scope = RestartScope(self.restart_scope)
+        except ValueError:
+            raise ConfigError(
+                f"--restart-scope {self.restart_scope!r}: expected agent or job"
+            ) from None
+        for value, flag, low in (
+            (self.exclusion_rounds, "--exclusion-rounds", 1),
+            (self.exclude_after, "--exclude-after", 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{flag} must be an integer >= {low}, got {value!r}")
+        check_seconds(self.exclude_window, "--exclude-window")
+        if not isinstance(self.health_check, HealthCheckConfig):
+            raise ConfigError("health_check must be a HealthCheckConfig")
+        wanted = [
+            flag
+            for flag, used in (
+                ("--restart-scope job", self.restart_scope is RestartScope.JOB),
+                ("--exclude-after", self.exclude_after > 0),
+                ("--health-check", self.health_check.enabled),
+            )
+            if used
+        ]
+        if wanted and BACKENDS[self.rdzv_backend] != "rallypoint":
+            raise ConfigError(
+                f"{', '.join(wanted)} needs rallypoint's rendezvous (--rdzv-backend c10d or "
+                f"etcd), which keeps restarts and exclusions in the shared state; "
+                f"{self.rdzv_backend} cannot"
+            )
+
+    def shared_recovery_settings(self) -> dict[str, object]:
+        """The rendezvous settings every node of the job must agree on that come
+        from the launcher's flags: the job-wide restart budget and the length of
+        an exclusion."""
+        budget = self.max_restarts if self.restart_scope is RestartScope.JOB else None
+        return {"restart_budget": budget, "exclusion_rounds": self.exclusion_rounds}
 
     def _check_rendezvous(self) -> None:
         """The backend, its endpoint and options, and the addresses; the endpoint's

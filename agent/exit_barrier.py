@@ -11,6 +11,11 @@ closing a closed one costs a read), counts itself out, then waits until all have
 Whichever agent hosts the store therefore stays until every agent has seen
 ``done`` and closed: none of them then finds the store gone and logs a failed
 close (issue 12, point 6); once counted out, a vanished store is harmless.
+
+A job that ends in failure ends the same way, shorter: the agent that gave up and
+closed the rendezvous waits (bounded) until the round's other agents have seen
+it closed (:func:`acknowledge_close`, :func:`wait_for_acknowledgements`), so
+that, if it hosts the store, they report the failure instead of a lost store.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from .monitor import GroupWatch
 from .ranks import KEY_PREFIX, Assignment
 from .signals import SignalReceived
 
-__all__ = ["exit_barrier"]
+__all__ = ["acknowledge_close", "exit_barrier", "wait_for_acknowledgements"]
 
 logger = logging.getLogger("rallypoint.agent")
 
@@ -92,3 +97,28 @@ def _leave(store: Store, prefix: str, agents: int, watch: GroupWatch, deadline: 
         if time.monotonic() >= deadline or watch.view.dead_participants():
             break
         time.sleep(min(watch.interval, _LEAVE_PAUSE))
+
+
+def acknowledge_close(store: Store, a: Assignment) -> None:
+    """Tell the agent that closed the rendezvous of round ``a`` that this one saw it
+    (best effort: the store may be gone already)."""
+    try:
+        store.add(f"{KEY_PREFIX}/{a.round}/closed-seen", 1)
+    except Exception as exc:
+        logger.debug("acknowledging the close: %s: %s", type(exc).__name__, exc)
+
+
+def wait_for_acknowledgements(
+    store: Store, a: Assignment, watch: GroupWatch, timeout: float
+) -> None:
+    """After closing the rendezvous of round ``a`` on a failure: wait, at most
+    ``timeout`` s, until the round's other agents have seen it closed."""
+    key = f"{KEY_PREFIX}/{a.round}/closed-seen"
+    deadline = time.monotonic() + timeout
+    try:
+        while store.add(key, 0) < a.group_world_size - 1:
+            if time.monotonic() >= deadline or watch.view.dead_participants():
+                return
+            time.sleep(min(watch.interval, _LEAVE_PAUSE))
+    except Exception as exc:
+        logger.debug("waiting for the close to be seen: %s: %s", type(exc).__name__, exc)

@@ -40,11 +40,13 @@ from .config import (
     START_METHODS,
     ConfigError,
     LaunchConfig,
+    RestartScope,
     check_nnodes,
     check_nproc,
     check_run_id,
     parse_std,
 )
+from .health import HealthCheckConfig, HealthCheckConfigError
 from .logs import make_log_root
 
 if TYPE_CHECKING:
@@ -239,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(opt)
     _add_address_flags(opt)
     _add_worker_flags(opt)
+    _add_recovery_flags(opt)
     p.add_argument("training_script", help="the script, module or program to run.")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return p
@@ -374,6 +377,70 @@ def _add_worker_flags(opt: _AddFlag) -> None:
         help="seconds a finished node waits for the others.",
     )
     opt("--bind-gpus", action=flag, help="CUDA_VISIBLE_DEVICES: one device per local rank.")
+
+
+def _add_recovery_flags(opt: _AddFlag) -> None:
+    """rallypoint's recovery options: a job-wide budget, exclusion, health checks,
+    events (docs/agent.md, "Beyond torchrun")."""
+    env, flag = _EnvDefault, _EnvFlag
+    opt(
+        "--restart-scope",
+        action=env,
+        default="agent",
+        choices=[s.value for s in RestartScope],
+        help="what --max-restarts counts: each agent's restarts (agent, torchrun's rule) or "
+        "the whole job's failure-caused rounds, kept in the rendezvous (job).",
+    )
+    opt(
+        "--health-check",
+        action=flag,
+        help="before each round's workers start, check this node (a matmul on each "
+        "device, an all-reduce among the round's nodes); a node that fails sits out.",
+    )
+    opt("--health-check-timeout", action=env, type=float, default=60.0, help="seconds.")
+    opt(
+        "--health-check-command",
+        action=env,
+        default=None,
+        help="a shell command the check also runs (exit 0: healthy); implies --health-check.",
+    )
+    opt(
+        "--health-check-callable",
+        action=env,
+        default=None,
+        help="module:function the check also calls (raising or returning False: "
+        "unhealthy); implies --health-check.",
+    )
+    opt(
+        "--exclude-after",
+        action=env,
+        type=int,
+        default=0,
+        help="a node whose workers fail this many times within --exclude-window excludes "
+        "itself (0: never).",
+    )
+    opt("--exclude-window", action=env, type=float, default=600.0, help="seconds.")
+    opt(
+        "--exclusion-rounds",
+        action=env,
+        type=int,
+        default=1,
+        help="rounds an excluded node sits out, standing by as a spare.",
+    )
+    opt("--events-file", action=env, default=None, help="write structured events (JSON lines).")
+
+
+def _health_check(args: argparse.Namespace) -> HealthCheckConfig:
+    command, call = args.health_check_command, args.health_check_callable
+    try:
+        return HealthCheckConfig(
+            enabled=bool(args.health_check or command or call),
+            timeout=args.health_check_timeout,
+            command=command,
+            callable=call,
+        )
+    except HealthCheckConfigError as exc:
+        raise ConfigError(f"--health-check: {exc}") from None
 
 
 def _parse_nnodes(text: str) -> tuple[int, int]:
@@ -679,6 +746,12 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         duplicate_stderr_filters=args.duplicate_stderr_filters,
         virtual_local_rank=args.virtual_local_rank,
         logs_specs=logs_specs,
+        restart_scope=args.restart_scope,
+        exclusion_rounds=args.exclusion_rounds,
+        exclude_after=args.exclude_after,
+        exclude_window=args.exclude_window,
+        health_check=_health_check(args),
+        events_file=args.events_file,
     )
     config.rendezvous_endpoint()  # a missing endpoint fails now, before torch loads
     return config

@@ -16,6 +16,8 @@ degrades to polling when a handler lacks them.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Any
 
@@ -29,6 +31,7 @@ from .config import (
     LaunchConfig,
     parse_endpoint,
 )
+from .errors import AgentError
 
 __all__ = [
     "BACKENDS",
@@ -54,6 +57,8 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
     elif config.standalone:
         configs.setdefault("is_host", True)
     rallypoint = BACKENDS[backend] == "rallypoint"
+    if rallypoint:
+        configs.update(config.shared_recovery_settings())
     params = RendezvousParameters(
         backend=backend if rallypoint else TORCH_BACKENDS[backend],
         endpoint=config.rendezvous_endpoint(),
@@ -78,6 +83,44 @@ class HandlerView:
         self._dead = getattr(handler, "dead_participants", None)
         self._wait = getattr(handler, "wait_for_change", None)
         self._fence = getattr(handler, "must_fence", None)
+        self._charge = getattr(handler, "charge_restart", None)
+        self._exclude = getattr(handler, "exclude", None)
+
+    @property
+    def node_name(self) -> str:
+        """This node as the handler names it (rallypoint's: ``addr_pid_localid``),
+        else ``host_pid`` of this agent."""
+        node = getattr(self.handler, "node", None)
+        return str(node) if node is not None else f"{socket.gethostname()}_{os.getpid()}"
+
+    @property
+    def counts_restarts(self) -> bool:
+        """Whether the handler keeps the job-wide restart count (rallypoint's)."""
+        return self._charge is not None
+
+    @property
+    def restarts(self) -> int:
+        """The job-wide restart count (only where :attr:`counts_restarts`)."""
+        return int(self.handler.restarts)  # type: ignore[attr-defined]
+
+    def charge_restart(self, round_: int) -> bool:
+        """Count a failure of round ``round_`` job-wide; True: that spent the
+        budget (the rendezvous is closed). Only where :attr:`counts_restarts`."""
+        assert self._charge is not None
+        return bool(self._charge(round_))
+
+    @property
+    def excludes(self) -> bool:
+        """Whether the handler can exclude this node for some rounds (rallypoint's)."""
+        return self._exclude is not None
+
+    def exclude(self) -> int:
+        """Exclude this node; the first round it may take part in again."""
+        if self._exclude is None:
+            raise AgentError(
+                "this rendezvous backend cannot exclude a node (use c10d or etcd, rallypoint's own)"
+            )
+        return int(self._exclude())
 
     @property
     def knows_round(self) -> bool:

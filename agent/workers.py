@@ -312,19 +312,28 @@ class WorkerGroup:
             self._kill_trees(grace, signal.SIGTERM)
             return True
 
-    def stop(self, grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
+    def stop(self, grace: float, sig: signal.Signals | None = signal.SIGTERM) -> None:
         """Send ``sig`` (SIGTERM unless given: a stop signal the agent received is
-        forwarded, as torchrun does) to every worker's process tree, wait up to
-        ``grace`` s, then SIGKILL the rest."""
+        forwarded, as torchrun does; None: they were sent one already, see
+        :meth:`forward`) to every worker's process tree, wait up to ``grace`` s,
+        then SIGKILL the rest."""
         with self._lock:
             self._stop(grace, sig)
 
-    def _kill_trees(self, grace: float, sig: signal.Signals) -> None:
+    def forward(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to every worker's process tree now, without waiting (a
+        preempted agent lets them checkpoint while it leaves the rendezvous)."""
+        with self._lock:
+            for worker in self.workers:
+                _signal_tree(_tree(worker.pid), sig)
+
+    def _kill_trees(self, grace: float, sig: signal.Signals | None) -> None:
         """``sig`` to every worker's process tree, up to ``grace`` s for them to
         exit, then SIGKILL to what is left of the trees (nothing is reaped)."""
         trees = [_tree(w.pid) for w in self.workers]
         for tree in trees:
-            _signal_tree(tree, sig)
+            if sig is not None:
+                _signal_tree(tree, sig)
         deadline = time.monotonic() + grace
         pause = 0.001
         while any(w.poll() is None for w in self.workers):
@@ -336,7 +345,7 @@ class WorkerGroup:
         for tree in trees:
             _signal_tree(tree, signal.SIGKILL)
 
-    def _stop(self, grace: float, sig: signal.Signals = signal.SIGTERM) -> None:
+    def _stop(self, grace: float, sig: signal.Signals | None = signal.SIGTERM) -> None:
         if not self.workers:
             self._close_watchdog()
             return

@@ -307,8 +307,6 @@ def decode_state(data: bytes, settings: Settings | None = None) -> RendezvousSta
             could make progress from.
     """
     state = _state_of(_document(data))
-    _check_round(state)
-    _check_members(state)
     if settings is not None:
         _check_against(
             settings,
@@ -318,6 +316,9 @@ def decode_state(data: bytes, settings: Settings | None = None) -> RendezvousSta
             len(state.participants),
             state.last_call,
         )
+    _check_round(state)
+    _check_members(state)
+    if settings is not None:
         _check_budget(state, settings.restart_budget)
     return state
 

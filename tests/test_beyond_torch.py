@@ -7,6 +7,8 @@ killed by the fixture, and each test asserts that none is left behind.
 
 from __future__ import annotations
 
+import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,4 +99,142 @@ def test_a_spare_takes_the_lost_nodes_rank_and_the_survivors_keep_theirs(
     (cluster.dir / "finish").touch()
     for name in ("spare", *(n for n in "abc" if n != victim)):
         assert cluster.wait(name, WAIT) == 0, cluster.logs()
+    assert cluster.leftovers() == []
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return read_jsonl(path)
+
+
+def _of(events: list[dict[str, Any]], kind: str, pid: int | None = None) -> list[dict[str, Any]]:
+    """The events of ``kind`` (of the agent with ``pid``: node names end in _pid_0)."""
+    return [
+        e
+        for e in events
+        if e["kind"] == kind and (pid is None or e["node"].endswith(f"_{pid}_0"))
+    ]
+
+
+@pytest.mark.integration
+def test_a_job_wide_budget_of_two_spent_by_two_nodes_ends_the_job(cluster: Cluster) -> None:
+    """--restart-scope job --max-restarts 2: round 0's failure is on one node, round
+    1's on the other, round 2's on the first again. Two restarts were the job's
+    whole budget (per agent, torchrun's rule would have allowed four), so the third
+    failure ends the job on both agents, and every worker of a round saw the same
+    restart count."""
+    port, events_file = free_port(), cluster.dir / "events.jsonl"
+    args = _args(
+        port, "budget", "2", "--max-restarts", "2", "--restart-scope", "job",
+        "--events-file", str(events_file),
+    )  # fmt: skip
+    for name in "ab":
+        host = "true" if name == "a" else "false"
+        cluster.start(
+            [*args, "--rdzv-conf", f"{CONF},is_host={host}", WORKER, str(cluster.dir),
+             "fail-by-round"],
+            name,
+        )  # fmt: skip
+    codes = {name: cluster.wait(name, WAIT) for name in "ab"}
+    logs = cluster.logs()
+    assert codes == {"a": 1, "b": 1}, logs
+    assert "job-wide restart budget (2)" in logs
+    rounds = _rounds(read_jsonl(cluster.dir / "records.jsonl"))
+    assert sorted(rounds) == [0, 1, 2], logs
+    for number, recs in rounds.items():
+        assert {r["TORCHELASTIC_RESTART_COUNT"] for r in recs} == {str(number)}, recs
+        assert {r["TORCHELASTIC_MAX_RESTARTS"] for r in recs} == {"2"}
+    events = _events(events_file)
+    charged = [e for e in _of(events, "restart") if e["charged"]]
+    assert len({e["node"] for e in charged}) == 2, charged  # spent by both nodes
+    finished = _of(events, "finished")
+    assert sorted(e["state"] for e in finished) == ["failed", "failed"], (finished, logs)
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.integration
+def test_a_node_failing_its_health_check_is_excluded_and_a_spare_takes_its_place(
+    cluster: Cluster,
+) -> None:
+    """a and b form a round of two; c then stands by as a spare. b's health check
+    fails (its command exits 1): b excludes itself, a learns that b failed and
+    rejoins, and the next round runs a and the spare c. b never starts a worker and
+    ends quietly, still standing by, when the job finishes."""
+    port, events_file = free_port(), cluster.dir / "events.jsonl"
+    args = _args(
+        port, "health", "2", "--max-restarts", "1", "--health-check-timeout", "60",
+        "--health-check-command", 'test -z "$HEALTH_BAD"', "--events-file", str(events_file),
+    )  # fmt: skip
+
+    def start(name: str, *, host: bool = False, bad: bool = False) -> None:
+        rdzv = f"{CONF},is_host={'true' if host else 'false'}"
+        env = {"HEALTH_BAD": "1"} if bad else None
+        cluster.start([*args, "--rdzv-conf", rdzv, WORKER, str(cluster.dir), "watch"], name,
+                      env=env)  # fmt: skip
+
+    start("a", host=True)
+    start("b", bad=True)
+    cluster.wait_for(
+        lambda: len(_of(_events(events_file), "round")) >= 2, "round 0 of a and b", WAIT
+    )
+    start("c")
+    pids = {name: cluster.agents[name].pid for name in "abc"}
+    records = cluster.dir / "records.jsonl"
+    running = cluster.wait_for(
+        lambda: _full_round(read_jsonl(records), 2), "a round with the spare", WAIT
+    )
+    assert {int(r["agent_pid"]) for r in running} == {pids["a"], pids["c"]}, cluster.logs()
+    assert all(int(r["agent_pid"]) != pids["b"] for r in read_jsonl(records))
+    events = _events(events_file)
+    (excluded,) = _of(events, "exclusion", pids["b"])
+    assert "health check failed" in excluded["reason"] and excluded["until"] == 2
+    failed_b = [e for e in _of(events, "health_check", pids["b"]) if not e["ok"]]
+    assert failed_b and failed_b[0]["fault"] == "self" and failed_b[0]["stage"] == "command"
+    assert [e["fault"] for e in _of(events, "health_check", pids["a"])][:1] == ["peers"]
+    assert any(e["ok"] for e in _of(events, "health_check", pids["c"]))
+    (cluster.dir / "finish").touch()
+    codes = {name: cluster.wait(name, WAIT) for name in "abc"}
+    assert codes == {"a": 0, "b": 0, "c": 0}, cluster.logs()
+    assert "waited as a spare" in cluster.agents["b"].log()
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.integration
+def test_a_preempted_agent_leaves_at_once_while_its_workers_checkpoint(
+    cluster: Cluster,
+) -> None:
+    """Three agents (--nnodes 2:3) with the default 15 s liveness window and a 20 s
+    stop grace. c gets SIGTERM (a spot VM's notice): its worker gets SIGTERM and
+    checkpoints for a second, while c leaves the rendezvous at once, so a and b
+    start a round of two long before the liveness window or c's grace would end."""
+    port, events_file = free_port(), cluster.dir / "events.jsonl"
+    args = _args(
+        port, "preempt", "2:3", "--max-restarts", "1", "--events-file", str(events_file),
+    )  # fmt: skip
+    args[args.index("--stop-grace") + 1] = "20"
+    for name in "abc":
+        host = "true" if name == "a" else "false"
+        cluster.start(
+            [*args, "--rdzv-conf", f"last_call_timeout=0.3,is_host={host}", WORKER,
+             str(cluster.dir), "checkpoint"],
+            name,
+        )  # fmt: skip
+    records = cluster.dir / "records.jsonl"
+    first = cluster.wait_for(lambda: _full_round(read_jsonl(records), 3), "a round of 3", WAIT)
+    first_round = int(first[0]["RALLYPOINT_ROUND"])
+    signalled = time.time()
+    cluster.stop("c", signal.SIGTERM)
+    second = cluster.wait_for(
+        lambda: _full_round(read_jsonl(records), 2, after=first_round), "a round of 2", WAIT
+    )
+    regrouped_after = max(float(r["time"]) for r in second) - signalled
+    assert regrouped_after < 10.0, (regrouped_after, cluster.logs())
+    assert cluster.wait("c", WAIT) == 128 + signal.SIGTERM, cluster.logs()
+    c_pid = cluster.agents["c"].pid
+    (c_worker,) = [r for r in first if int(r["agent_pid"]) == c_pid]
+    checkpoint = json.loads((cluster.dir / f"checkpoint.{c_worker['pid']}").read_text())
+    assert checkpoint["done"] - checkpoint["signal"] >= 1.0  # it had the time to write it
+    (preempted,) = _of(_events(events_file), "preemption", c_pid)
+    assert preempted["signal"] == "SIGTERM" and preempted["left_s"] < 1.0, preempted
+    (cluster.dir / "finish").touch()
+    assert {name: cluster.wait(name, WAIT) for name in "ab"} == {"a": 0, "b": 0}
     assert cluster.leftovers() == []

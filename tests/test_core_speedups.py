@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from immutables import Map
 
@@ -66,6 +66,8 @@ def any_settings(draw: st.DrawFn) -> Settings:
         keep_alive_max_attempt=draw(st.integers(1, 3)),
         rollback_period=draw(st.sampled_from([0.0, 5.0])),
         stable_ranks=draw(st.booleans()),
+        restart_budget=draw(st.none() | st.integers(0, 2)),
+        exclusion_rounds=draw(st.integers(1, 2)),
     )
 
 
@@ -88,6 +90,9 @@ def any_states(draw: st.DrawFn) -> RendezvousState:
         last_call_seq=(last_call or 0) + draw(st.integers(0, 2)),
         last_ranks=draw(st.dictionaries(nodes, st.integers(-1, 5), max_size=4)),
         heartbeat_seq=max(heartbeats.values(), default=0) + draw(st.integers(0, 2)),
+        restarts=draw(st.integers(0, 3)),
+        charged_through=draw(st.integers(0, 3)),
+        excluded=draw(st.dictionaries(nodes, st.integers(0, 4), max_size=3)),
     )
 
 
@@ -254,9 +259,11 @@ def _reference_keep_alive(state: RendezvousState, node: NodeDesc) -> RendezvousS
 def _reference_epilogue(state: RendezvousState, s: Settings) -> RendezvousState:
     if state.complete:
         if not state.participants:
-            return state.evolve(
+            state = state.evolve(
                 complete=False, world_size=0, round=state.round + 1, intent_cursor=0
             )
+            running = {n: u for n, u in state.excluded.items() if u > state.round}
+            return state.evolve(excluded=running) if running != dict(state.excluded) else state
         return state
     if len(state.participants) < s.min_nodes and state.last_call is not None:
         return state.evolve(last_call=None)
@@ -344,6 +351,26 @@ def _reference_apply(
         return _reference_complete(state, s)
     if action is a.MARK_RENDEZVOUS_CLOSED:
         return state.evolve(closed=True)
+    if action is a.CHARGE_RESTART:
+        if state.charged_through > state.round:
+            return f"round {state.round}'s failure is already counted"
+        state = state.evolve(restarts=state.restarts + 1, charged_through=state.round + 1)
+        if s.restart_budget is not None and state.restarts > s.restart_budget:
+            state = state.evolve(closed=True)
+        return state
+    if action is a.EXCLUDE:
+        until = state.round + s.exclusion_rounds + (1 if state.complete else 0)
+        excluded = state.excluded.set(node, max(until, state.excluded.get(node, 0)))
+        state = state.evolve(
+            excluded=excluded,
+            heartbeats=without,
+            wait_list=state.wait_list - {node},
+            redundancy_list=state.redundancy_list - {node},
+        )
+        if node not in state.participants:
+            return state
+        state = state.evolve(participants=state.participants.delete(node))
+        return _reference_epilogue(state, s)
     assert action is a.KEEP_ALIVE
     if node not in state.heartbeats:
         return "has no heartbeat entry"
@@ -369,7 +396,7 @@ def test_each_effect_gives_the_state_its_field_by_field_definition_gives(state, 
     assert new == expected
     assert hash(new) == hash(expected)
     assert "_hash" not in vars(new) or vars(new)["_hash"] == hash(expected)
-    for name in ("participants", "heartbeats", "last_ranks"):
+    for name in ("participants", "heartbeats", "last_ranks", "excluded"):
         assert isinstance(getattr(new, name), Map)
     for name in ("wait_list", "redundancy_list"):
         assert isinstance(getattr(new, name), frozenset)
@@ -523,6 +550,9 @@ def test_after_read_builds_the_view_replace_would(view, node, state, side, now, 
 def test_after_write_wait_and_beat_build_the_views_replace_would(
     view, node, won, stored, now, beat
 ):
+    # Sightings are taken on a monotonic clock: none is later than now. (Otherwise
+    # a renewal's "recorded by a later renewal" rule compares against the future.)
+    assume(all(seen.since <= now for seen in view.observations.heartbeats.values()))
     state = RendezvousState() if stored is None else stored
     obs = observe(view.observations, state, now, counters=False)
     expected = view._replace(

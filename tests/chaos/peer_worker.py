@@ -12,6 +12,12 @@ count, pid and its agent's pid), then, by MODE:
   group and both looping forever; writes their pids to ``OUT/spawned.<rank>``; waits
   for ``OUT/finish``.
 * ``quick``: exits 0 after half a second.
+* ``fail-by-round``: in round R, the worker of group rank R mod the group's size exits
+  3 once every worker of its round has started (each node's workers fail in turn);
+  the others wait for ``OUT/finish``.
+* ``checkpoint``: on SIGTERM, "checkpoints" for a second (writes
+  ``OUT/checkpoint.<pid>`` with the time the signal came and the time it finished),
+  then exits 0; otherwise waits for ``OUT/finish``.
 """
 
 from __future__ import annotations
@@ -90,6 +96,23 @@ def main() -> None:
         wait_for_round(out, me)
         print("rank 1: a bug that fails every attempt", file=sys.stderr, flush=True)
         sys.exit(3)
+    if mode == "fail-by-round":
+        size = int(str(me["GROUP_WORLD_SIZE"]))
+        if int(str(me["GROUP_RANK"])) == int(str(me["RALLYPOINT_ROUND"])) % size:
+            wait_for_round(out, me)
+            print(f"group rank {me['GROUP_RANK']}: failing in its turn", file=sys.stderr)
+            sys.exit(3)
+    if mode == "checkpoint":
+        import signal
+
+        def checkpoint(signum: int, frame: object) -> None:
+            got = time.time()
+            time.sleep(1.0)
+            with open(os.path.join(out, f"checkpoint.{os.getpid()}"), "w") as fp:
+                json.dump({"signal": got, "done": time.time()}, fp)
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, checkpoint)
     if mode == "spawn":
         child = subprocess.Popen(
             [sys.executable, "-c", SPAWN_CHILD, LOOP], stdout=subprocess.PIPE, text=True

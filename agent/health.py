@@ -1,0 +1,544 @@
+"""The pre-flight health check: may this node take part in the round about to start?
+
+Before its workers start in a round, a node can check itself (``--health-check``):
+
+1. the user's *command*, if any (a shell command run with the round's environment;
+   exit status 0 is healthy);
+2. ``import torch`` and a small matrix product on each device of the node's kind
+   (every visible CUDA device for ``"cuda"``, the CPU for ``"cpu"``), compared with
+   the CPU's float64 result;
+3. the user's *callable*, if any (``module:function`` or ``path.py:function``,
+   called with no arguments; raising, exiting, or returning a false value other
+   than None is unhealthy);
+4. among several nodes, unless ``collective=False``: a small rendezvous on the
+   round's ``MASTER_ADDR:MASTER_PORT``, where every node posts whether steps 1-3
+   passed and group rank 0 posts a verdict, then, if every node came and passed,
+   an all-reduce of ones through a fresh process group (NCCL on CUDA, gloo
+   otherwise) whose sum must be the world size.
+
+Steps 2-4 run in a fresh Python process (:mod:`rallypoint.agent._health_worker`)
+and step 1 in a shell, each in a session of its own: a hung driver call, a
+segfault in a CUDA library or a user check that never returns cannot take the
+agent down or wedge it. At the deadline the process group and every descendant
+are SIGKILLed, and the check reports a timeout.
+
+The whole check ends within ``timeout`` seconds. The local steps (1-3) get the
+first half of it, so a node that fails on its own still reaches the rendezvous in
+time to *tell* its peers; rank 0 waits for the others until three quarters of the
+timeout; the collective gets the rest.
+
+Blame. A failing check says whose fault it was (:attr:`HealthResult.fault`), so
+that one sick node does not make its healthy peers exclude themselves:
+
+* ``"self"``: a local step failed or hung here; this node should exclude itself.
+* ``"peers"``: this node is fine, but the group ranks in :attr:`HealthResult.peers`
+  failed their own checks or never came (they exclude themselves, or are gone):
+  the round will change; this node should not start workers in it, nor exclude
+  itself.
+* ``"group"``: every node came and passed on its own, but the collective among
+  them failed or hung (a network or fabric problem no single node can be blamed
+  for), or the check's rendezvous itself could not be held.
+
+:class:`FailureWindow` decides when workers that fail again and again make a node
+exclude itself (``limit`` failures within ``window`` seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import psutil
+
+from ._health_worker import GROUP_STAGES, LOCAL_STAGES, SPEC_ENV
+from .errors import describe_exit
+
+__all__ = [
+    "LOCAL_SHARE",
+    "RENDEZVOUS_SHARE",
+    "STAGES",
+    "FailureWindow",
+    "Fault",
+    "HealthCheckConfig",
+    "HealthCheckConfigError",
+    "HealthResult",
+    "run_health_check",
+]
+
+#: Who a failed check blames (see the module docstring).
+Fault = Literal["none", "self", "peers", "group"]
+
+#: Every stage name a result can carry, in the order they run.
+STAGES: tuple[str, ...] = (*LOCAL_STAGES, *GROUP_STAGES)
+
+#: Share of ``timeout`` the local steps (command, torch, matmul, callable) may use.
+LOCAL_SHARE = 0.5
+#: Rank 0 waits for every node's status until this share of ``timeout``.
+RENDEZVOUS_SHARE = 0.75
+
+_MIN_TIMEOUT = 1.0
+_MAX_TIMEOUT = 7 * 24 * 3600.0
+_POLL = 0.02
+_TAIL_LINES = 6
+_TAIL_CHARS = 600
+_CALLABLE = re.compile(
+    r"^(?:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*|[^:\0]+\.py):[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
+)
+
+
+class HealthCheckConfigError(ValueError):
+    """A health-check setting that cannot work; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class HealthCheckConfig:
+    """What the pre-flight health check runs. Validated on construction.
+
+    Attributes:
+        enabled: run the check at all (``--health-check``). False: every call
+            passes at once, and a ``command`` or ``callable`` is an error.
+        timeout: seconds the whole check may take, at least 1 and at most a week.
+        command: a shell command run with the round's environment; exit 0 is
+            healthy. None: no command.
+        callable: ``module:function`` (or ``path/file.py:function``) called with
+            no arguments in the check's process; raising, exiting, or returning a
+            false value other than None is unhealthy. None: no callable.
+        collective: with more than one node in the round, meet the other nodes and
+            run an all-reduce among them.
+    """
+
+    enabled: bool = False
+    timeout: float = 60.0
+    command: str | None = None
+    callable: str | None = None
+    collective: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "collective"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise HealthCheckConfigError(f"{name} must be True or False, got {value!r}")
+        timeout = self.timeout
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+            or timeout > _MAX_TIMEOUT
+        ):
+            raise HealthCheckConfigError(
+                f"timeout must be a number of seconds in [{_MIN_TIMEOUT:g}, "
+                f"{_MAX_TIMEOUT:g}] (a week), got {timeout!r}"
+            )
+        if timeout < _MIN_TIMEOUT:
+            raise HealthCheckConfigError(
+                f"timeout must be at least {_MIN_TIMEOUT:g} s (the check starts Python and "
+                f"imports torch; 30-60 s suits most nodes), got {timeout!r}"
+            )
+        command = self.command
+        if command is not None:
+            if not isinstance(command, str) or not command.strip():
+                raise HealthCheckConfigError(
+                    f"command must be a non-empty shell command, got {command!r}"
+                )
+            if "\0" in command:
+                raise HealthCheckConfigError("command must not contain a NUL character")
+        spec = self.callable
+        if spec is not None:
+            if not isinstance(spec, str):
+                raise HealthCheckConfigError(
+                    f"callable must be a string 'module:function', got {spec!r}"
+                )
+            if not _CALLABLE.match(spec):
+                raise HealthCheckConfigError(
+                    "callable must name a function as module:function (e.g. "
+                    f"'mychecks.gpu:check') or path/file.py:function, got {spec!r}"
+                )
+        if not self.enabled:
+            for name in ("command", "callable"):
+                if getattr(self, name) is not None:
+                    raise HealthCheckConfigError(
+                        f"a health-check {name} is set but the health check is not enabled: "
+                        f"enable it (enabled=True, --health-check) or drop the {name}"
+                    )
+
+
+@dataclass(frozen=True)
+class HealthResult:
+    """The outcome of one pre-flight health check.
+
+    Attributes:
+        ok: the node passed every stage it ran.
+        reason: what passed (``ok``), or what failed and why, in one line.
+        seconds: how long the check took.
+        stage: the stage that failed (one of :data:`STAGES`); ``""`` when ``ok``.
+        fault: whom the failure blames: ``"none"`` when ok, else ``"self"``,
+            ``"peers"`` or ``"group"`` (see the module docstring).
+        peers: the group ranks blamed when ``fault == "peers"``, sorted.
+    """
+
+    ok: bool
+    reason: str
+    seconds: float
+    stage: str
+    fault: Fault = "none"
+    peers: tuple[int, ...] = ()
+
+    @property
+    def exclude_self(self) -> bool:
+        """True when this node should exclude itself: the failure is its own."""
+        return self.fault == "self"
+
+
+class FailureWindow:
+    """Counts failures in a sliding time window (``--exclude-after``-style policies).
+
+    Pure: the caller passes the time (any clock, in seconds). :meth:`record`
+    returns True when the failure it records makes ``limit`` failures within the
+    last ``window`` seconds (inclusive): the node should exclude itself. The
+    window then starts empty, so the next exclusion needs ``limit`` new failures.
+    """
+
+    def __init__(self, limit: int, window: float) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise HealthCheckConfigError(f"limit must be an integer >= 1, got {limit!r}")
+        if (
+            isinstance(window, bool)
+            or not isinstance(window, (int, float))
+            or not math.isfinite(window)
+            or window <= 0
+        ):
+            raise HealthCheckConfigError(
+                f"window must be a positive, finite number of seconds, got {window!r}"
+            )
+        self.limit = limit
+        self.window = float(window)
+        self._times: deque[float] = deque()
+
+    def _expire(self, now: float) -> None:
+        # A clock that went back leaves newer-looking entries in place; they age
+        # out once the clock passes them by more than the window.
+        self._times = deque(t for t in self._times if now - t <= self.window)
+
+    def count(self, now: float) -> int:
+        """Failures recorded within ``window`` seconds before ``now``."""
+        self._expire(now)
+        return len(self._times)
+
+    def record(self, now: float) -> bool:
+        """Record a failure at ``now``; True when it makes ``limit`` within the window."""
+        self._expire(now)
+        self._times.append(now)
+        if len(self._times) >= self.limit:
+            self._times.clear()
+            return True
+        return False
+
+    def reset(self) -> None:
+        """Forget every recorded failure."""
+        self._times.clear()
+
+
+def run_health_check(
+    config: HealthCheckConfig, *, round_env: Mapping[str, str], device: str
+) -> HealthResult:
+    """Run the pre-flight check of this node for the round described by ``round_env``.
+
+    Args:
+        config: what to run; a disabled check passes at once.
+        round_env: the round's rendezvous for the check, as a worker would get it:
+            ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` (this node's *group* rank) and
+            ``WORLD_SIZE`` (the number of *nodes*); also added to the environment of
+            the command, the callable and the check process (with ``RALLYPOINT_ROUND``,
+            when given, separating rounds' keys). Only needed with ``collective``.
+        device: ``"cuda"`` (every visible CUDA device), ``"cuda:N"`` or ``"cpu"``.
+
+    Blocks for at most about ``config.timeout`` seconds (plus the moments it takes
+    to kill and reap a process). If the caller is interrupted (an exception, such as
+    from a signal handler), the check's processes are killed before it propagates.
+
+    Raises:
+        ValueError: ``round_env`` lacks or garbles a variable the collective needs.
+    """
+    started = time.monotonic()
+    if not config.enabled:
+        return HealthResult(True, "health check disabled", 0.0, "")
+    world = _world_size(round_env) if config.collective else 1
+    timeout = float(config.timeout)
+    local_budget = LOCAL_SHARE * timeout
+    margin = min(2.0, max(0.25, 0.05 * timeout))
+    wall = time.time()
+    env = {**os.environ, **round_env}
+    done: list[str] = []
+
+    def elapsed() -> float:
+        return time.monotonic() - started
+
+    def failed(stage: str, reason: str, fault: Fault = "self") -> HealthResult:
+        return HealthResult(False, reason, elapsed(), stage, fault)
+
+    with tempfile.TemporaryDirectory(prefix="rallypoint-health-") as tmp:
+        local_failure: dict[str, str] | None = None
+        if config.command is not None:
+            run = _run(
+                ["/bin/sh", "-c", config.command], env, tmp, "command", started + local_budget
+            )
+            if run.error:
+                local_failure = {"stage": "command", "reason": f"cannot run command: {run.error}"}
+            elif run.code is None:
+                local_failure = {
+                    "stage": "command",
+                    "reason": f"command timed out after {local_budget:g} s (the local checks' "
+                    f"share of the {timeout:g} s health check){_tail(run.stderr)}",
+                }
+            elif run.code != 0:
+                local_failure = {
+                    "stage": "command",
+                    "reason": f"command failed ({describe_exit(run.code)})"
+                    f"{_tail(run.stderr) or _tail(run.stdout)}",
+                }
+            else:
+                done.append("command")
+        if local_failure is not None and world == 1:
+            return failed(local_failure["stage"], local_failure["reason"])
+        status_file = os.path.join(tmp, "status.jsonl")
+        spec = {
+            "status_file": status_file,
+            "device": device,
+            "callable": config.callable,
+            "collective": config.collective,
+            "local_failure": local_failure,
+            "timeout": timeout,
+            "local_budget": local_budget,
+            "margin": margin,
+            "started": wall,
+            "local_deadline": wall + local_budget,
+            "rendezvous_deadline": wall + RENDEZVOUS_SHARE * timeout,
+            "deadline": wall + timeout,
+        }
+        argv = [sys.executable, "-m", "rallypoint.agent._health_worker"]
+        worker_env = {**env, SPEC_ENV: json.dumps(spec), "PYTHONUNBUFFERED": "1"}
+
+        def local_overrun() -> bool:
+            # Still in a local stage well past the local share: this node is stuck.
+            return elapsed() > local_budget + margin and _last_stage(status_file) in LOCAL_STAGES
+
+        run = _run(argv, worker_env, tmp, "check", started + timeout, stop_early=local_overrun)
+        stage = _last_stage(status_file) or "torch"
+        if run.error:
+            return failed(stage, f"cannot start the check process: {run.error}")
+        result = _result(status_file)
+        if result is not None:
+            ok = bool(result.get("ok"))
+            summary = ", ".join([*done, str(result["summary"])] if result.get("summary") else done)
+            peers = result.get("peers")
+            return HealthResult(
+                ok,
+                f"passed: {summary}" if ok else str(result.get("reason")),
+                elapsed(),
+                "" if ok else str(result.get("stage")),
+                "none" if ok else _fault(result.get("fault")),
+                tuple(int(p) for p in peers) if isinstance(peers, list) else (),
+            )
+        if local_failure is not None:
+            # It only went on to tell its peers; its own failure is the news.
+            return failed(local_failure["stage"], local_failure["reason"])
+        local = stage in LOCAL_STAGES
+        if run.code is None and run.stopped_early:
+            return failed(
+                stage,
+                f"timed out after {local_budget:g} s in stage {stage} (the local checks' share "
+                f"of the {timeout:g} s health check){_tail(run.stderr)}",
+            )
+        if run.code is None:
+            return failed(
+                stage,
+                f"timed out after {timeout:g} s in stage {stage}{_tail(run.stderr)}",
+                "self" if local else "group",
+            )
+        return failed(
+            stage,
+            f"the check process ended ({describe_exit(run.code)}) in stage {stage}"
+            f"{_tail(run.stderr)}",
+            "self" if local else "group",
+        )
+
+
+def _world_size(env: Mapping[str, str]) -> int:
+    world = _int_var(env, "WORLD_SIZE", 1, None)
+    _int_var(env, "RANK", 0, world - 1)
+    if world > 1:
+        if not env.get("MASTER_ADDR"):
+            raise ValueError("round_env lacks MASTER_ADDR, the address of group rank 0")
+        _int_var(env, "MASTER_PORT", 1, 65535)
+    return world
+
+
+def _int_var(env: Mapping[str, str], name: str, low: int, high: int | None) -> int:
+    raw = env.get(name)
+    if raw is None:
+        raise ValueError(f"round_env lacks {name}")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"round_env {name} must be an integer, got {raw!r}") from None
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"round_env {name} must be {bound}, got {value}")
+    return value
+
+
+def _fault(value: object) -> Fault:
+    if value == "self":
+        return "self"
+    if value == "peers":
+        return "peers"
+    return "group"
+
+
+@dataclass(frozen=True)
+class _Run:
+    code: int | None  # None: killed at the deadline (or stopped early)
+    stdout: str
+    stderr: str
+    error: str = ""  # it could not be started
+    stopped_early: bool = False
+
+
+def _run(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    tmp: str,
+    name: str,
+    kill_at: float,
+    stop_early: Callable[[], bool] | None = None,
+) -> _Run:
+    """Run ``argv`` in a session of its own until it exits or ``kill_at`` (monotonic).
+
+    Whatever exits or not, its process group is SIGKILLed before it is reaped
+    (leftover background jobs go too); at the deadline, also every descendant that
+    left the group. ``stop_early``, a callable polled meanwhile, ends it sooner.
+    """
+    # Imported here: the launch configuration holds a HealthCheckConfig, and the
+    # workers module reads the configuration's types.
+    from .workers import die_with_agent
+
+    out_path = os.path.join(tmp, f"{name}.stdout")
+    err_path = os.path.join(tmp, f"{name}.stderr")
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        try:
+            popen = subprocess.Popen(
+                die_with_agent(argv),
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            return _Run(None, "", "", error=str(exc))
+    code: int | None = None
+    early = False
+    try:
+        while True:
+            code = _peek_exit(popen)
+            if code is not None:
+                break
+            if time.monotonic() >= kill_at:
+                break
+            if stop_early is not None and stop_early():
+                early = True
+                break
+            time.sleep(_POLL)
+    finally:
+        _kill(popen, tree=code is None)
+    return _Run(code, _read(out_path), _read(err_path), stopped_early=early)
+
+
+def _peek_exit(popen: subprocess.Popen[bytes]) -> int | None:
+    """Its exit code once it has exited, without reaping it: its pid, which names its
+    process group, stays taken until :func:`_kill` has signalled that group."""
+    if not hasattr(os, "waitid"):
+        return popen.poll()
+    try:
+        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return popen.poll()
+    if info is None:
+        return None
+    return int(info.si_status) if info.si_code == os.CLD_EXITED else -int(info.si_status)
+
+
+def _kill(popen: subprocess.Popen[bytes], *, tree: bool) -> None:
+    descendants: list[psutil.Process] = []
+    if tree:
+        with contextlib.suppress(psutil.Error):
+            descendants = psutil.Process(popen.pid).children(recursive=True)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    for proc in descendants:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    # A process stuck in the kernel (a wedged driver) may take a moment to die; the
+    # check does not wait on it forever.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(timeout=5)
+    with contextlib.suppress(psutil.Error):
+        psutil.wait_procs(descendants, timeout=2)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as fp:
+            fp.seek(0, os.SEEK_END)
+            fp.seek(max(0, fp.tell() - 8 * _TAIL_CHARS))
+            return fp.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _tail(text: str) -> str:
+    """': line; line' from the last lines of ``text``, or '' when it is empty."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()][-_TAIL_LINES:]
+    joined = "; ".join(lines)
+    if len(joined) > _TAIL_CHARS:
+        joined = "..." + joined[-_TAIL_CHARS:]
+    return f": {joined}" if joined else ""
+
+
+def _records(path: str) -> list[dict[str, object]]:
+    try:
+        with open(path, encoding="utf-8") as fp:
+            lines = fp.read().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def _last_stage(path: str) -> str:
+    stages = [str(r["stage"]) for r in _records(path) if r.get("event") == "stage"]
+    return stages[-1] if stages else ""
+
+
+def _result(path: str) -> dict[str, object] | None:
+    results = [r for r in _records(path) if r.get("event") == "result"]
+    return results[-1] if results else None
