@@ -78,7 +78,11 @@ The state space is made finite and small the way TLA+ specs do it:
   instead.
 * **Bounds.** Crashes are bounded. A crashed node restarts at once with a new pid:
   the restart is local, so it commutes with everything between, and a node that
-  restarts and stays idle acts as one that never came back.
+  restarts and stays idle acts as one that never came back. So are workers'
+  failures (``max_failures``: a training node charges the restart budget for its
+  round, ``ChargeRestartOp``) and self-exclusions (``max_exclusions``:
+  ``ExcludeOp``); both are off by default, and the search is then the one without
+  them, state for state.
 
 Visited states are kept as 64-bit fingerprints (as TLC does), with a parent pointer,
 so a violation is replayed from the initial state into a readable trace.

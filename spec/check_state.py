@@ -68,6 +68,13 @@ class CheckConfig:
         stable_ranks: the settings' stable-ranks option (ranks kept across rounds).
         symmetry: store states modulo node permutations.
         max_states: stop after this many distinct states (None: explore all).
+        max_failures: times in one run that a training node's workers fail (it
+            then charges the restart budget for its round, and may exit and join
+            again). 0: never, and the search is the one without a budget.
+        max_exclusions: times in one run that a node excludes itself (a failed
+            health check) while it runs no operation. 0: never.
+        restart_budget, exclusion_rounds: the settings' job-wide restart budget
+            (None: none) and how many rounds an excluded node sits out.
     """
 
     nodes: int = 3
@@ -79,9 +86,16 @@ class CheckConfig:
     stable_ranks: bool = False
     symmetry: bool = True
     max_states: int | None = None
+    max_failures: int = 0
+    max_exclusions: int = 0
+    restart_budget: int | None = None
+    exclusion_rounds: int = 1
 
     def __post_init__(self) -> None:
-        rules = (Rule(("nodes", "max_states"), 1), Rule(("max_round", "max_crashes"), 0))
+        rules = (
+            Rule(("nodes", "max_states"), 1),
+            Rule(("max_round", "max_crashes", "max_failures", "max_exclusions"), 0),
+        )
         check_ranges(self, CheckerConfigError, rules)
         check_settings(self, CheckerConfigError)
 
@@ -102,6 +116,8 @@ class CheckConfig:
             keep_alive_max_attempt=2,
             rollback_period=1.0,
             stable_ranks=self.stable_ranks,
+            restart_budget=self.restart_budget,
+            exclusion_rounds=self.exclusion_rounds,
         )
 
 
@@ -111,6 +127,14 @@ class Op(Name):
     JOIN = "join"
     EXIT = "exit"
     CLOSE = "close"
+    #: count a failure of the workers in the restart budget, for the round the
+    #: node trained in: the current round (``ChargeRestartOp(round)``)
+    CHARGE = "charge"
+    #: the same, once that round has ended under it (a later write advanced the
+    #: round): the operator finishes without charging
+    CHARGE_LATE = "charge-late"
+    #: exclude itself (``ExcludeOp``)
+    EXCLUDE = "exclude"
 
 
 class EventKind(Name):
@@ -126,6 +150,12 @@ class EventKind(Name):
     JOIN = "join"
     EXIT = "exit"
     CLOSE = "close"
+    #: a training node's workers fail: it starts charging the restart budget
+    #: (``max_failures``); its exit and join events then do what the agent does next
+    FAIL = "fail"
+    #: a node that runs no operation fails its health check and excludes itself
+    #: (``max_exclusions``); its join event then rejoins, as a spare while excluded
+    EXCLUDE = "exclude"
 
 
 #: The operation an event starts.
@@ -133,6 +163,8 @@ STARTS: dict[EventKind, Op] = {
     EventKind.JOIN: Op.JOIN,
     EventKind.EXIT: Op.EXIT,
     EventKind.CLOSE: Op.CLOSE,
+    EventKind.FAIL: Op.CHARGE,
+    EventKind.EXCLUDE: Op.EXCLUDE,
 }
 #: Events that run one iteration of the node's driving loop (see Steps.expand).
 STEPPING_EVENTS = frozenset({EventKind.STEP, EventKind.HEARTBEAT, *STARTS})
@@ -196,6 +228,10 @@ class Local(NamedTuple):
     op: Op | None
     #: the operation's deadline relative to now
     deadline: Deadline | None
+    #: (a training node, when workers may fail) a write advanced the round since
+    #: the node's join returned: its workers' failure is of an ended round, and
+    #: free (see Steps.events)
+    round_ended: bool = False
 
 
 class Global(NamedTuple):
@@ -208,6 +244,9 @@ class Global(NamedTuple):
     #: joiners that announced themselves in the current round and were not yet
     #: admitted (the log past ``intent_cursor``; see :meth:`Symmetry.normalize`)
     intents: frozenset[NodeDesc] = frozenset()
+    #: workers' failures and self-exclusions so far (bounded by the config)
+    failures: int = 0
+    exclusions: int = 0
 
 
 class Timers(NamedTuple):
@@ -284,7 +323,13 @@ class CheckResult:
             f"config: nodes={c.nodes} min={c.min_nodes} max={c.max_nodes} "
             f"max_round={'all' if c.max_round is None else c.max_round} "
             f"max_crashes={c.max_crashes} close={c.allow_close} "
-            f"stable_ranks={c.stable_ranks} symmetry={c.symmetry}",
+            f"stable_ranks={c.stable_ranks} symmetry={c.symmetry}"
+            + (
+                f" max_failures={c.max_failures} max_exclusions={c.max_exclusions} "
+                f"restart_budget={c.restart_budget} exclusion_rounds={c.exclusion_rounds}"
+                if c.max_failures or c.max_exclusions
+                else ""
+            ),
             f"states explored: {self.states} ({scope})",
             f"transitions: {self.transitions}",
             f"depth: {self.depth}",
@@ -357,4 +402,6 @@ def with_local(
         tuple(locals_),
         g.crashes if crashes is None else crashes,
         g.intents if intents is None else intents,
+        g.failures,
+        g.exclusions,
     )

@@ -2,7 +2,9 @@
 
 A node's events (:meth:`Steps.events`) are its crash, the start of an operation
 (join, exit, close, taken together with the operation's first step), a step of
-its running operation, and a trained node's heartbeat. A step is one iteration of
+its running operation, and a trained node's heartbeat; when the config asks for
+them, a trained node's workers failing (it starts charging the restart budget)
+and a node excluding itself (a failed health check). A step is one iteration of
 the driving loop, for every way the node's timers may have run
 (:meth:`Steps.expand`): the driver's part is :class:`CoreSteps`'s; this module
 applies it to the node's local state (:meth:`Steps.successor`) and checks the
@@ -16,8 +18,10 @@ from collections.abc import Callable, Iterator
 
 from ..core import (
     Beat,
+    ChargeRestartOp,
     CloseOp,
     Done,
+    ExcludeOp,
     ExitOp,
     Instruction,
     JoinOp,
@@ -52,8 +56,33 @@ from .lifecycle import TERMINAL_PHASES, Lifecycle, Phase
 
 __all__ = ["Steps"]
 
-#: The operators behind the operations a node starts.
-_OPERATORS: dict[Op, Callable[[], Operator]] = {Op.JOIN: JoinOp, Op.EXIT: ExitOp, Op.CLOSE: CloseOp}
+
+class _ChargeNow(ChargeRestartOp):
+    """:class:`ChargeRestartOp` of the current round (``Op.CHARGE``)."""
+
+    trace_name = "ChargeRestartOp(this round)"
+
+
+class _ChargeLate(ChargeRestartOp):
+    """:class:`ChargeRestartOp` of a round that has ended (``Op.CHARGE_LATE``).
+
+    The two are told apart by type, which the memo of core steps keys on: with the
+    state (its round) in the key too, the type fixes the operator's round.
+    """
+
+    trace_name = "ChargeRestartOp(an ended round)"
+
+
+#: The operators behind the operations a node starts (the charges take a round:
+#: see _operator).
+_OPERATORS: dict[Op, Callable[[], Operator]] = {
+    Op.JOIN: JoinOp,
+    Op.EXIT: ExitOp,
+    Op.CLOSE: CloseOp,
+    Op.EXCLUDE: ExcludeOp,
+}
+#: The phases in which a node runs no operation and may exclude itself.
+_EXCLUDING_PHASES = frozenset({Phase.IDLE, Phase.EXITED, Phase.TRAINING})
 #: The values of a node's own sighting, when it is a member and when it is not.
 _MEMBER_AGES = (Age.FRESH, Age.DUE, Age.EXPIRED)
 _OTHER_AGES = (Age.FRESH,)
@@ -71,6 +100,9 @@ class Steps:
         #: the deadline's values in the order time moves them
         self.deadlines = Deadline.in_time_order(self.settings)
         self.properties = StepProperties(self.core, self.deadlines)
+        #: whether a node's workers may fail (a charge may then run when a write
+        #: advances the round: see _step)
+        self._charging = config.max_failures > 0
         #: steps already conformed (see _step)
         self._conformed: set[tuple[object, ...]] = set()
         #: (shared state, intent log, event kind, slot, local) -> events (see choices)
@@ -99,6 +131,19 @@ class Steps:
                 yield Event(EventKind.EXIT, i)
             if cfg.allow_close and not g.shared.closed:
                 yield Event(EventKind.CLOSE, i)
+            if g.shared.closed:
+                continue  # a charge or an exclusion of a closed rendezvous is done at once
+            if training and g.failures < cfg.max_failures and not loc.round_ended:
+                # A failure of an ended round is free (ChargeRestartOp finishes at
+                # once): nothing shared changes, and its exit and join are the
+                # node's events anyway.
+                yield Event(EventKind.FAIL, i)
+            if (
+                g.exclusions < cfg.max_exclusions
+                and loc.phase in _EXCLUDING_PHASES
+                and g.shared.excluded.get(node_of(i, loc.incarnation), 0) <= g.shared.round
+            ):
+                yield Event(EventKind.EXCLUDE, i)
 
     def expand(self, g: Global, event: Event) -> Iterator[Event]:
         """The concrete events of ``event``: a step, for every way the node's timers
@@ -187,7 +232,7 @@ class Steps:
         loc = g.locals[event.slot]
         node = node_of(event.slot, loc.incarnation)
         heartbeat = event.kind is EventKind.HEARTBEAT
-        op = _operator(event, loc)
+        op = _operator(event, loc, g)
         stored: dict[tuple[object, ...], Event] = {}
         checked: list[Event] = []
         violations: list[Event] = []
@@ -249,7 +294,7 @@ class Steps:
         if event.timers is None:
             raise ValueError(f"a {kind} event needs its timers (see expand)")
         if kind is EventKind.HEARTBEAT or kind is EventKind.STEP:
-            return self._step(g, slot, _operator(event, loc), event.timers, check_only)
+            return self._step(g, slot, _operator(event, loc, g), event.timers, check_only)
         return self._start(g, event, event.timers, check_only)
 
     def _start(
@@ -264,14 +309,19 @@ class Steps:
         slot, op = event.slot, STARTS[event.kind]
         loc = g.locals[slot]
         if op is Op.JOIN:
-            new = loc._replace(phase=Phase.JOINING, op=op, deadline=Deadline.BEFORE)
+            new = Local(loc.incarnation, Phase.JOINING, op, Deadline.BEFORE)
             started = with_local(g, slot, new)
             dest = self.conformance.model_state(started, slot)
             self.conformance.local_event(g, slot, "join", dest)
         else:
             started = with_local(g, slot, loc._replace(op=op, deadline=Deadline.BEFORE))
+            if op is Op.CHARGE:
+                started = started._replace(failures=g.failures + 1)
+            elif op is Op.EXCLUDE:
+                started = started._replace(exclusions=g.exclusions + 1)
         try:
-            after, lines = self._step(started, slot, _OPERATORS[op](), timers, check_only)
+            operator = _operator(event, loc, g)
+            after, lines = self._step(started, slot, operator, timers, check_only)
         except Found as found:
             if self.narrate:
                 found.lines = [f"starts {op}", *found.lines]
@@ -313,6 +363,8 @@ class Steps:
             return g, lines
         new_loc = _next_local(loc, decision.instruction, deadline)
         after = with_local(g, slot, new_loc, shared=core_step.written, intents=core_step.intents)
+        if self._charging and core_step.written.round != g.shared.round:
+            after = _round_advanced(after)
         if conformed not in self._conformed:
             self._conform(g, slot, core_step, after, op, lines)
             if len(self._conformed) >= CACHE_LIMIT:
@@ -388,14 +440,46 @@ def _member(g: Global, slot: int) -> bool:
     return node_of(slot, g.locals[slot].incarnation) in g.shared.members()
 
 
-def _operator(event: Event, loc: Local) -> Operator:
+def _operator(event: Event, loc: Local, g: Global) -> Operator:
     """The operator a stepping event runs: a keep-alive, the running operation's,
-    or the one it starts."""
+    or the one it starts (a charge, of the round of ``g`` or of the one before)."""
     if event.kind is EventKind.HEARTBEAT:
         return KeepAliveOp()
     op = loc.op if event.kind is EventKind.STEP else STARTS[event.kind]
     assert op is not None  # "step" events are made only while loc.op is set
+    if op is Op.CHARGE:
+        return _ChargeNow(g.shared.round)
+    if op is Op.CHARGE_LATE:
+        # Any ended round: the operator compares its round with the state's for
+        # equality before anything else.
+        return _ChargeLate(g.shared.round - 1)
     return _OPERATORS[op]()
+
+
+def _round_advanced(g: Global) -> Global:
+    """``g``, whose round a write just advanced, with every training node's round
+    marked ended, and every running charge with it (it is late: free).
+
+    A node's failure is counted for the round it trained in, which the operator
+    holds; the search keeps no round numbers in local states (the round
+    abstraction renumbers the state's), only whether that round is still the
+    current one: a training node's round is the round its join returned in, the
+    current one then, until a write advances it.
+    """
+    training = Phase.TRAINING
+    if not any(loc.phase is training and not loc.round_ended for loc in g.locals):
+        return g
+    locals_ = tuple(
+        loc._replace(round_ended=True, op=Op.CHARGE_LATE if loc.op is Op.CHARGE else loc.op)
+        if loc.phase is training
+        else loc
+        for loc in g.locals
+    )
+    return g._replace(locals=locals_)
+
+
+#: Operations after which the node goes on in its phase.
+_ON_THEIR_OWN = frozenset({Op.CHARGE, Op.CHARGE_LATE, Op.EXCLUDE})
 
 
 def _ended_in(loc: Local, done: Done) -> Phase | None:
@@ -411,6 +495,10 @@ def _ended_in(loc: Local, done: Done) -> Phase | None:
             return Phase.EXITED
         if loc.op is Op.CLOSE:
             return Phase.CLOSED
+        if loc.op in _ON_THEIR_OWN:
+            # a charge leaves the node training (its exit and join events follow);
+            # an exclusion leaves it where its write put it (see _next_local)
+            return loc.phase
         return None
     if action in (Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT):
         return Phase.CLOSED
@@ -426,6 +514,9 @@ def _next_local(loc: Local, instruction: Instruction, deadline: Deadline | None)
     if isinstance(instruction, Done):
         ended = _ended_in(loc, instruction)
         if ended is not None:
+            if loc.op in _ON_THEIR_OWN and ended is loc.phase:
+                # the node goes on as it was (a training node in the same round)
+                return loc._replace(op=None, deadline=None)
             return Local(loc.incarnation, ended, None, None)
     # The time that passed stays passed: the chosen deadline value is kept.
     new_deadline = loc.deadline if loc.op is None else deadline
@@ -433,7 +524,12 @@ def _next_local(loc: Local, instruction: Instruction, deadline: Deadline | None)
     if isinstance(instruction, Write):
         if instruction.action is Action.REMOVE_FROM_PARTICIPANTS and loc.op is Op.EXIT:
             phase = Phase.EXITED
+        elif instruction.action is Action.EXCLUDE and phase is Phase.TRAINING:
+            # it left its round: its workers stop, as after an exit
+            phase = Phase.EXITED
         if instruction.deadline is not None:
             # a fresh deadline, as far from now as the one an operation starts with
             new_deadline = Deadline.BEFORE
-    return Local(loc.incarnation, phase, loc.op, new_deadline)
+    return Local(
+        loc.incarnation, phase, loc.op, new_deadline, loc.round_ended and phase is Phase.TRAINING
+    )

@@ -40,15 +40,18 @@ def relabel(g: Global, perm: tuple[int, ...]) -> Global:
         heartbeats={lab(n): c for n, c in s.heartbeats.items()},
         last_ranks={lab(n): r for n, r in s.last_ranks.items()},
     )
+    if s.excluded:
+        shared = shared.evolve(excluded={lab(n): u for n, u in s.excluded.items()})
     locals_: list[Local] = [g.locals[0]] * len(g.locals)
     for i, loc in enumerate(g.locals):
         locals_[perm[i]] = loc
-    return Global(shared, tuple(locals_), g.crashes, frozenset(map(lab, g.intents)))
+    intents = frozenset(map(lab, g.intents))
+    return Global(shared, tuple(locals_), g.crashes, intents, g.failures, g.exclusions)
 
 
 def _slot_key(loc: Local) -> tuple[object, ...]:
     """A slot's local state as sortable primitives (no deadline sorts first)."""
-    return (loc.incarnation, loc.phase, loc.op or "", loc.deadline or 0)
+    return (loc.incarnation, loc.phase, loc.op or "", loc.deadline or 0, loc.round_ended)
 
 
 class Symmetry:
@@ -77,10 +80,16 @@ class Symmetry:
           core only increments rounds and compares them for equality, so a state and
           its copy with every round number shifted step alike. Rounds are renumbered
           to start at 0, which makes every round's states the same finite set.
+          The rounds the state holds besides its own move with it: an exclusion's
+          end, and the round the restarts are counted through. The core compares
+          these with the round and adds to it, so they step alike shifted too;
+          the latter is clamped at 0 (it never decreases and is compared only with
+          rounds from the current one on: any value up to the round is alike).
           A trace keeps concrete rounds (``shift_rounds=False``).
         """
         shift = g.shared.round if shift_rounds and self.config.max_round is None else 0
-        return Global(self._normal_shared(g.shared, shift), g.locals, g.crashes, g.intents)
+        shared = self._normal_shared(g.shared, shift)
+        return Global(shared, g.locals, g.crashes, g.intents, g.failures, g.exclusions)
 
     def _normal_shared(self, state: RendezvousState, shift: int) -> RendezvousState:
         # Core steps are memoized, so the same written state comes back many times:
@@ -107,6 +116,11 @@ class Symmetry:
                 phase=0,
                 intent_cursor=0,
             )
+            if shift and (state.charged_through or state.excluded):
+                normal = normal.evolve(
+                    charged_through=max(0, state.charged_through - shift),
+                    excluded={n: until - shift for n, until in state.excluded.items()},
+                )
         if len(self._normal_forms) >= CACHE_LIMIT:
             self._normal_forms.clear()
         self._normal_forms[id(state)] = (state, shift, normal)
@@ -174,6 +188,7 @@ class Symmetry:
             s.last_ranks.get(node, -1),
             s.heartbeats.get(node, 0),
             node in g.intents,
+            s.excluded.get(node, 0),
         )
 
     def _key(self, g: Global, perm: tuple[int, ...]) -> tuple[object, ...]:
@@ -192,7 +207,7 @@ class Symmetry:
         slots: list[tuple[object, ...]] = [()] * len(g.locals)
         for i, loc in enumerate(g.locals):
             slots[perm[i]] = _slot_key(loc)
-        return (shared, tuple(slots), g.crashes)
+        return (shared, tuple(slots), g.crashes, g.failures, g.exclusions)
 
 
 def _shared_key(
@@ -212,4 +227,7 @@ def _shared_key(
         s.last_call or 0,
         tuple(sorted((lab(n), r) for n, r in s.last_ranks.items())),
         tuple(sorted(lab(n) for n in intents)),
+        s.restarts,
+        s.charged_through,
+        tuple(sorted((lab(n), u) for n, u in s.excluded.items())),
     )

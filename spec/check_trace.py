@@ -25,7 +25,9 @@ _NODE_RE = re.compile(r"\bn(\d+)_(\d+)_0\b")
 def describe(g: Global, names: list[str] | None = None) -> str:
     """One line per state for traces: the shared state, then every node.
 
-    ``I{...}`` are the joiners in the round's intent log past the cursor. A node
+    ``I{...}`` are the joiners in the round's intent log past the cursor;
+    ``X{node:round}`` the excluded nodes and the round each may join again; the
+    restarts charged to the budget show with the round they are counted through. A node
     shows its phase, its operation (``/join``), and ``timed-out`` or
     ``past-rollback`` for its deadline. What a node's timers showed at a step is
     in that step's line of the trace.
@@ -45,6 +47,12 @@ def describe(g: Global, names: list[str] | None = None) -> str:
         parts.append("R{" + ", ".join(sorted(_name(n, names) for n in s.redundancy_list)) + "}")
     if s.last_call is not None:
         parts.append("last-call armed")
+    if s.restarts or s.charged_through:
+        parts.append(f"restarts={s.restarts} through-round={s.charged_through}")
+    if s.excluded:
+        parts.append(
+            "X{" + ", ".join(sorted(f"{_name(n, names)}:{u}" for n, u in s.excluded.items())) + "}"
+        )
     if g.intents:
         parts.append("I{" + ", ".join(sorted(_name(n, names) for n in g.intents)) + "}")
     nodes = []
@@ -54,6 +62,8 @@ def describe(g: Global, names: list[str] | None = None) -> str:
             text += " timed-out"
         elif loc.deadline is Deadline.PAST:
             text += " past-rollback"
+        if loc.round_ended:
+            text += " round-ended"
         nodes.append(text)
     return " ".join(p for p in parts if p) + " | " + "; ".join(sorted(nodes))
 
@@ -84,7 +94,8 @@ def narrate(
     if read_log and g is not None:
         lines.append(f"reads the intent log {sorted(map(str, g.intents))}")
     action = "nothing" if decision.action is None else decision.action.name
-    lines.append(f"{type(op).__name__} -> {action} ({_instruction_text(decision)})")
+    name = getattr(op, "trace_name", type(op).__name__)
+    lines.append(f"{name} -> {action} ({_instruction_text(decision)})")
     return lines
 
 

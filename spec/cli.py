@@ -5,6 +5,11 @@
 * ``rallypoint spec check --nodes 3`` runs the model checker (nodes run by the core's driver).
 * ``rallypoint simulate --nodes 1000 --crash-rate 0.01 --seed 7 [--plot out.png]``
   runs the simulator and prints a summary table.
+
+Both take the job-wide restart budget and self-exclusion: ``spec check
+--max-failures N --max-exclusions N [--restart-budget B] [--exclusion-rounds R]``,
+``simulate --worker-failure-rate F --health-failure-rate H [--restart-budget B]
+[--exclusion-rounds R]`` (all off by default).
 """
 
 from __future__ import annotations
@@ -53,6 +58,28 @@ def _spec_parser() -> argparse.ArgumentParser:
     check.add_argument("--stable-ranks", action="store_true", help="check the stable-ranks option")
     check.add_argument("--no-symmetry", action="store_true", help="disable symmetry reduction")
     check.add_argument("--max-states", type=int, default=None, help="stop after this many")
+    check.add_argument(
+        "--max-failures",
+        type=int,
+        default=0,
+        help="times a training node's workers may fail (it charges the restart budget); "
+        "default 0: none",
+    )
+    check.add_argument(
+        "--max-exclusions",
+        type=int,
+        default=0,
+        help="times a node may exclude itself (a failed health check); default 0: none",
+    )
+    check.add_argument(
+        "--restart-budget",
+        type=int,
+        default=None,
+        help="job-wide restarts before a failure closes the rendezvous (default: no budget)",
+    )
+    check.add_argument(
+        "--exclusion-rounds", type=int, default=1, help="rounds an excluded node sits out"
+    )
     check.add_argument(
         "--workers",
         type=int,
@@ -214,6 +241,29 @@ def _simulate_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition-duration", type=float, default=30.0)
     p.add_argument("--leave-rate", type=float, default=0.0, help="leaves per node per minute")
     p.add_argument("--restart-delay", type=float, default=10.0)
+    p.add_argument(
+        "--worker-failure-rate",
+        type=float,
+        default=0.0,
+        help="workers' failures per training node per minute (the node charges the "
+        "restart budget, exits and joins again)",
+    )
+    p.add_argument(
+        "--health-failure-rate",
+        type=float,
+        default=0.0,
+        help="failed health checks per node per minute (the node excludes itself and "
+        "joins again as a spare)",
+    )
+    p.add_argument(
+        "--restart-budget",
+        type=int,
+        default=None,
+        help="job-wide restarts before a failure closes the rendezvous (default: no budget)",
+    )
+    p.add_argument(
+        "--exclusion-rounds", type=int, default=1, help="rounds an excluded node sits out"
+    )
     p.add_argument("--latency", type=float, default=0.002, help="one-way backend latency, s")
     p.add_argument("--jitter", type=float, default=0.001)
     p.add_argument("--conflict-rate", type=float, default=0.0, help="spurious CAS failures")

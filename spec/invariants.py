@@ -17,6 +17,10 @@ __all__ = [
     "RoundResult",
     "check_admissions",
     "check_agreement",
+    "check_budget",
+    "check_budget_step",
+    "check_exclusions",
+    "check_exclusions_kept",
     "check_removal_published",
     "check_return",
     "check_state",
@@ -65,41 +69,104 @@ def check_state(state: RendezvousState, settings: Settings) -> list[str]:
         problems.append(f"nodes {sorted(map(str, both))} are participants and waiting/redundant")
     if state.wait_list & state.redundancy_list:
         problems.append("a node is both waiting and redundant")
-    problems.extend(_exclusion_problems(state))
-    budget = settings.restart_budget
-    if budget is not None and state.restarts > budget and not state.closed:
-        problems.append(f"{state.restarts} restarts spent a budget of {budget}; still open")
-    if budget is not None and state.restarts > budget + 1:
-        problems.append(f"{state.restarts} restarts overspend the budget of {budget}")
+    if state.excluded:
+        problems.extend(check_exclusions(state))
+    if state.restarts or state.charged_through:
+        problems.extend(check_budget(state, settings))
     return problems
 
 
-def _exclusion_problems(state: RendezvousState) -> list[str]:
+def check_exclusions(state: RendezvousState, nodes: Iterable[NodeDesc] | None = None) -> list[str]:
+    """An excluded node is never a participant (nor waiting) while excluded: of
+    every excluded node, or of ``nodes`` only (a simulator checking the entries
+    a write touched)."""
     problems: list[str] = []
-    for node, until in state.excluded.items():
+    excluded = state.excluded
+    if nodes is not None:
+        pairs = [(n, excluded[n]) for n in nodes if n in excluded]
+    else:
+        pairs = list(excluded.items())
+    for node, until in pairs:
         if until > state.round and (node in state.participants or node in state.wait_list):
             problems.append(f"{node} is excluded until round {until} but is a member")
     return problems
 
 
-def check_transition(before: RendezvousState, after: RendezvousState) -> list[str]:
-    """Properties of one step: closed never reverts, round never decreases, a
-    complete round stays complete until the round advances, and its world size and
-    ranks never change and nobody joins it; the restart budget never grows back
-    (the count of restarts never decreases, nor does the round they are counted
-    through), one step counts one failure at most, and an exclusion is never cut
-    short."""
+def check_budget(state: RendezvousState, settings: Settings) -> list[str]:
+    """The job-wide restart budget of one state: the restarts never overspend it
+    by more than the failure that ends the job, and that failure closed the
+    rendezvous; the restarts are counted through a round no later than the next."""
+    problems: list[str] = []
+    budget = settings.restart_budget
+    if budget is not None and state.restarts > budget and not state.closed:
+        problems.append(f"{state.restarts} restarts spent a budget of {budget}; still open")
+    if budget is not None and state.restarts > budget + 1:
+        problems.append(f"{state.restarts} restarts overspend the budget of {budget}")
+    if state.charged_through > state.round + 1:
+        problems.append(
+            f"the restarts are counted through round {state.charged_through - 1}, "
+            f"after round {state.round}"
+        )
+    return problems
+
+
+def check_budget_step(before: RendezvousState, after: RendezvousState, steps: int = 1) -> list[str]:
+    """The restart budget never grows back: the count of restarts never
+    decreases, nor does the round they are counted through; and one step counts
+    one failure at most (``steps`` steps, ``steps`` failures)."""
     problems: list[str] = []
     if after.restarts < before.restarts or after.charged_through < before.charged_through:
         problems.append(
             f"the restart count went back from {before.restarts} (through round "
             f"{before.charged_through}) to {after.restarts} (through {after.charged_through})"
         )
-    if after.restarts > before.restarts + 1:
-        problems.append(f"one step counted {after.restarts - before.restarts} failures")
-    for node, until in before.excluded.items():
+    counted = after.restarts - before.restarts
+    if counted > steps:
+        if steps == 1:
+            problems.append(f"one step counted {counted} failures")
+        else:
+            problems.append(f"{steps} steps counted {counted} failures")
+    return problems
+
+
+def check_exclusions_kept(
+    before: RendezvousState, after: RendezvousState, nodes: Iterable[NodeDesc] | None = None
+) -> list[str]:
+    """An exclusion is never cut short: a node excluded until a round after
+    ``after``'s stays excluded until then (of every node excluded in ``before``,
+    or of ``nodes`` only)."""
+    problems: list[str] = []
+    excluded = before.excluded
+    if nodes is not None:
+        pairs = [(n, excluded[n]) for n in nodes if n in excluded]
+    else:
+        pairs = list(excluded.items())
+    for node, until in pairs:
         if until > after.round and after.excluded.get(node, 0) < until:
             problems.append(f"{node}'s exclusion until round {until} was cut short")
+    return problems
+
+
+def check_transition(
+    before: RendezvousState, after: RendezvousState, *, steps: int = 1
+) -> list[str]:
+    """Properties of one step: closed never reverts, round never decreases, a
+    complete round stays complete until the round advances, and its world size and
+    ranks never change and nobody joins it; the restart budget never grows back
+    (the count of restarts never decreases, nor does the round they are counted
+    through), one step counts one failure at most, and an exclusion is never cut
+    short.
+
+    With ``steps``, ``before -> after`` spans that many steps (a simulator that
+    checks a state whole every few writes): each property above holds across
+    several steps when it holds across each, but for the count of failures, of
+    which ``steps`` steps may count ``steps``.
+    """
+    problems: list[str] = []
+    if after.restarts != before.restarts or after.charged_through != before.charged_through:
+        problems.extend(check_budget_step(before, after, steps))
+    if before.excluded:
+        problems.extend(check_exclusions_kept(before, after))
     if before.closed and not after.closed:
         problems.append("a closed rendezvous was reopened")
     if after.round < before.round:

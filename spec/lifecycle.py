@@ -39,7 +39,8 @@ class Phase(Name):
 
     #: started, in no round and running no operation
     IDLE = "idle"
-    #: runs a join (the simulator: also the exit that precedes a re-join)
+    #: runs a join (the simulator: also the exit that precedes a re-join, and
+    #: the restart charge or self-exclusion before it)
     JOINING = "joining"
     #: its join returned: its workers run
     TRAINING = "training"

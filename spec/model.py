@@ -14,6 +14,8 @@ from its membership in the shared state (:func:`lifecycle_state`)::
                                \\--add_to_redundancy_list--> redundant (round complete, full)
     joining [announced] / waiting --admitted (a peer's batch)--> the same destinations
     complete --finish--> training --remove_from_participants (exit)--> exited
+    training/evicted --exclude--> exited; joining [excluded] --add_to_redundancy_list--> redundant
+    training/evicted --charge_restart--> (stays): the workers failed, the budget counts it
     any live state --crash--> crashed; --timeout--> failed; --closed--> closed
 
 Two kinds of triggers exist. *Own* triggers are named after the core's actions (an
@@ -94,18 +96,20 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
     _edge("join", [Lifecycle.IDLE, Lifecycle.EXITED, Lifecycle.EVICTED], Lifecycle.JOINING),
     _edge("crash", LIVE_STATES, Lifecycle.CRASHED),
     # Joining a round that is still open; the arrival that fills it completes it.
+    # A node that excluded itself joins no round, nor waits for one, while excluded.
     _edge(
         "add_to_participants",
         [Lifecycle.JOINING, Lifecycle.WAITING],
         Lifecycle.COMPLETE,
         conditions=["round_open", "fills_round"],
+        unless=["excluded"],
     ),
     _edge(
         "add_to_participants",
         [Lifecycle.JOINING, Lifecycle.WAITING],
         Lifecycle.PARTICIPANT,
         conditions=["round_open"],
-        unless=["fills_round"],
+        unless=["fills_round", "excluded"],
     ),
     # A complete round with room: wait for the next one; without room: stand by.
     _edge(
@@ -113,7 +117,7 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         [Lifecycle.JOINING, Lifecycle.REDUNDANT],
         Lifecycle.WAITING,
         conditions=["round_complete", "not_closed"],
-        unless=["round_full"],
+        unless=["round_full", "excluded"],
     ),
     _edge(
         "add_to_redundancy_list",
@@ -121,12 +125,20 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         Lifecycle.REDUNDANT,
         conditions=["round_complete", "round_full", "not_closed"],
     ),
+    # An excluded node stands by as a spare whatever the round, until its
+    # exclusion runs out (a new round past it opens).
+    _edge(
+        "add_to_redundancy_list",
+        Lifecycle.JOINING,
+        Lifecycle.REDUNDANT,
+        conditions=["excluded", "not_closed"],
+    ),
     _edge(
         "remove_from_redundancy_list",
         Lifecycle.REDUNDANT,
         Lifecycle.JOINING,
         conditions=["not_closed"],
-        unless=["round_full"],
+        unless=["round_full", "excluded"],
     ),
     # The last call: min_nodes reached and this node saw the last call run out.
     _edge(
@@ -144,20 +156,21 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         Lifecycle.JOINING,
         Lifecycle.PARTICIPANT,
         conditions=["announced", "round_open"],
-        unless=["fills_round"],
+        unless=["fills_round", "excluded"],
     ),
     _edge(
         "admitted",
         Lifecycle.JOINING,
         Lifecycle.COMPLETE,
         conditions=["announced", "round_open", "fills_round"],
+        unless=["excluded"],
     ),
     _edge(
         "admitted",
         Lifecycle.JOINING,
         Lifecycle.WAITING,
         conditions=["announced", "round_complete", "not_closed"],
-        unless=["round_full", "round_open"],
+        unless=["round_full", "round_open", "excluded"],
     ),
     _edge(
         "admitted",
@@ -168,13 +181,23 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
     ),
     _edge(
         "admitted",
+        Lifecycle.JOINING,
+        Lifecycle.REDUNDANT,
+        conditions=["announced", "excluded", "not_closed"],
+    ),
+    _edge(
+        "admitted",
         Lifecycle.WAITING,
         Lifecycle.PARTICIPANT,
         conditions=["round_open"],
-        unless=["fills_round"],
+        unless=["fills_round", "excluded"],
     ),
     _edge(
-        "admitted", Lifecycle.WAITING, Lifecycle.COMPLETE, conditions=["round_open", "fills_round"]
+        "admitted",
+        Lifecycle.WAITING,
+        Lifecycle.COMPLETE,
+        conditions=["round_open", "fills_round"],
+        unless=["excluded"],
     ),
     _edge("finish", Lifecycle.COMPLETE, Lifecycle.TRAINING),
     _edge("finish", Lifecycle.EVICTED, Lifecycle.EXITED),
@@ -208,6 +231,29 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         conditions=["timed_out", "within_rollback"],
     ),
     _edge("remove_from_participants", Lifecycle.TRAINING, Lifecycle.EXITED, unless=["timed_out"]),
+    # A failed health check: the node leaves its round (its workers stop) and sits
+    # out the next rounds; a node in no round only records its exclusion.
+    _edge(
+        "exclude",
+        [Lifecycle.TRAINING, Lifecycle.EVICTED],
+        Lifecycle.EXITED,
+        unless=["rendezvous_closed", "timed_out", "excluded"],
+    ),
+    _edge(
+        "exclude",
+        [Lifecycle.IDLE, Lifecycle.EXITED],
+        None,
+        unless=["rendezvous_closed", "timed_out", "excluded"],
+    ),
+    # Its workers failed: the node counts the failure in the job-wide restart
+    # budget (the failure after the budget is spent closes the rendezvous); its
+    # exit and join follow as for any re-rendezvous.
+    _edge(
+        "charge_restart",
+        [Lifecycle.TRAINING, Lifecycle.EVICTED],
+        None,
+        unless=["rendezvous_closed", "timed_out"],
+    ),
     # An operation whose deadline passed fails; a redundant node waits without a
     # deadline, and a complete round returns before its deadline is looked at.
     _edge(
@@ -271,6 +317,8 @@ class Guards:
     within_rollback: bool
     #: the node is in the round's intent log past the cursor (it announced itself)
     announced: bool = False
+    #: the node excluded itself, and its exclusion runs past this round
+    excluded: bool = False
 
     @classmethod
     def of(cls, view: View) -> Guards:
@@ -308,6 +356,7 @@ class Guards:
                 view.deadline is not None and now <= view.deadline + s.rollback_period
             ),
             announced=node in view.pending,
+            excluded=bool(state.excluded) and state.excluded.get(node, 0) > state.round,
         )
 
 
@@ -363,6 +412,9 @@ class _Node:
 
     def announced(self) -> bool:
         return self._g("announced")
+
+    def excluded(self) -> bool:
+        return self._g("excluded")
 
 
 def _machine_kwargs() -> dict[str, Any]:

@@ -64,6 +64,16 @@ What is simulated:
   exit, close) re-reads and goes on while a heartbeat or monitor pass gives up
   until its next tick; graceful leaves (``leave_rate``: exit, then the process
   stays down for ``restart_delay``).
+* **Failures the agent handles**: a training node's workers fail
+  (``worker_failure_rate``): it counts the failure in the job-wide restart budget
+  for the round it trained in (``ChargeRestartOp``), then exits that round and
+  joins the next, as the agent does; with ``restart_budget`` set, the failure
+  after the budget is spent closes the rendezvous, and the run ends closed (a node
+  stops once it sees the rendezvous closed). A node fails its health check
+  (``health_failure_rate``): it excludes itself (``ExcludeOp``: it leaves its
+  round and sits out ``exclusion_rounds`` rounds) and joins again, standing by as
+  a spare while excluded. All rates are 0 by default, and a rate of 0 draws
+  nothing from the run's random numbers: runs without them are as before.
 
 Every committed write is checked with :func:`check_state` and
 :func:`check_transition` (above 256 nodes, a write that neither completes, closes
@@ -114,8 +124,10 @@ from ..core import (
     Action,
     Announce,
     Beat,
+    ChargeRestartOp,
     CloseOp,
     Done,
+    ExcludeOp,
     ExitOp,
     Instruction,
     JoinOp,
@@ -134,7 +146,16 @@ from ..core import (
 )
 from ..core import driver as core_driver
 from ..core.codec import EncodedSize
-from .invariants import AgreementTracker, RoundResult, check_state, check_transition
+from .invariants import (
+    AgreementTracker,
+    RoundResult,
+    check_budget,
+    check_budget_step,
+    check_exclusions,
+    check_exclusions_kept,
+    check_state,
+    check_transition,
+)
 from .lifecycle import Name, Phase
 from .options import Rule, check_ranges, check_settings
 
@@ -201,6 +222,16 @@ class SimConfig:
     partition_rate: float = 0.0
     partition_duration: float = 30.0
     leave_rate: float = 0.0
+    #: a training node's workers fail (it charges the restart budget, exits and
+    #: joins again), per node per minute
+    worker_failure_rate: float = 0.0
+    #: a node fails its health check (it excludes itself and joins again as a
+    #: spare), per node per minute
+    health_failure_rate: float = 0.0
+    #: the settings' job-wide restart budget (None: none) and the rounds an
+    #: excluded node sits out
+    restart_budget: int | None = None
+    exclusion_rounds: int = 1
     #: stop with a violation after this many node-steps (a livelock guard)
     max_steps: int | None = None
     #: events kept for a violation's trace
@@ -235,6 +266,8 @@ class SimConfig:
             heartbeat_timeout=self.heartbeat_timeout,
             keep_alive_interval=self.keep_alive_interval,
             keep_alive_max_attempt=self.keep_alive_max_attempt,
+            restart_budget=self.restart_budget,
+            exclusion_rounds=self.exclusion_rounds,
         )
 
     def check_interval(self) -> int:
@@ -258,6 +291,8 @@ _RULES = (
             "crash_rate",
             "partition_rate",
             "leave_rate",
+            "worker_failure_rate",
+            "health_failure_rate",
             "conflict_rate",
             "restart_delay",
             "partition_duration",
@@ -357,6 +392,15 @@ class SimReport:
     timeouts: int = 0
     #: phases published (writes that woke the nodes waiting for a lower one)
     phases: int = 0
+    #: training nodes whose workers failed, and nodes that failed a health check
+    worker_failures: int = 0
+    health_failures: int = 0
+    #: won writes that counted a failure in the restart budget, or excluded a node
+    charges: int = 0
+    exclusions: int = 0
+    #: the restart budget's count, and whether the rendezvous is closed, at the end
+    restarts: int = 0
+    closed: bool = False
     violations: list[SimViolation] = field(default_factory=list)
     #: live, reachable nodes declared dead (a liveness fault, not a safety one)
     false_death_log: list[SimViolation] = field(default_factory=list)
@@ -406,6 +450,7 @@ class SimReport:
             ("deaths declared (false)", f"{self.deaths} ({self.false_deaths})"),
             ("fences (deaths of unfenced nodes)", f"{self.fences} ({self.unfenced_deaths})"),
             ("operation timeouts", str(self.timeouts)),
+            *self._failure_rows(),
             ("phases published", str(self.phases)),
             ("backend reads per node", f"{t.reads / n:.1f}"),
             ("backend writes per node", f"{t.writes / n:.1f}"),
@@ -418,6 +463,23 @@ class SimReport:
             ("bytes written per node", f"{t.bytes_written / n:,.0f}"),
             ("bytes per write", f"{(t.bytes_written - t.beat_bytes) / max(1, t.writes):,.0f}"),
             ("invariant violations", str(len(self.violations))),
+        ]
+
+    def _failure_rows(self) -> list[tuple[str, str]]:
+        """The rows of the restart budget and exclusions (none for a run without
+        them, whose table stays as it was)."""
+        c = self.config
+        if not (c.worker_failure_rate or c.health_failure_rate or c.restart_budget is not None):
+            return []
+        budget = "none" if c.restart_budget is None else str(c.restart_budget)
+        return [
+            (
+                "worker failures / health-check failures",
+                f"{self.worker_failures} / {self.health_failures}",
+            ),
+            ("restarts charged (budget)", f"{self.restarts} ({budget})"),
+            ("exclusions", str(self.exclusions)),
+            ("rendezvous closed", "yes" if self.closed else "no"),
         ]
 
     def format(self) -> str:
@@ -453,6 +515,10 @@ class Fault(Name):
     CRASH = "crash"
     PARTITION = "partition"
     LEAVE = "leave"
+    #: a training node's workers fail
+    WORKER_FAILURE = "worker-failure"
+    #: a node fails its health check
+    HEALTH_CHECK = "health-check"
 
 
 #: Events that belong to one request, wait or backoff of a node (checked against
@@ -666,6 +732,10 @@ class Simulator:
         c = self.config
         if fault is Fault.CRASH:
             return c.crash_rate
+        if fault is Fault.WORKER_FAILURE:
+            return c.worker_failure_rate
+        if fault is Fault.HEALTH_CHECK:
+            return c.health_failure_rate
         return c.partition_rate if fault is Fault.PARTITION else c.leave_rate
 
     def _schedule_fault(self, node: _Node, fault: Fault, delay: float) -> None:
@@ -741,6 +811,8 @@ class Simulator:
                 break
         self.now = max(self.now, t)
         report.simulated = self.now
+        report.restarts = self.state.restarts
+        report.closed = self.state.closed
 
     # -- faults (also called directly by the hypothesis machines) ----------------
 
@@ -784,6 +856,36 @@ class Simulator:
         deadline = node.local(self.now) + self.settings.close_timeout
         self._begin(node, ExitOp(), deadline, Phase.EXITING, fresh=False)
         node.leaving = True
+        self._drive(node)
+
+    def fail_workers(self, slot: int) -> None:
+        """The workers of node ``slot`` fail while it trains: as the agent does, it
+        counts the failure in the restart budget for the round it trained in,
+        then exits that round and joins the next (the failure after the budget is
+        spent closes the rendezvous, and the node stops)."""
+        node = self.nodes[slot]
+        if not node.alive or node.phase is not Phase.TRAINING or node.joined is None:
+            return
+        self.report.worker_failures += 1
+        round_ = node.joined.round
+        self._log(node, f"workers failed in round {round_}: charges the restart budget")
+        deadline = node.local(self.now) + self.settings.join_timeout
+        self._begin(node, ChargeRestartOp(round_), deadline, Phase.JOINING, fresh=False)
+        self._drive(node)
+
+    def fail_health_check(self, slot: int) -> None:
+        """Node ``slot`` fails its health check while it trains or joins: it
+        excludes itself (leaves its round, sits out ``exclusion_rounds`` rounds),
+        then joins again, standing by as a spare while excluded."""
+        node = self.nodes[slot]
+        if not node.alive or node.phase not in (Phase.TRAINING, Phase.JOINING):
+            return
+        if isinstance(node.op, (ChargeRestartOp, ExcludeOp)):
+            return  # the agent finishes what it does for a failure first
+        self.report.health_failures += 1
+        self._log(node, "fails its health check: excludes itself")
+        deadline = node.local(self.now) + self.settings.join_timeout
+        self._begin(node, ExcludeOp(), deadline, Phase.JOINING, fresh=False)
         self._drive(node)
 
     def arrive(self, slot: int) -> None:
@@ -876,6 +978,10 @@ class Simulator:
             self.crash(node.slot)
         elif fault is Fault.PARTITION:
             self.partition(node.slot, self.config.partition_duration)
+        elif fault is Fault.WORKER_FAILURE:
+            self.fail_workers(node.slot)
+        elif fault is Fault.HEALTH_CHECK:
+            self.fail_health_check(node.slot)
         else:
             self.leave(node.slot)
         delay = self._exp(self._fault_rate(fault))
@@ -1123,6 +1229,10 @@ class Simulator:
         # it was partitioned): name each touched node once.
         touched = tuple(dict.fromkeys((node.desc, *sorted(write.dead), *write.admitted)))
         self._commit(node, write.state, touched)
+        if write.action is Action.CHARGE_RESTART:
+            self.report.charges += 1
+        elif write.action is Action.EXCLUDE:
+            self.report.exclusions += 1
         if write.phase is not None:
             stats.bytes_written += 8
             self._publish(write.phase)
@@ -1192,8 +1302,10 @@ class Simulator:
             problems = check_state(new, self.settings) + check_transition(old, new)
             if self._checked is not old:
                 # Over every write since the last whole check (each property is
-                # one that holds across several steps when it holds across each).
-                problems += [p for p in check_transition(self._checked, new) if p not in problems]
+                # one that holds across several steps when it holds across each,
+                # the failures counted per write aside: see check_transition).
+                span = check_transition(self._checked, new, steps=self._unchecked)
+                problems += [p for p in span if p not in problems]
             self._unchecked = 0
             self._checked = new
             return problems
@@ -1228,6 +1340,12 @@ class Simulator:
                     problems.append(f"{node} joined complete round {new.round}")
                 elif rank != participants[node]:
                     problems.append(f"rank of {node} changed within complete round {new.round}")
+        # The restart budget (a few numbers) and the exclusions of the entries touched.
+        if new.restarts != old.restarts or new.charged_through != old.charged_through:
+            problems += check_budget_step(old, new) + check_budget(new, s)
+        if new.excluded or old.excluded:
+            problems += check_exclusions(new, touched)
+            problems += check_exclusions_kept(old, new, touched)
         return problems
 
     def _account_round(
@@ -1340,6 +1458,18 @@ class Simulator:
         if node.task is Task.BEAT:
             return self._idle(node)  # a failed keep-alive is only logged
         op, action = node.op, done.action
+        if isinstance(op, (ChargeRestartOp, ExcludeOp)) and action is Action.FINISH:
+            if done.state.closed:
+                # The budget is spent (this charge closed it) or the job ended.
+                self._log(node, f"{type(op).__name__} -> the rendezvous is closed: stops")
+                self._stop_closed(node)
+                return False
+            # Charged: leave the round, then join the next; excluded (out of its
+            # round already): join again, as a spare while excluded. Either
+            # decides on the view its write left (fresh).
+            after = ExitOp() if isinstance(op, ChargeRestartOp) else JoinOp()
+            self._begin(node, after, node.deadline, Phase.JOINING, fresh=True)
+            return True
         if isinstance(op, ExitOp) and action is Action.FINISH:
             if node.leaving:
                 self._stop(node)
@@ -1360,15 +1490,19 @@ class Simulator:
             Action.ERROR_CLOSED,
             Action.ERROR_GRACEFUL_EXIT,
         ):
-            self.closed_by = self.closed_by or node.desc
-            self._stop(node)
-            node.phase = Phase.CLOSED
+            self._stop_closed(node)
             return False
         # ERROR_TIMEOUT: the agent gives up on this attempt and starts over.
         self.report.timeouts += 1
         self._stop(node)
         self._at(self.now + self.config.restart_delay, "arrive", node.slot)
         return False
+
+    def _stop_closed(self, node: _Node) -> None:
+        """The rendezvous is closed: the node stops for good."""
+        self.closed_by = self.closed_by or node.desc
+        self._stop(node)
+        node.phase = Phase.CLOSED
 
     def _joined(self, node: _Node, done: Done) -> None:
         """The join returned: check agreement, then train (heartbeats and monitor)."""
@@ -1397,8 +1531,14 @@ class Simulator:
         return self.agreement.add(desc, result)
 
     def _verdict(self, node: _Node, verdict: Verdict) -> bool:
-        """The agent's monitor: regroup on waiting nodes or lost participants, else
-        wait for the next phase (or monitor_interval) and check again."""
+        """The agent's monitor: stop once the rendezvous is closed (elsewhere: the
+        budget spent, or the job ended), regroup on waiting nodes or lost
+        participants, else wait for the next phase (or monitor_interval) and
+        check again."""
+        if node.view.state.closed:
+            self._log(node, "the rendezvous is closed: stops its workers")
+            self._stop_closed(node)
+            return False
         if verdict.waiting or verdict.lost:
             reason = "peer lost" if verdict.lost else "nodes waiting"
             self._log(node, f"re-rendezvous: {reason}")

@@ -3,7 +3,8 @@
 * :func:`node_descs` -- nodes (addr, pid, local id);
 * :func:`rendezvous_settings` -- valid :class:`Settings`;
 * :func:`rendezvous_states` -- shared states that pass :func:`check_state`;
-* :func:`sim_configs` -- simulator configurations with faults, skew and drift.
+* :func:`sim_configs` -- simulator configurations with faults (workers' failures
+  and failed health checks among them), skew and drift.
 
 Example::
 
@@ -35,7 +36,8 @@ def node_descs() -> st.SearchStrategy[NodeDesc]:
 
 @st.composite
 def rendezvous_settings(draw: st.DrawFn, max_nodes: int = 8) -> Settings:
-    """Valid settings with min_nodes <= max_nodes <= ``max_nodes``."""
+    """Valid settings with min_nodes <= max_nodes <= ``max_nodes`` (with or
+    without a restart budget)."""
     high = draw(st.integers(1, max_nodes))
     low = draw(st.integers(1, high))
     return Settings(
@@ -46,6 +48,8 @@ def rendezvous_settings(draw: st.DrawFn, max_nodes: int = 8) -> Settings:
         keep_alive_interval=draw(st.sampled_from([1.0, 5.0])),
         keep_alive_max_attempt=draw(st.integers(1, 3)),
         stable_ranks=draw(st.booleans()),
+        restart_budget=draw(st.sampled_from([None, 0, 2])),
+        exclusion_rounds=draw(st.integers(1, 3)),
     )
 
 
@@ -55,7 +59,9 @@ def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> Rend
     live beside it on the backend), that satisfy
     :func:`rallypoint.spec.invariants.check_state`. A complete round's ranks are
     any permutation of 0..n-1 (the stable-ranks option can give any); ``phase``
-    and ``intent_cursor`` take any small value."""
+    and ``intent_cursor`` take any small value. Some redundant nodes (and nodes
+    in no list) may be excluded, and some restarts charged (within the budget,
+    or the one past it with the rendezvous closed)."""
     s = settings or draw(rendezvous_settings())
     nodes = draw(st.lists(node_descs(), unique=True, max_size=s.max_nodes + 3))
     count = draw(st.integers(0, min(len(nodes), s.max_nodes)))
@@ -80,6 +86,20 @@ def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> Rend
     )
     if not complete and count >= s.min_nodes:
         state = state.evolve(last_call=1, last_call_seq=1)
+    outsiders = draw(st.lists(node_descs(), unique=True, max_size=2))
+    standing_by = [n for n in outsiders if n not in nodes] + sorted(state.redundancy_list)
+    excluded = draw(st.lists(st.sampled_from(standing_by), unique=True)) if standing_by else []
+    if excluded:
+        ends = {n: state.round + draw(st.integers(1, s.exclusion_rounds + 1)) for n in excluded}
+        state = state.evolve(excluded=ends)
+    most = 3 if s.restart_budget is None else s.restart_budget + 1
+    restarts = draw(st.integers(0, most))
+    if restarts:
+        through = draw(st.integers(1, state.round + 1))
+        spent = s.restart_budget is not None and restarts > s.restart_budget
+        state = state.evolve(
+            restarts=restarts, charged_through=through, closed=state.closed or spent
+        )
     return state
 
 
@@ -103,4 +123,8 @@ def sim_configs(draw: st.DrawFn, max_nodes: int = 16, duration: float = 120.0) -
         jitter=latency / 2,
         clock_offset=draw(st.sampled_from([0.0, 300.0])),
         drift=draw(st.sampled_from([0.0, 0.01])),
+        worker_failure_rate=draw(st.sampled_from([0.0, 0.1])),
+        health_failure_rate=draw(st.sampled_from([0.0, 0.05])),
+        restart_budget=draw(st.sampled_from([None, 1, 3])),
+        exclusion_rounds=draw(st.integers(1, 2)),
     )

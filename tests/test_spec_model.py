@@ -221,3 +221,43 @@ def test_the_announced_guard_reads_the_intent_log() -> None:
     assert not Guards.of(
         View(C, state, SETTINGS, 0.0, Observations(), pending=frozenset({B}))
     ).announced
+
+
+def test_an_excluded_node_only_stands_by(model: LifecycleModel) -> None:
+    """While excluded, a node joins no round and waits for none: it stands by as a
+    spare, by its own join or a peer's batch, until its exclusion runs out."""
+    open_round = guards(excluded=True, round_open=True)
+    assert not model.allows("joining", "add_to_participants", "participant", open_round)
+    assert model.allows("joining", "add_to_redundancy_list", "redundant", open_round)
+    assert not model.allows("redundant", "remove_from_redundancy_list", "joining", open_round)
+    assert model.allows(
+        "redundant", "remove_from_redundancy_list", "joining", guards(round_open=True)
+    )
+    waiting_room = guards(excluded=True, round_complete=True)
+    assert not model.allows("joining", "add_to_wait_list", "waiting", waiting_room)
+    announced = guards(excluded=True, announced=True, round_open=True)
+    assert not model.allows("joining", "admitted", "participant", announced)
+    assert model.allows("joining", "admitted", "redundant", announced)
+    assert not model.allows("waiting", "admitted", "participant", open_round)
+
+
+def test_a_node_excludes_itself_and_charges_failures_while_it_trains(
+    model: LifecycleModel,
+) -> None:
+    assert model.allows("training", "exclude", "exited", guards())
+    assert model.allows("evicted", "exclude", "exited", guards())
+    assert model.allows("idle", "exclude", "idle", guards())
+    assert not model.allows("training", "exclude", "exited", guards(closed=True))
+    assert not model.allows("training", "exclude", "exited", guards(timed_out=True))
+    assert not model.allows("joining", "exclude", "exited", guards())
+    assert model.allows("training", "charge_restart", "training", guards())
+    assert model.allows("evicted", "charge_restart", "evicted", guards())
+    assert not model.allows("training", "charge_restart", "training", guards(closed=True))
+    assert not model.allows("participant", "charge_restart", "participant", guards())
+
+
+def test_the_excluded_guard_reads_the_exclusions() -> None:
+    state = RendezvousState(round=1, excluded={A: 2, B: 1})
+    assert Guards.of(View(A, state, SETTINGS, 0.0, Observations())).excluded
+    assert not Guards.of(View(B, state, SETTINGS, 0.0, Observations())).excluded
+    assert not Guards.of(View(C, state, SETTINGS, 0.0, Observations())).excluded

@@ -243,6 +243,8 @@ def test_encoded_size_is_the_codec_length(first, second) -> None:  # type: ignor
         | second.members()
         | frozenset(first.heartbeats)
         | frozenset(second.heartbeats)
+        | frozenset(first.excluded)
+        | frozenset(second.excluded)
     )
     assert size.update(second, touched) == len(encode_state(second))
 
@@ -387,6 +389,8 @@ class ClusterMachine(RuleBasedStateMachine):
                 drift=0.01,
                 conflict_rate=0.05,
                 restart_delay=5.0,
+                restart_budget=3,
+                exclusion_rounds=2,
             )
         )
         self.sim.run_until(5.0)
@@ -412,6 +416,14 @@ class ClusterMachine(RuleBasedStateMachine):
     @rule(slot=nodes)
     def arrive(self, slot: int) -> None:
         self.sim.arrive(slot)
+
+    @rule(slot=nodes)
+    def fail_workers(self, slot: int) -> None:
+        self.sim.fail_workers(slot)
+
+    @rule(slot=nodes)
+    def fail_health_check(self, slot: int) -> None:
+        self.sim.fail_health_check(slot)
 
     @precondition(lambda self: not self.sim.state.closed)
     @rule(slot=nodes, p=st.floats(0, 1))
