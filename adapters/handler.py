@@ -49,12 +49,14 @@ from ..core import (
     Action,
     ChargeRestartOp,
     CloseOp,
+    Done,
     ExcludeOp,
     ExitOp,
     JoinOp,
     KeepAliveOp,
     Membership,
     NodeDesc,
+    Operator,
     Settings,
 )
 from ..core import errors as core_errors
@@ -343,9 +345,21 @@ class RallypointHandler(RendezvousHandler):
         return self._sync.refresh(self.cache_duration).closed
 
     def set_closed(self) -> None:
+        self._run_briefly(CloseOp(), "closing the rendezvous")
+
+    def _run_briefly(self, op: Operator, what: str) -> Done:
+        """Run a one-write operator within ``close_timeout``; raise on its error."""
         timeout = self._settings.close_timeout
-        done = self._sync.run(CloseOp(), self._sync.now() + timeout)
-        self._raise_for(done.action, "closing the rendezvous", timeout)
+        done = self._sync.run(op, self._sync.now() + timeout)
+        self._raise_for(done.action, what, timeout)
+        return done
+
+    def _step_out(self, op: Operator, what: str) -> Done:
+        """Stop this node's round (heartbeats, membership) and run ``op``: it leaves
+        the shared state."""
+        self._stop_heartbeats()
+        self._joined = None
+        return self._run_briefly(op, what)
 
     def num_nodes_waiting(self) -> int:
         """Nodes in the wait list (after removing the ones this node sees dead).
@@ -377,11 +391,7 @@ class RallypointHandler(RendezvousHandler):
         Raises:
             RendezvousTimeoutError, RendezvousConnectionError, RendezvousStateError.
         """
-        self._stop_heartbeats()
-        self._joined = None
-        timeout = self._settings.close_timeout
-        done = self._sync.run(ExitOp(), self._sync.now() + timeout)
-        self._raise_for(done.action, "leaving the rendezvous", timeout)
+        self._step_out(ExitOp(), "leaving the rendezvous")
 
     @property
     def restarts(self) -> int:
@@ -398,9 +408,7 @@ class RallypointHandler(RendezvousHandler):
         Raises:
             RendezvousTimeoutError, RendezvousConnectionError, RendezvousStateError.
         """
-        timeout = self._settings.close_timeout
-        done = self._sync.run(ChargeRestartOp(round_), self._sync.now() + timeout)
-        self._raise_for(done.action, "counting a restart", timeout)
+        done = self._run_briefly(ChargeRestartOp(round_), "counting a restart")
         budget = self._settings.restart_budget
         return budget is not None and done.state.restarts > budget
 
@@ -412,11 +420,7 @@ class RallypointHandler(RendezvousHandler):
         Raises:
             RendezvousTimeoutError, RendezvousConnectionError, RendezvousStateError.
         """
-        self._stop_heartbeats()
-        self._joined = None
-        timeout = self._settings.close_timeout
-        done = self._sync.run(ExcludeOp(), self._sync.now() + timeout)
-        self._raise_for(done.action, "excluding this node", timeout)
+        done = self._step_out(ExcludeOp(), "excluding this node")
         return done.state.excluded.get(self.node, done.state.round)
 
     def wait_for_change(self, timeout: float) -> None:

@@ -41,17 +41,17 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from .charging import Charge, FailureCase, RestartBudget
-from .config import LaunchConfig, RestartScope
+from .charging import Charge, FailureCase
+from .config import LaunchConfig
 from .errors import AgentError, ProcessFailure
 from .events import EventKind, EventRecorder
 from .exit_barrier import acknowledge_close, exit_barrier, wait_for_acknowledgements
-from .health import FailureWindow, HealthResult, run_health_check
 from .launches import return_files, worker_launches
 from .lease import LeaseGuard, fence_grace
 from .logs import EventLog, StartedWorker, make_log_root
 from .monitor import GroupWatch, RoundOutcome
 from .ranks import Assignment, RoundAbandoned, agree_ranks, choose_master
+from .recovery import Recovery
 from .rendezvous import HandlerView
 from .signals import SignalReceived, ignore_signals, raise_on_signals
 from .workers import WorkerGroup, WorkerLaunch
@@ -137,7 +137,6 @@ class ElasticAgent:
         self.handler = handler
         self.return_values = return_values
         self.group = WorkerGroup()
-        self.budget = RestartBudget(config.max_restarts)
         self.watch = GroupWatch(self.view, config)
         #: rounds whose workers this agent started (``attempt_N`` numbers them from 0)
         self.rounds = 0
@@ -152,12 +151,9 @@ class ElasticAgent:
         )
         #: rallypoint's structured events (``--events-file``, and logging)
         self.recorder = EventRecorder(config.events_file, self.view.node_name)
-        #: ``--exclude-after`` failures within ``--exclude-window``: exclude this node
-        self._failures_window = (
-            FailureWindow(config.exclude_after, config.exclude_window)
-            if config.exclude_after
-            else None
-        )
+        #: the restart budget, exclusions and the health check
+        self.recovery = Recovery(config, self.view, self.recorder)
+        self.budget = self.recovery.budget
         #: when the failure that ends the current round was noticed (monotonic)
         self._failure_noticed: float | None = None
         self.events = EventLog(
@@ -175,13 +171,13 @@ class ElasticAgent:
 
     @property
     def remaining_restarts(self) -> int:
-        """Restarts left in the ``max_restarts`` budget."""
-        return self.budget.remaining
+        """Restarts left in the ``max_restarts`` budget (this agent's, or the job's)."""
+        return self.recovery.left
 
     @property
     def restarts_spent(self) -> int:
         """Restarts spent so far (torch's ``TORCHELASTIC_RESTART_COUNT``)."""
-        return self.budget.spent
+        return self.recovery.spent
 
     # ------------------------------------------------------------- the run
 
@@ -225,7 +221,7 @@ class ElasticAgent:
                     self._preempted(stop_with)
                 else:
                     self.group.stop(self.config.stop_grace, stop_with)
-                    self._shutdown_handler(close_rendezvous=not unreachable)
+                    self.view.shut_down(close_rendezvous=not unreachable and not self.watch.closed)
                 self.recorder.close()
 
     def _preempted(self, sig: signal.Signals) -> None:
@@ -234,7 +230,7 @@ class ElasticAgent:
         so its peers regroup without waiting for that grace (or a liveness window)."""
         started = time.monotonic()
         self.group.forward(sig)
-        self._leave_handler()
+        self.view.leave()
         left_s = time.monotonic() - started
         self.group.stop(self.config.stop_grace, None)
         self.recorder.emit(
@@ -245,31 +241,6 @@ class ElasticAgent:
             grace_s=self.config.stop_grace,
             workers_stopped_s=time.monotonic() - started,
         )
-
-    def _leave_handler(self) -> None:
-        # rallypoint's handler has leave() (take this node out of the shared state
-        # now) and close() (stop heartbeats, release the backend); torch's have
-        # neither, and their peers notice the silence after the liveness window.
-        for name in ("leave", "close"):
-            method = getattr(self.handler, name, None)
-            if callable(method):
-                try:
-                    method()
-                except Exception as exc:
-                    logger.debug("handler.%s(): %s: %s", name, type(exc).__name__, exc)
-
-    def _shutdown_handler(self, close_rendezvous: bool = True) -> None:
-        # torch's shutdown() closes the rendezvous; rallypoint's handler also has
-        # close() to release its backend and any store it hosts.
-        started = time.monotonic()
-        release = getattr(self.handler, "close", None)
-        if not callable(release) or (close_rendezvous and not self.watch.closed):
-            with contextlib.suppress(Exception):
-                self.handler.shutdown()
-        if callable(release):
-            with contextlib.suppress(Exception):
-                release()
-        logger.debug("handler shut down in %.3f s", time.monotonic() - started)
 
     # ------------------------------------------------------------ the loop
 
@@ -306,7 +277,7 @@ class ElasticAgent:
             # The lease guard stopped them: a new round, without spending a restart.
             self.group.stop(self.config.stop_grace)
             logger.warning("[%s] workers fenced; joining a new round", self.config.role)
-            self._restarting("fenced", charged=False)
+            self.recovery.restarting(self._round_number, "fenced", charged=False)
             return None
         if outcome is RoundOutcome.SUCCEEDED:
             return self._finish()
@@ -317,18 +288,8 @@ class ElasticAgent:
             return self._closed_result(_CLOSED_WHILE_RUNNING)
         # The membership changed: a new round, the budget untouched.
         self._failure_noticed = time.monotonic()
-        self._restarting("membership", charged=False)
+        self.recovery.restarting(self._round_number, "membership", charged=False)
         return None
-
-    def _restarting(self, cause: str, *, charged: bool, **fields: object) -> None:
-        self.recorder.emit(
-            EventKind.RESTART,
-            self._round_number,
-            cause=cause,
-            charged=charged,
-            restarts=self._restarts_spent(),
-            **fields,
-        )
 
     def _clear_fence(self) -> bool:
         """Clear the lease guard's mark; True: the guard had stopped the workers."""
@@ -374,78 +335,54 @@ class ElasticAgent:
             peers=current.assignment.group_world_size - 1,
             window=self.watch.evidence_window(),
         )
-        charge = self.watch.judge_failure(failures, case, self._restarts_left())
+        charge = self.watch.judge_failure(failures, case, self.recovery.left)
         decide_s = time.monotonic() - failed_at
         if charge is None:  # closed while this agent waited for evidence
             return self._closed_result(_CLOSED_WHILE_RUNNING)
+        recovery = self.recovery
         if charge is Charge.FREE:
-            self._restarting("failure", charged=False, decide_s=decide_s)
+            recovery.restarting(self._round_number, "failure", charged=False, decide_s=decide_s)
             return None
-        if not self._spend_restart(current):
-            self._restarting("failure", charged=True, decide_s=decide_s, budget_spent=True)
-            if self._job_scope:  # the charge closed the rendezvous
-                why = f"the job-wide restart budget ({self.config.max_restarts}) is spent"
-            else:
-                self.watch.close_rendezvous()
-                why = f"max restarts ({self.config.max_restarts}) exhausted"
-            wait_for_acknowledgements(
-                current.store, current.assignment, self.watch, _CLOSE_SEEN_TIMEOUT
+        if not recovery.spend(current.assignment.round, current.members):
+            recovery.restarting(
+                self._round_number, "failure", charged=True, decide_s=decide_s, budget_spent=True
             )
-            return self._failed(why, failures)
+            return self._give_up(failures)
         logger.warning(
             "[%s] worker group failed (%s); restarting, %d of %d %srestarts left",
             self.config.role,
             failures[0].message if failures else "?",
-            self._restarts_left(),
+            recovery.left,
             self.config.max_restarts,
-            "job-wide " if self._job_scope else "",
+            "job-wide " if recovery.job_scope else "",
         )
-        self._restarting("failure", charged=True, decide_s=decide_s)
-        if self._failures_window is not None and self._failures_window.record(failed_at):
-            self._exclude(
-                f"{self.config.exclude_after} failures within {self.config.exclude_window:g} s"
-            )
+        recovery.restarting(self._round_number, "failure", charged=True, decide_s=decide_s)
+        recovery.failed_again(self._round_number, failed_at)
         return None
 
-    @property
-    def _job_scope(self) -> bool:
-        return self.config.restart_scope is RestartScope.JOB and self.view.counts_restarts
-
-    def _restarts_spent(self) -> int:
-        """Restarts spent: this agent's, or the whole job's (``--restart-scope job``)."""
-        return self.view.restarts if self._job_scope else self.budget.spent
-
-    def _restarts_left(self) -> int:
-        return max(0, self.config.max_restarts - self._restarts_spent())
-
-    def _spend_restart(self, current: _Round) -> bool:
-        """Charge the failure of the ``current`` round; False: the budget is spent."""
-        if self._job_scope:
-            # Counted once per round, whichever node's workers failed; the failure
-            # after the last restart closes the rendezvous for every node.
-            return not self.view.charge_restart(current.assignment.round)
-        return self.budget.spend(current.members)
+    def _give_up(self, failures: list[ProcessFailure]) -> RunResult:
+        """The budget is spent: end the job (close the rendezvous), and wait a little
+        for the round's other agents to see it closed."""
+        current = self._current
+        if self.recovery.job_scope:  # the last charge closed the rendezvous
+            why = f"the job-wide restart budget ({self.config.max_restarts}) is spent"
+        else:
+            self.watch.close_rendezvous()
+            why = f"max restarts ({self.config.max_restarts}) exhausted"
+        wait_for_acknowledgements(
+            current.store, current.assignment, self.watch, _CLOSE_SEEN_TIMEOUT
+        )
+        return self._failed(why, failures)
 
     def _failed(self, message: str, failures: list[ProcessFailure]) -> RunResult:
         return RunResult(
             AgentState.FAILED, 1, failures=failures, message=message, rounds=self.rounds
         )
 
-    def _exclude(self, reason: str) -> None:
-        """Take this node out of the job for ``exclusion_rounds`` rounds: it leaves
-        its round and stands by as a spare (docs/design.md, decision 10)."""
-        until = self.view.exclude()
-        logger.warning(
-            "[%s] excluding this node until round %d: %s", self.config.role, until, reason
-        )
-        self.recorder.emit(EventKind.EXCLUSION, self._round_number, reason=reason, until=until)
-        if self._failures_window is not None:
-            self._failures_window.reset()
-
     def _closed_result(self, when: str) -> RunResult:
         if self._round is not None:
             acknowledge_close(self._round.store, self._round.assignment)
-        if self._job_scope and self.view.restarts > self.config.max_restarts:
+        if self.recovery.spent_elsewhere:
             return self._failed(
                 f"the job-wide restart budget ({self.config.max_restarts}) was spent "
                 "(the last failure was on another node)",
@@ -474,10 +411,10 @@ class ElasticAgent:
 
     def _rendezvous_and_start(self) -> None:
         joined = self._join()
-        while not self._healthy(joined):
+        while not self.recovery.healthy(joined.assignment):
+            self._round = joined  # its events and an exclusion name this round
             joined = self._join()
-        if not self._job_scope:
-            self._refund_if_lost(joined)
+        self.recovery.settle(joined.assignment.round, joined.members)
         self._round = joined
         a = joined.assignment
         started = time.monotonic()
@@ -508,74 +445,6 @@ class ElasticAgent:
     def _since_failure(self) -> float | None:
         noticed = self._failure_noticed
         return None if noticed is None else time.monotonic() - noticed
-
-    def _refund_if_lost(self, joined: _Round) -> None:
-        lost = self.budget.settle(joined.members)
-        if lost:
-            # The failure was a peer's loss seen early (docs/design.md, decision 6).
-            logger.warning(
-                "[%s] round %d formed without %s: the last failure came from losing it; "
-                "its restart is refunded, %d of %d left",
-                self.config.role,
-                joined.assignment.round,
-                ", ".join(sorted(map(str, lost))),
-                self.budget.remaining,
-                self.config.max_restarts,
-            )
-
-    def _healthy(self, joined: _Round) -> bool:
-        """Run the pre-flight health check of ``joined`` (``--health-check``); False:
-        this node must not start workers in it (it excluded itself, or a peer
-        failed its check), and joins the next round instead."""
-        check = self.config.health_check
-        if not check.enabled:
-            return True
-        a = joined.assignment
-        env = {
-            "MASTER_ADDR": a.master_addr,
-            "MASTER_PORT": str(a.master_port),
-            "RANK": str(a.group_rank),
-            "WORLD_SIZE": str(a.group_world_size),
-            "RALLYPOINT_ROUND": str(a.round),
-        }
-        result = run_health_check(check, round_env=env, device=self._check_device())
-        self._record_check(a.round, result)
-        if result.ok:
-            return True
-        logger.warning(
-            "[%s] round %d: health check failed (%s): %s",
-            self.config.role,
-            a.round,
-            result.stage,
-            result.reason,
-        )
-        self._round = joined
-        if result.exclude_self or (
-            self._failures_window is not None
-            and result.fault == "group"
-            and self._failures_window.record(time.monotonic())
-        ):
-            self._exclude(f"health check failed in stage {result.stage}: {result.reason}")
-        return False
-
-    @staticmethod
-    def _check_device() -> str:
-        """The device the health check's matmul runs on: every visible CUDA device
-        where there is one."""
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def _record_check(self, round_: int, result: HealthResult) -> None:
-        self.recorder.emit(
-            EventKind.HEALTH_CHECK,
-            round_,
-            ok=result.ok,
-            seconds=result.seconds,
-            stage=result.stage,
-            fault=result.fault,
-            reason=result.reason,
-        )
 
     def _join(self) -> _Round:
         """The next round, with this agent's ranks in it agreed.
@@ -624,7 +493,7 @@ class ElasticAgent:
             self.argv,
             a,
             attempt_dir=self._attempt_dir(self.rounds),
-            restarts=self._restarts_spent(),
+            restarts=self.recovery.spent,
             return_values=self.return_values,
         )
 
@@ -654,6 +523,6 @@ class ElasticAgent:
             started,
             group_rank=a.group_rank,
             group_world_size=a.group_world_size,
-            restarts=self.budget.spent,
+            restarts=self.recovery.spent,
             backend=str(self.handler.get_backend()),
         )

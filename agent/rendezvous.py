@@ -16,6 +16,8 @@ degrades to polling when a handler lacks them.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import time
@@ -32,6 +34,8 @@ from .config import (
     parse_endpoint,
 )
 from .errors import AgentError
+
+logger = logging.getLogger("rallypoint.agent")
 
 __all__ = [
     "BACKENDS",
@@ -171,6 +175,34 @@ class HandlerView:
             self._wait(timeout)
         else:
             time.sleep(timeout)
+
+    def leave(self) -> None:
+        """Take this node out of the rendezvous now and release the handler (a stop
+        signal). rallypoint's handler has ``leave()`` (out of the shared state at
+        once) and ``close()`` (stop heartbeats, release the backend); torch's have
+        neither, and their peers notice the silence after the liveness window."""
+        for name in ("leave", "close"):
+            method = getattr(self.handler, name, None)
+            if callable(method):
+                try:
+                    method()
+                except Exception as exc:
+                    logger.debug("handler.%s(): %s: %s", name, type(exc).__name__, exc)
+
+    def shut_down(self, *, close_rendezvous: bool) -> None:
+        """Release the handler at the end of the run, closing the rendezvous first
+        when ``close_rendezvous`` (torch's ``shutdown()`` closes it; rallypoint's
+        handler also has ``close()`` to release its backend and any store it
+        hosts). Never raises: the run's own result is what matters now."""
+        started = time.monotonic()
+        release = getattr(self.handler, "close", None)
+        if not callable(release) or close_rendezvous:
+            with contextlib.suppress(Exception):
+                self.handler.shutdown()
+        if callable(release):
+            with contextlib.suppress(Exception):
+                release()
+        logger.debug("handler shut down in %.3f s", time.monotonic() - started)
 
     def endpoint(self) -> str:
         """The endpoint in use, when the handler tells (rallypoint), else ''."""

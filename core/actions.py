@@ -237,22 +237,26 @@ def _remove_from_participants(
     return remove_participant_epilogue(state, s)
 
 
-def _remove_from_wait_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
-    if node not in state.wait_list:
-        _refuse(Action.REMOVE_FROM_WAIT_LIST, node, "not waiting")
-    return state._derive(
-        {"wait_list": state.wait_list - {node}, "heartbeats": _without(state, node)}
-    )
+_Effect = Callable[[RendezvousState, NodeDesc, Settings], RendezvousState]
 
 
-def _remove_from_redundancy_list(
-    state: RendezvousState, node: NodeDesc, s: Settings
-) -> RendezvousState:
-    if node not in state.redundancy_list:
-        _refuse(Action.REMOVE_FROM_REDUNDANCY_LIST, node, "not redundant")
-    return state._derive(
-        {"redundancy_list": state.redundancy_list - {node}, "heartbeats": _without(state, node)}
-    )
+def _leaving(name: str, action: Action, why: str) -> _Effect:
+    """The effect of leaving the node list ``name`` (the wait or redundancy list):
+    out of it, and its heartbeat entry dropped."""
+
+    def leave(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+        members: frozenset[NodeDesc] = getattr(state, name)
+        if node not in members:
+            _refuse(action, node, why)
+        return state._derive({name: members - {node}, "heartbeats": _without(state, node)})
+
+    return leave
+
+
+_remove_from_wait_list = _leaving("wait_list", Action.REMOVE_FROM_WAIT_LIST, "not waiting")
+_remove_from_redundancy_list = _leaving(
+    "redundancy_list", Action.REMOVE_FROM_REDUNDANCY_LIST, "not redundant"
+)
 
 
 def _mark_rendezvous_complete(
@@ -310,8 +314,6 @@ def _heartbeat(state: RendezvousState, node: NodeDesc, s: Settings) -> Rendezvou
 def _without(state: RendezvousState, node: NodeDesc) -> Map[NodeDesc, int]:
     return state.heartbeats.delete(node) if node in state.heartbeats else state.heartbeats
 
-
-_Effect = Callable[[RendezvousState, NodeDesc, Settings], RendezvousState]
 
 #: The action -> effect table. An action not in it changes nothing and may not be
 #: applied (h2's rule: a pair outside the map is a protocol error, not a no-op).

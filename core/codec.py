@@ -38,7 +38,7 @@ instead of failing on a state that is valid only for some of them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import Any
 
@@ -217,6 +217,17 @@ def _full(state: RendezvousState, field: str, valued: bool) -> tuple[int, int]:
     return sum(sizes), len(sizes)
 
 
+def _json_object(data: bytes, fail: Callable[[str], RendezvousStateError]) -> dict[str, Any]:
+    """The JSON object ``data`` holds; ``fail`` makes the error for anything else."""
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise fail(f"not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(doc, dict):
+        raise fail("the top level must be an object")
+    return doc
+
+
 def _fail(what: str) -> RendezvousStateError:
     return RendezvousStateError(f"corrupt rendezvous state: {what}")
 
@@ -329,12 +340,7 @@ def _document(data: bytes) -> dict[str, Any]:
         raise _fail(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_STATE_BYTES:
         raise _fail(f"{len(data)} bytes exceeds the limit of {MAX_STATE_BYTES}")
-    try:
-        doc = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _fail(f"not valid JSON ({exc.__class__.__name__}: {exc})") from None
-    if not isinstance(doc, dict):
-        raise _fail("the top level must be an object")
+    doc = _json_object(data, _fail)
     version = doc.get("v")
     if version != FORMAT_VERSION or isinstance(version, bool):
         raise _fail(f"format version {version!r} is not supported (expected {FORMAT_VERSION})")
@@ -541,12 +547,7 @@ def _settings_fail(what: str) -> RendezvousStateError:
 def _decode_shared_settings(data: bytes) -> dict[str, Any]:
     if len(data) > 4096:
         raise _settings_fail(f"{len(data)} bytes is far more than settings take")
-    try:
-        doc = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _settings_fail(f"not valid JSON ({exc.__class__.__name__})") from None
-    if not isinstance(doc, dict):
-        raise _settings_fail("the top level must be an object")
+    doc = _json_object(data, _settings_fail)
     if doc.get("v") != _SETTINGS_VERSION or isinstance(doc.get("v"), bool):
         raise _settings_fail(f"format version {doc.get('v')!r} is not supported")
     # Fields a later version adds are not ours to compare; every field of ours must be

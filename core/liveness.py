@@ -271,9 +271,7 @@ def fence_after(settings: Settings) -> float:
     return window - min(settings.keep_alive_interval / 2, window / 4)
 
 
-def fence_due(
-    observations: Observations, node: NodeDesc, settings: Settings, now: float
-) -> bool:
+def fence_due(observations: Observations, node: NodeDesc, settings: Settings, now: float) -> bool:
     """Whether ``node``'s lease has run out at local time ``now``: it has not
     renewed for :func:`fence_after` and must stop its workers now. False for a
     node that holds no heartbeat entry (nothing to fence)."""

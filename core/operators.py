@@ -244,15 +244,21 @@ class ExitOp:
         return _FINISH
 
 
+def _unless_done(done: bool, ctx: Context, deadline: float, action: Action) -> Action:
+    """The answer of a one-write operator: FINISH once ``done``, else ``action``
+    unless the deadline passed."""
+    if done:
+        return _FINISH
+    if _timed_out(ctx, deadline):
+        return _ERROR_TIMEOUT
+    return action
+
+
 class CloseOp:
     """Close the rendezvous: the job is over."""
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
-        if ctx.state.closed:
-            return Action.FINISH
-        if _timed_out(ctx, deadline):
-            return Action.ERROR_TIMEOUT
-        return Action.MARK_RENDEZVOUS_CLOSED
+        return _unless_done(ctx.state.closed, ctx, deadline, Action.MARK_RENDEZVOUS_CLOSED)
 
 
 class ChargeRestartOp:
@@ -269,33 +275,22 @@ class ChargeRestartOp:
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
         state = ctx.state
-        if state.closed or state.round != self.round or state.charged_through > self.round:
-            return Action.FINISH
-        if _timed_out(ctx, deadline):
-            return Action.ERROR_TIMEOUT
-        return Action.CHARGE_RESTART
+        done = state.closed or state.round != self.round or state.charged_through > self.round
+        return _unless_done(done, ctx, deadline, Action.CHARGE_RESTART)
 
 
 class ExcludeOp:
     """Exclude this node for ``exclusion_rounds`` rounds (it leaves its round)."""
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
-        if ctx.state.closed or ctx.is_excluded:
-            return Action.FINISH
-        if _timed_out(ctx, deadline):
-            return Action.ERROR_TIMEOUT
-        return Action.EXCLUDE
+        return _unless_done(ctx.state.closed or ctx.is_excluded, ctx, deadline, Action.EXCLUDE)
 
 
 class KeepAliveOp:
     """Bump this node's heartbeat if it is due."""
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
-        if keep_alive_due(ctx):
-            if _timed_out(ctx, deadline):
-                return Action.ERROR_TIMEOUT
-            return Action.KEEP_ALIVE
-        return Action.FINISH
+        return _unless_done(not keep_alive_due(ctx), ctx, deadline, _KEEP_ALIVE)
 
 
 def wake_at(ctx: Context, deadline: float | None = None) -> float | None:
