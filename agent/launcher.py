@@ -430,6 +430,18 @@ def _add_recovery_flags(opt: _AddFlag) -> None:
     opt("--events-file", action=env, default=None, help="write structured events (JSON lines).")
 
 
+def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`LaunchConfig` fields of :func:`_add_recovery_flags`' flags."""
+    return {
+        "restart_scope": args.restart_scope,
+        "exclusion_rounds": args.exclusion_rounds,
+        "exclude_after": args.exclude_after,
+        "exclude_window": args.exclude_window,
+        "health_check": _health_check(args),
+        "events_file": args.events_file,
+    }
+
+
 def _health_check(args: argparse.Namespace) -> HealthCheckConfig:
     command, call = args.health_check_command, args.health_check_callable
     try:
@@ -746,12 +758,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         duplicate_stderr_filters=args.duplicate_stderr_filters,
         virtual_local_rank=args.virtual_local_rank,
         logs_specs=logs_specs,
-        restart_scope=args.restart_scope,
-        exclusion_rounds=args.exclusion_rounds,
-        exclude_after=args.exclude_after,
-        exclude_window=args.exclude_window,
-        health_check=_health_check(args),
-        events_file=args.events_file,
+        **_recovery_options(args),
     )
     config.rendezvous_endpoint()  # a missing endpoint fails now, before torch loads
     return config

@@ -576,22 +576,7 @@ def decide(
     ctx = Context(node, sanitized, settings, now, observations)
     action = op(ctx, deadline)
     if action is _SYNC or action.is_terminal:
-        if dead:
-            return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
-        if action is _SYNC:
-            wait = Wait(wake_at(ctx, deadline), state.phase)
-            return Decision(wait, action, sanitized, dead)
-        if (
-            action is _FINISH
-            and node in state.heartbeats
-            and fence_due(observations, node, settings, now)
-            and isinstance(op, JoinOp)
-        ):
-            # Never hand workers a lease that is running out (a node admitted by
-            # another's batch after a long wait, or back from a partition): renew
-            # it first, or the agent would fence them at once.
-            return Decision(Beat(), action, sanitized, dead)
-        return _built(Decision, (_done(node, op, action, sanitized), action, sanitized, dead))
+        return _no_write(view, ctx, op, action, dead, deadline)
     if not dead and node in state.heartbeats and (action is _KEEP_ALIVE or keep_alive_due(ctx)):
         # A member beats when its keep-alive is due, also before another write: a
         # node that keeps losing compare-and-sets must not look dead meanwhile.
@@ -616,6 +601,36 @@ def decide(
     reset = now + settings.join_timeout if action.resets_deadline else None
     write = _phased(new, state, settings, action, dead, reset, admitted)
     return _built(Decision, (write, action, sanitized, dead))
+
+
+def _no_write(
+    view: NodeView,
+    ctx: Context,
+    op: Operator,
+    action: Action,
+    dead: frozenset[NodeDesc],
+    deadline: float,
+) -> Decision:
+    """:func:`decide`'s instruction for an answer that writes nothing (SYNC or a
+    terminal action): publish the dead first, wait, renew a lease running out, or
+    be done."""
+    node, sanitized, settings = ctx.node, ctx.state, ctx.settings
+    if dead:
+        return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
+    state = view.state
+    if action is _SYNC:
+        return Decision(Wait(wake_at(ctx, deadline), state.phase), action, sanitized, dead)
+    if (
+        action is _FINISH
+        and node in state.heartbeats
+        and fence_due(ctx.observations, node, settings, ctx.now)
+        and isinstance(op, JoinOp)
+    ):
+        # Never hand workers a lease that is running out (a node admitted by
+        # another's batch after a long wait, or back from a partition): renew
+        # it first, or the agent would fence them at once.
+        return Decision(Beat(), action, sanitized, dead)
+    return _built(Decision, (_done(node, op, action, sanitized), action, sanitized, dead))
 
 
 def _done(node: NodeDesc, op: Operator, action: Action, state: RendezvousState) -> Done:
