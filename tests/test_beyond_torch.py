@@ -65,7 +65,8 @@ def test_a_spare_takes_the_lost_nodes_rank_and_the_survivors_keep_theirs(
     machine loss): the spare joins the next round with that group rank, and both
     survivors keep theirs (torch's rule would re-rank the survivors by node order)."""
     port, records = free_port(), cluster.dir / "records.jsonl"
-    args = _args(port, "spare", "3", "--max-restarts", "3")
+    events_file = cluster.dir / "events.jsonl"
+    args = _args(port, "spare", "3", "--max-restarts", "3", "--events-file", str(events_file))
     conf = f"{CONF},stable_ranks=1"
 
     def start(name: str, host: bool) -> None:
@@ -96,6 +97,13 @@ def test_a_spare_takes_the_lost_nodes_rank_and_the_survivors_keep_theirs(
     for name in "abc":
         if name != victim:
             assert new_rank_of[pids[name]] == rank_of[pids[name]], cluster.logs()
+    events = _events(events_file)
+    second_round = int(second[0]["RALLYPOINT_ROUND"])
+    (spare_round,) = _of(events, "round", cluster.agents["spare"].pid)
+    assert (spare_round["round"], spare_round["group_rank"]) == (second_round, lost_rank)
+    for name in "abc":
+        if name != victim:  # each survivor's restart over the lost peer is an event
+            assert _of(events, "restart", pids[name]), events
     (cluster.dir / "finish").touch()
     for name in ("spare", *(n for n in "abc" if n != victim)):
         assert cluster.wait(name, WAIT) == 0, cluster.logs()
