@@ -197,112 +197,133 @@ def _wait_for(store: Store, keys: list[str], deadline: float) -> bool:
 def _group_stages(
     spec: dict[str, Any], report: _Reporter, local: Outcome, done: list[str]
 ) -> Outcome:
-    from torch.distributed import PrefixStore, TCPStore
+    """Meet the round's other nodes, then, if all came and passed, run the collective."""
+    return _Group(spec, local).run(report, done)
 
-    addr = os.environ["MASTER_ADDR"]
-    port = int(os.environ["MASTER_PORT"])
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    rdzv_deadline = spec["rendezvous_deadline"]
-    deadline = spec["deadline"]
-    report.stage("rendezvous")
-    if rank != 0:
+
+class _Group:
+    """This node's part in the group stages, with the round's variables and deadlines.
+
+    :meth:`run` takes the steps in order: wait for rank 0's port (other ranks),
+    open the check's store, post this node's status, decide (rank 0) or await
+    (the others) the verdict, then run the collective. Each step that fails says
+    whom it blames; this node's own failure, if it has one, outranks that.
+    """
+
+    def __init__(self, spec: dict[str, Any], local: Outcome) -> None:
+        self.spec = spec
+        self.local = local
+        self.addr = os.environ["MASTER_ADDR"]
+        self.port = int(os.environ["MASTER_PORT"])
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.rdzv_deadline: float = spec["rendezvous_deadline"]
+        self.deadline: float = spec["deadline"]
+        # The nodes that posted a status; rank 0 keeps the store up until they are done.
+        self.present = self.world
+
+    def _rank0_failed(self, reason: str) -> Outcome:
+        """Rank 0 (or its store) let this node down: blame it, unless this node failed."""
+        return _combine(self.local, Outcome(False, "rendezvous", reason, "peers", [0]))
+
+    def run(self, report: _Reporter, done: list[str]) -> Outcome:
+        from torch.distributed import PrefixStore, TCPStore
+
+        report.stage("rendezvous")
+        if self.rank != 0:
+            refused = self._await_rank0()
+            if refused is not None:
+                return refused
+        addr, port, rank = self.addr, self.port, self.rank
+        wait = timedelta(seconds=max(1.0, self.deadline - self.spec["margin"] - time.time()))
+        try:
+            raw = TCPStore(addr, port, self.world, rank == 0, wait, wait_for_workers=False)
+        except Exception as exc:
+            return self._unreachable(exc)
+        store = PrefixStore(f"rallypoint-health/{os.environ.get('RALLYPOINT_ROUND', '')}/", raw)
+        return self._meet(store, report, done)
+
+    def _await_rank0(self) -> Outcome | None:
         # torch's client retries with a growing backoff and may overshoot its
         # timeout by seconds: wait for rank 0's port here, within the budget.
-        refused = _await_port(addr, port, rdzv_deadline)
-        if refused is not None:
-            waited = rdzv_deadline - spec["started"]
-            return _combine(
-                local,
-                Outcome(
-                    False,
-                    "rendezvous",
-                    f"rank 0 did not open the check's store at {addr}:{port} within "
-                    f"{waited:.3g} s ({refused})",
-                    "peers",
-                    [0],
-                ),
-            )
-    wait = timedelta(seconds=max(1.0, deadline - spec["margin"] - time.time()))
-    try:
-        raw = TCPStore(addr, port, world, rank == 0, wait, wait_for_workers=False)
-    except Exception as exc:
-        if rank == 0:
+        refused = _await_port(self.addr, self.port, self.rdzv_deadline)
+        if refused is None:
+            return None
+        waited = self.rdzv_deadline - self.spec["started"]
+        return self._rank0_failed(
+            f"rank 0 did not open the check's store at {self.addr}:{self.port} within "
+            f"{waited:.3g} s ({refused})"
+        )
+
+    def _unreachable(self, exc: Exception) -> Outcome:
+        """The check's store could not be hosted (rank 0) or reached (the others)."""
+        if self.rank == 0:
             return Outcome(
                 False,
                 "rendezvous",
-                f"cannot host the check's store on port {port}: {_describe(exc)}",
+                f"cannot host the check's store on port {self.port}: {_describe(exc)}",
                 "group",
             )
-        return _combine(
-            local,
-            Outcome(
-                False,
-                "rendezvous",
-                f"cannot connect to rank 0's check store at {addr}:{port}: {_describe(exc)}",
-                "peers",
-                [0],
-            ),
+        return self._rank0_failed(
+            f"cannot connect to rank 0's check store at {self.addr}:{self.port}: {_describe(exc)}"
         )
-    store = PrefixStore(f"rallypoint-health/{os.environ.get('RALLYPOINT_ROUND', '')}/", raw)
-    present = world
-    try:
-        store.set(f"status/{rank}", json.dumps(asdict(local)))
-        if rank == 0:
-            keys = [f"status/{r}" for r in range(world)]
-            _wait_for(store, keys, rdzv_deadline)
-            missing = [r for r in range(world) if not store.check([keys[r]])]
-            present = world - len(missing)
-            failed: dict[str, str] = {}
-            for r in range(world):
-                if r in missing:
-                    continue
-                status = json.loads(store.get(keys[r]))
-                if not status["ok"]:
-                    failed[str(r)] = f"{status['stage']}: {status['reason']}"
-            waited = rdzv_deadline - spec["started"]
-            verdict = {"missing": missing, "failed": failed, "waited": waited}
-            store.set("verdict", json.dumps(verdict))
-        else:
-            if not _wait_for(store, ["verdict"], deadline - spec["margin"]):
-                return _combine(
-                    local,
-                    Outcome(
-                        False,
-                        "rendezvous",
-                        f"rank 0 posted no verdict within {deadline - spec['started']:.3g} s",
-                        "peers",
-                        [0],
-                    ),
-                )
-            verdict = json.loads(store.get("verdict"))
-        if not local.ok:
-            return local
-        blamed = _blame(verdict, rank)
-        if blamed is not None:
-            return blamed
-        report.stage("collective")
-        done.append(_collective(spec, store, rank, world))
-        return Outcome(True)
-    except _StageFailed as exc:
-        return Outcome(False, "collective", str(exc), "group")
-    except Exception as exc:
-        # The store broke under us: its host, rank 0, went away.
-        if rank == 0:
+
+    def _meet(self, store: Store, report: _Reporter, done: list[str]) -> Outcome:
+        """Post this node's status, get the verdict and, if nobody is blamed, run the collective."""
+        rank, margin = self.rank, self.spec["margin"]
+        try:
+            store.set(f"status/{rank}", json.dumps(asdict(self.local)))
+            if rank == 0:
+                verdict = self._decide(store)
+            elif _wait_for(store, ["verdict"], self.deadline - margin):
+                verdict = json.loads(store.get("verdict"))
+            else:
+                waited = self.deadline - self.spec["started"]
+                return self._rank0_failed(f"rank 0 posted no verdict within {waited:.3g} s")
+            if not self.local.ok:
+                return self.local
+            blamed = _blame(verdict, rank)
+            if blamed is not None:
+                return blamed
+            report.stage("collective")
+            done.append(_collective(self.spec, store, rank, self.world))
+            return Outcome(True)
+        except _StageFailed as exc:
+            return Outcome(False, "collective", str(exc), "group")
+        except Exception as exc:
+            return self._store_lost(exc)
+        finally:
+            _finish(store, rank, self.present, self.deadline - margin / 2)
+
+    def _decide(self, store: Store) -> dict[str, Any]:
+        """Rank 0: wait for every node's status, then post and return the verdict."""
+        world = self.world
+        keys = [f"status/{r}" for r in range(world)]
+        _wait_for(store, keys, self.rdzv_deadline)
+        missing = [r for r in range(world) if not store.check([keys[r]])]
+        self.present = world - len(missing)
+        failed: dict[str, str] = {}
+        for r in range(world):
+            if r in missing:
+                continue
+            status = json.loads(store.get(keys[r]))
+            if not status["ok"]:
+                failed[str(r)] = f"{status['stage']}: {status['reason']}"
+        waited = self.rdzv_deadline - self.spec["started"]
+        verdict = {"missing": missing, "failed": failed, "waited": waited}
+        store.set("verdict", json.dumps(verdict))
+        return verdict
+
+    def _store_lost(self, exc: Exception) -> Outcome:
+        """The store broke under us: its host, rank 0, went away."""
+        if self.rank == 0:
             return _combine(
-                local,
+                self.local,
                 Outcome(
                     False, "rendezvous", f"the check's store failed: {_describe(exc)}", "group"
                 ),
             )
-        return _combine(
-            local,
-            Outcome(
-                False, "rendezvous", f"lost rank 0's check store: {_describe(exc)}", "peers", [0]
-            ),
-        )
-    finally:
-        _finish(store, rank, present, deadline - spec["margin"] / 2)
+        return self._rank0_failed(f"lost rank 0's check store: {_describe(exc)}")
 
 
 def _combine(local: Outcome, group: Outcome) -> Outcome:

@@ -276,99 +276,151 @@ def run_health_check(
     if not config.enabled:
         return HealthResult(True, "health check disabled", 0.0, "")
     world = _world_size(round_env) if config.collective else 1
-    timeout = float(config.timeout)
-    local_budget = LOCAL_SHARE * timeout
-    margin = min(2.0, max(0.25, 0.05 * timeout))
-    wall = time.time()
-    env = {**os.environ, **round_env}
-    done: list[str] = []
-
-    def elapsed() -> float:
-        return time.monotonic() - started
-
-    def failed(stage: str, reason: str, fault: Fault = "self") -> HealthResult:
-        return HealthResult(False, reason, elapsed(), stage, fault)
-
+    check = _Check(config, round_env, device, started)
     with tempfile.TemporaryDirectory(prefix="rallypoint-health-") as tmp:
-        local_failure: dict[str, str] | None = None
-        if config.command is not None:
-            run = _run(
-                ["/bin/sh", "-c", config.command], env, tmp, "command", started + local_budget
-            )
-            if run.error:
-                local_failure = {"stage": "command", "reason": f"cannot run command: {run.error}"}
-            elif run.code is None:
-                local_failure = {
-                    "stage": "command",
-                    "reason": f"command timed out after {local_budget:g} s (the local checks' "
-                    f"share of the {timeout:g} s health check){_tail(run.stderr)}",
-                }
-            elif run.code != 0:
-                local_failure = {
-                    "stage": "command",
-                    "reason": f"command failed ({describe_exit(run.code)})"
-                    f"{_tail(run.stderr) or _tail(run.stdout)}",
-                }
-            else:
-                done.append("command")
+        return check.run(tmp, world)
+
+
+class _Check:
+    """One run of the check: its budgets, its environment and what passed so far.
+
+    :meth:`run` takes the steps in order: the user's command here, then the check
+    process (torch, matmul, callable and the group stages), then the verdict from
+    the process's status file or, when it left none, from how it ended.
+    """
+
+    def __init__(
+        self, config: HealthCheckConfig, round_env: Mapping[str, str], device: str, started: float
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.started = started
+        self.timeout = float(config.timeout)
+        self.local_budget = LOCAL_SHARE * self.timeout
+        self.margin = min(2.0, max(0.25, 0.05 * self.timeout))
+        self.wall = time.time()
+        self.env = {**os.environ, **round_env}
+        self.done: list[str] = []
+        self.tmp = ""
+        self.status_file = ""
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def failed(self, stage: str, reason: str, fault: Fault = "self") -> HealthResult:
+        return HealthResult(False, reason, self.elapsed(), stage, fault)
+
+    def run(self, tmp: str, world: int) -> HealthResult:
+        """Every step, with ``tmp`` for the outputs and the status file."""
+        self.tmp = tmp
+        self.status_file = os.path.join(tmp, "status.jsonl")
+        local_failure = self._run_command()
         if local_failure is not None and world == 1:
-            return failed(local_failure["stage"], local_failure["reason"])
-        status_file = os.path.join(tmp, "status.jsonl")
-        spec = {
-            "status_file": status_file,
-            "device": device,
-            "callable": config.callable,
-            "collective": config.collective,
+            return self.failed(local_failure["stage"], local_failure["reason"])
+        run = self._run_worker(local_failure)
+        return self._judge(run, local_failure)
+
+    def _run_command(self) -> dict[str, str] | None:
+        """Run the user's command, if any: its failure as ``{"stage", "reason"}``, or None."""
+        command = self.config.command
+        if command is None:
+            return None
+        kill_at = self.started + self.local_budget
+        run = _run(["/bin/sh", "-c", command], self.env, self.tmp, "command", kill_at)
+        if run.error:
+            return {"stage": "command", "reason": f"cannot run command: {run.error}"}
+        if run.code is None:
+            return {
+                "stage": "command",
+                "reason": f"command timed out after {self.local_budget:g} s (the local checks' "
+                f"share of the {self.timeout:g} s health check){_tail(run.stderr)}",
+            }
+        if run.code != 0:
+            return {
+                "stage": "command",
+                "reason": f"command failed ({describe_exit(run.code)})"
+                f"{_tail(run.stderr) or _tail(run.stdout)}",
+            }
+        self.done.append("command")
+        return None
+
+    def _spec(self, local_failure: dict[str, str] | None) -> dict[str, object]:
+        """The check process's instructions (see :mod:`._health_worker`)."""
+        wall, timeout = self.wall, self.timeout
+        return {
+            "status_file": self.status_file,
+            "device": self.device,
+            "callable": self.config.callable,
+            "collective": self.config.collective,
             "local_failure": local_failure,
             "timeout": timeout,
-            "local_budget": local_budget,
-            "margin": margin,
+            "local_budget": self.local_budget,
+            "margin": self.margin,
             "started": wall,
-            "local_deadline": wall + local_budget,
+            "local_deadline": wall + self.local_budget,
             "rendezvous_deadline": wall + RENDEZVOUS_SHARE * timeout,
             "deadline": wall + timeout,
         }
+
+    def _local_overrun(self) -> bool:
+        # Still in a local stage well past the local share: this node is stuck.
+        return (
+            self.elapsed() > self.local_budget + self.margin
+            and _last_stage(self.status_file) in LOCAL_STAGES
+        )
+
+    def _run_worker(self, local_failure: dict[str, str] | None) -> _Run:
+        """Run the check process until it exits, the deadline, or a local overrun."""
         argv = [sys.executable, "-m", "rallypoint.agent._health_worker"]
-        worker_env = {**env, SPEC_ENV: json.dumps(spec), "PYTHONUNBUFFERED": "1"}
+        spec = json.dumps(self._spec(local_failure))
+        worker_env = {**self.env, SPEC_ENV: spec, "PYTHONUNBUFFERED": "1"}
+        kill_at = self.started + self.timeout
+        return _run(argv, worker_env, self.tmp, "check", kill_at, stop_early=self._local_overrun)
 
-        def local_overrun() -> bool:
-            # Still in a local stage well past the local share: this node is stuck.
-            return elapsed() > local_budget + margin and _last_stage(status_file) in LOCAL_STAGES
-
-        run = _run(argv, worker_env, tmp, "check", started + timeout, stop_early=local_overrun)
-        stage = _last_stage(status_file) or "torch"
+    def _judge(self, run: _Run, local_failure: dict[str, str] | None) -> HealthResult:
+        """The check's result from the process's result line, or from how it ended."""
+        stage = _last_stage(self.status_file) or "torch"
         if run.error:
-            return failed(stage, f"cannot start the check process: {run.error}")
-        result = _result(status_file)
+            return self.failed(stage, f"cannot start the check process: {run.error}")
+        result = _result(self.status_file)
         if result is not None:
-            ok = bool(result.get("ok"))
-            summary = ", ".join([*done, str(result["summary"])] if result.get("summary") else done)
-            peers = result.get("peers")
-            return HealthResult(
-                ok,
-                f"passed: {summary}" if ok else str(result.get("reason")),
-                elapsed(),
-                "" if ok else str(result.get("stage")),
-                "none" if ok else _fault(result.get("fault")),
-                tuple(int(p) for p in peers) if isinstance(peers, list) else (),
-            )
+            return self._reported(result)
         if local_failure is not None:
             # It only went on to tell its peers; its own failure is the news.
-            return failed(local_failure["stage"], local_failure["reason"])
+            return self.failed(local_failure["stage"], local_failure["reason"])
+        return self._ended(run, stage)
+
+    def _reported(self, result: dict[str, object]) -> HealthResult:
+        """The result the check process wrote, with the command's pass in the summary."""
+        ok = bool(result.get("ok"))
+        done = self.done
+        summary = ", ".join([*done, str(result["summary"])] if result.get("summary") else done)
+        peers = result.get("peers")
+        return HealthResult(
+            ok,
+            f"passed: {summary}" if ok else str(result.get("reason")),
+            self.elapsed(),
+            "" if ok else str(result.get("stage")),
+            "none" if ok else _fault(result.get("fault")),
+            tuple(int(p) for p in peers) if isinstance(peers, list) else (),
+        )
+
+    def _ended(self, run: _Run, stage: str) -> HealthResult:
+        """The result of a check process that wrote none: killed, or it died in ``stage``."""
         local = stage in LOCAL_STAGES
         if run.code is None and run.stopped_early:
-            return failed(
+            return self.failed(
                 stage,
-                f"timed out after {local_budget:g} s in stage {stage} (the local checks' share "
-                f"of the {timeout:g} s health check){_tail(run.stderr)}",
+                f"timed out after {self.local_budget:g} s in stage {stage} (the local checks' "
+                f"share of the {self.timeout:g} s health check){_tail(run.stderr)}",
             )
         if run.code is None:
-            return failed(
+            return self.failed(
                 stage,
-                f"timed out after {timeout:g} s in stage {stage}{_tail(run.stderr)}",
+                f"timed out after {self.timeout:g} s in stage {stage}{_tail(run.stderr)}",
                 "self" if local else "group",
             )
-        return failed(
+        return self.failed(
             stage,
             f"the check process ended ({describe_exit(run.code)}) in stage {stage}"
             f"{_tail(run.stderr)}",
