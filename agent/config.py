@@ -67,6 +67,20 @@ logger = logging.getLogger("rallypoint.agent")
 DEFAULT_ROLE = "default"
 
 
+def _check_events_file(path: str) -> None:
+    """``--events-file`` names a file this agent can append to (checked before the
+    rendezvous, so a typo costs no round)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"--events-file {path!r}: is a directory, not a file")
+    if not os.path.isdir(folder):
+        raise ConfigError(
+            f"--events-file {path!r}: cannot open for appending (no directory {folder!r})"
+        )
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ConfigError(f"--events-file {path!r}: cannot open for appending (not writable)")
+
+
 class RestartScope(enum.Enum):
     """What ``--max-restarts`` counts (``--restart-scope``)."""
 
@@ -463,6 +477,8 @@ class LaunchConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{flag} must be an integer >= {low}, got {value!r}")
         check_seconds(self.exclude_window, "--exclude-window")
+        if self.events_file is not None:
+            _check_events_file(self.events_file)
         if not isinstance(self.health_check, HealthCheckConfig):
             raise ConfigError("health_check must be a HealthCheckConfig")
         wanted = [

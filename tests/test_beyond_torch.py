@@ -246,3 +246,33 @@ def test_a_preempted_agent_leaves_at_once_while_its_workers_checkpoint(
     (cluster.dir / "finish").touch()
     assert {name: cluster.wait(name, WAIT) for name in "ab"} == {"a": 0, "b": 0}
     assert cluster.leftovers() == []
+
+
+BAD_RECOVERY_FLAGS = [
+    (["--restart-scope", "cluster"], "invalid choice: 'cluster'"),
+    (["--exclusion-rounds", "0"], "--exclusion-rounds must be an integer >= 1, got 0"),
+    (["--exclude-after", "-1"], "--exclude-after must be an integer >= 0, got -1"),
+    (["--exclude-window", "nan"], "--exclude-window"),
+    (["--health-check", "--health-check-timeout", "0"], "--health-check: timeout must be"),
+    (["--health-check-callable", "no colon"], "--health-check: callable must name a function"),
+    (["--rdzv-backend", "torch-c10d", "--restart-scope", "job"], "needs rallypoint's rendezvous"),
+    (["--rdzv-backend", "static", "--health-check"], "needs rallypoint's rendezvous"),
+    (["--events-file", "/nonexistent/dir/events.jsonl"], "cannot open for appending"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_RECOVERY_FLAGS)
+def test_bad_recovery_flags_are_one_line_and_status_2(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rallypoint.agent.launcher import main
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    rdzv = [] if "--rdzv-backend" in flags else ["--rdzv-backend", "c10d"]
+    argv = [*rdzv, "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--log-dir",
+            str(tmp_path / "logs"), *flags, str(script)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rallypoint run: error:"), err
+    assert message in err[0], err
