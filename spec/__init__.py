@@ -5,7 +5,8 @@
 * :mod:`rallypoint.spec.invariants` -- the safety properties of docs/design.md;
 * :mod:`rallypoint.spec.check` -- an exhaustive model checker of the real core (its
   parts are the ``check_*`` modules);
-* :mod:`rallypoint.spec.simulator` -- a deterministic many-node simulator;
+* :mod:`rallypoint.spec.simulator` -- a deterministic many-node simulator (its
+  parts are the ``sim_*`` modules);
 * :mod:`rallypoint.spec.strategies` -- hypothesis strategies for your own properties.
 
 See docs/spec.md.

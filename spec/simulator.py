@@ -104,13 +104,19 @@ The cost of simulating one node-step does not grow with the number of nodes,
 except where the driver itself does O(n) work (a counter read observes every
 member; a finished join lists its round's members) and on the rare writes that
 complete or advance a round.
+
+This module puts the simulator together; each part is a module of its own, and
+:class:`Simulator` is the chain of their classes, each built on the one before:
+:mod:`.sim_config` (the options), :mod:`.sim_report` (the report),
+:mod:`.sim_node` (a node slot), then :mod:`.sim_events` (the event heap and loop),
+:mod:`.sim_checks` (invariants, agreement, false deaths), :mod:`.sim_backend` (the
+backend and the injection), :mod:`.sim_agent` (what the handler and the agent do),
+:mod:`.sim_executor` (the driver's executor) and :mod:`.sim_faults` (fault
+injection). Their public names are imported from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from ..core import Instruction
 from .sim_config import SimConfig, SimConfigError
 from .sim_faults import Faults
 from .sim_node import SimNode, Task
@@ -140,13 +146,8 @@ class Simulator(Faults):
             a node is about to carry out (Done and Verdict included), in order.
     """
 
-    def __init__(
-        self,
-        config: SimConfig,
-        on_violation: Callable[[SimViolation], None] | None = None,
-        on_instruction: Callable[[int, Instruction], None] | None = None,
-    ) -> None:
-        super().__init__(config, on_violation, on_instruction)
+    def _setup(self) -> None:
+        super()._setup()
         self._handlers = {
             name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_on_")
         }

@@ -1,0 +1,269 @@
+"""The simulated backend (:class:`Backend`): the state in a compare-and-set
+register with a version, one side heartbeat counter per node, the highest
+published phase and its watches, and one intent log per round; the requests it
+serves, the commit of a won write, and the writes, beats and intents injected by
+tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from immutables import Map
+
+from ..core import Action, NodeDesc, RendezvousState, Write, encode_state
+from ..core.codec import EncodedSize
+from .sim_checks import Checks
+from .sim_node import SimNode
+
+__all__ = ["Backend"]
+
+
+def _key_bytes(node: NodeDesc) -> int:
+    """Bytes of one side counter on the wire: its key and an 8-byte value."""
+    return len(str(node)) + 8
+
+
+def _entry_bytes(node: NodeDesc) -> int:
+    """Bytes of one intent-log entry when read: the node's name and a separator."""
+    return len(str(node)) + 1
+
+
+class Backend(Checks):
+    """The backend's data and the requests it serves (each an event, answered
+    after the latency by a ``response`` event)."""
+
+    def _setup(self) -> None:
+        super()._setup()
+        #: the side counter of every node (an immutable map: a read hands out a
+        #: snapshot without copying), the highest published phase (-1: none), and
+        #: the intent log of each round with its size in bytes (the state and its
+        #: version: :class:`.sim_events.EventLoop`)
+        self.side: Map[NodeDesc, int] = Map()
+        self.published = -1
+        self.intents: dict[int, list[NodeDesc]] = {}
+        self._intent_bytes: dict[int, int] = {}
+        #: phase watches: the phase watched -> {slot: watch token}
+        self._watching: dict[int, dict[int, int]] = {}
+        #: injected writes waiting for the next compare-and-set (inject_write(race=True))
+        self._races: list[Callable[[RendezvousState], RendezvousState | None]] = []
+        self.size = EncodedSize(self.state)
+        #: bytes of the side counters of the state's heartbeat members
+        self.counter_bytes = 0
+
+    def _reply(self, node: SimNode, data: Any) -> None:
+        self._at(self.now + self._delay(), "response", node.slot, node.req, data)
+
+    # -- phase watches -------------------------------------------------------------
+
+    def _watch(self, node: SimNode, phase: int) -> None:
+        """Ask the backend to notify ``node`` once a phase above ``phase`` is
+        published (a request: lost while partitioned, the timer then decides)."""
+        self._unwatch(node)
+        if not node.partitioned:
+            self._at(self.now + self._delay(), "backend_watch", node.slot, node.wtok, phase)
+
+    def _unwatch(self, node: SimNode) -> None:
+        """Drop ``node``'s phase watch (its pending events too)."""
+        node.wtok += 1
+        watched = node.watch_q
+        if watched is not None:
+            node.watch_q = None
+            slots = self._watching.get(watched)
+            if slots is not None:
+                slots.pop(node.slot, None)
+                if not slots:
+                    del self._watching[watched]
+
+    def _on_backend_watch(self, node: SimNode, phase: int) -> None:
+        if self.published > phase:
+            self._at(self.now + self._delay(), "notify", node.slot, node.wtok)
+            return
+        self._watching.setdefault(phase, {})[node.slot] = node.wtok
+        node.watch_q = phase
+
+    def _publish(self, phase: int) -> None:
+        """Publish ``phase``: notify the nodes watching a lower one (only them; a
+        partitioned one stays registered and is notified by a later phase)."""
+        if phase <= self.published:
+            return
+        self.published = phase
+        self.report.phases += 1
+        watching = self._watching
+        nodes = self.nodes
+        for watched in [q for q in watching if q < phase]:
+            slots = watching.pop(watched)
+            kept: dict[int, int] = {}
+            for slot, token in slots.items():
+                node = nodes[slot]
+                if token != node.wtok:
+                    continue
+                if node.partitioned:
+                    kept[slot] = token
+                    continue
+                node.watch_q = None
+                self._at(self.now + self._delay(), "notify", slot, token)
+            if kept:
+                watching[watched] = kept
+
+    # -- the backend -------------------------------------------------------------------
+
+    def _on_backend_read(self, node: SimNode, data: tuple[bool, bool, bool]) -> None:
+        counters, intents, with_state = data
+        stats = self.report.stats[node.slot]
+        stats.reads += 1
+        if with_state:
+            state = self.state
+            size = self.size.value
+        else:
+            state = node.view.state  # StateSync keeps the view's state and token
+            size = 0
+        side = None
+        if counters:
+            # Every node's counter (an immutable snapshot, no copy); the driver
+            # looks up the members' only, which is what the bytes count.
+            side = self.side
+            if with_state:
+                size += self.counter_bytes
+            else:
+                size += sum(map(_key_bytes, state.heartbeats))
+        log = None
+        if intents:
+            stats.intent_reads += 1
+            entries = self.intents.get(state.round)
+            log = () if entries is None else tuple(entries)
+            size += self._intent_bytes.get(state.round, 0)
+        stats.bytes_read += size
+        reply = ("read", state if with_state else None, self.version, side, log)
+        self._reply(node, reply)
+
+    def _on_backend_cas(self, node: SimNode, data: tuple[int, Write]) -> None:
+        expected, write = data
+        if self._races:
+            # Injected writes that beat this compare-and-set.
+            races, self._races = self._races, []
+            for change in races:
+                self._inject_write(change)
+        stats = self.report.stats[node.slot]
+        if expected != self.version or (
+            self.config.conflict_rate and self.rng.random() < self.config.conflict_rate
+        ):
+            stats.conflicts += 1
+            stats.bytes_read += self.size.value
+            self._reply(node, ("cas", False, self.state, self.version, write))
+            return
+        for gone in sorted(write.dead):  # sorted: the report is independent of hashing
+            self._judge_death(node, gone)
+        # The writer may be among the dead (its own counter stood still, e.g. while
+        # it was partitioned): name each touched node once.
+        touched = tuple(dict.fromkeys((node.desc, *sorted(write.dead), *write.admitted)))
+        self._commit(node, write.state, touched)
+        if write.action is Action.CHARGE_RESTART:
+            self.report.charges += 1
+        elif write.action is Action.EXCLUDE:
+            self.report.exclusions += 1
+        if write.phase is not None:
+            stats.bytes_written += 8
+            self._publish(write.phase)
+        self._reply(node, ("cas", True, self.state, self.version, write))
+
+    def _on_backend_beat(self, node: SimNode, data: Any) -> None:
+        value = self.side.get(node.desc, 0) + 1
+        self.side = self.side.set(node.desc, value)
+        stats = self.report.stats[node.slot]
+        size = _key_bytes(node.desc)
+        stats.beats += 1
+        stats.bytes_written += size
+        stats.beat_bytes += size
+        self._reply(node, ("beat", value))
+
+    def _append_intent(self, desc: NodeDesc, round_: int) -> None:
+        self.intents.setdefault(round_, []).append(desc)
+        self._intent_bytes[round_] = self._intent_bytes.get(round_, 0) + _entry_bytes(desc)
+
+    def _on_backend_announce(self, node: SimNode, round_: int) -> None:
+        self._append_intent(node.desc, round_)
+        stats = self.report.stats[node.slot]
+        stats.announces += 1
+        stats.bytes_written += len(str(node.desc)) + 8
+        self._log(node, f"announces itself in round {round_}")
+        self._reply(node, ("announce", round_))
+
+    def _commit(
+        self, writer: SimNode | None, new: RendezvousState, touched: tuple[NodeDesc, ...]
+    ) -> None:
+        old = self.state
+        problems = self._check(old, new, touched)
+        self.version += 1
+        self.state = new
+        size = self.size.update(new, touched)
+        for desc in touched:
+            if desc in old.heartbeats:
+                self.counter_bytes -= _key_bytes(desc)
+            if desc in new.heartbeats:
+                self.counter_bytes += _key_bytes(desc)
+        if self.config.verify_bytes:
+            encoded = len(encode_state(new))
+            if size != encoded:
+                problems.append(f"incremental size {size} != encoded size {encoded}")
+            counted = sum(map(_key_bytes, new.heartbeats))
+            if self.counter_bytes != counted:
+                problems.append(f"counter bytes {self.counter_bytes} != {counted}")
+        if writer is not None:
+            stats = self.report.stats[writer.slot]
+            stats.writes += 1
+            stats.bytes_written += size
+        self._account_round(old, new, touched)
+        if problems:
+            self._violate(problems)
+
+    # -- injection (the conformance tests) ---------------------------------------
+
+    def inject_write(
+        self,
+        at: float,
+        change: Callable[[RendezvousState], RendezvousState | None],
+        *,
+        race: bool = False,
+    ) -> None:
+        """At simulated time ``at``, a writer that is not simulated replaces the
+        stored state with ``change(state)`` (None: writes nothing). The write is
+        committed like a node's: checked, versioned, and its phase published if it
+        moved the state's. With ``race``, the write lands right before the first
+        compare-and-set served at or after ``at``, which then loses to it."""
+        self._at(at, "inject", 0, -1, ("race" if race else "write", change))
+
+    def inject_beat(self, at: float, node: NodeDesc) -> None:
+        """At simulated time ``at``, bump the side heartbeat counter of ``node``
+        (a node that is not simulated beats)."""
+        self._at(at, "inject", 0, -1, ("beat", node))
+
+    def inject_announce(self, at: float, node: NodeDesc, round_: int) -> None:
+        """At simulated time ``at``, append ``node`` to the intent log of
+        ``round_`` (a joiner that is not simulated announces itself)."""
+        self._at(at, "inject", 0, -1, ("announce", (node, round_)))
+
+    def _on_inject(self, _: SimNode, data: Any) -> None:
+        what, payload = data
+        if what == "beat":
+            self.side = self.side.set(payload, self.side.get(payload, 0) + 1)
+            self._log(None, f"injected beat of {payload}")
+        elif what == "announce":
+            node, round_ = payload
+            self._append_intent(node, round_)
+            self._log(None, f"injected announce of {node} in round {round_}")
+        elif what == "race":
+            self._races.append(payload)
+        else:
+            self._inject_write(payload)
+
+    def _inject_write(self, change: Callable[[RendezvousState], RendezvousState | None]) -> None:
+        old = self.state
+        new = change(old)
+        if new is None:
+            return
+        touched = old.members() | new.members() | set(old.heartbeats) | set(new.heartbeats)
+        self._log(None, "injected write")
+        self._commit(None, new, tuple(sorted(touched)))
+        if new.phase > old.phase:
+            self._publish(new.phase)
