@@ -76,17 +76,22 @@ def check_state(state: RendezvousState, settings: Settings) -> list[str]:
     return problems
 
 
+def _exclusions(
+    state: RendezvousState, nodes: Iterable[NodeDesc] | None
+) -> list[tuple[NodeDesc, int]]:
+    """(node, first round back) of every node ``state`` excludes, or of ``nodes`` only."""
+    excluded = state.excluded
+    if nodes is None:
+        return list(excluded.items())
+    return [(n, excluded[n]) for n in nodes if n in excluded]
+
+
 def check_exclusions(state: RendezvousState, nodes: Iterable[NodeDesc] | None = None) -> list[str]:
     """An excluded node is never a participant (nor waiting) while excluded: of
     every excluded node, or of ``nodes`` only (a simulator checking the entries
     a write touched)."""
     problems: list[str] = []
-    excluded = state.excluded
-    if nodes is not None:
-        pairs = [(n, excluded[n]) for n in nodes if n in excluded]
-    else:
-        pairs = list(excluded.items())
-    for node, until in pairs:
+    for node, until in _exclusions(state, nodes):
         if until > state.round and (node in state.participants or node in state.wait_list):
             problems.append(f"{node} is excluded until round {until} but is a member")
     return problems
@@ -136,12 +141,7 @@ def check_exclusions_kept(
     ``after``'s stays excluded until then (of every node excluded in ``before``,
     or of ``nodes`` only)."""
     problems: list[str] = []
-    excluded = before.excluded
-    if nodes is not None:
-        pairs = [(n, excluded[n]) for n in nodes if n in excluded]
-    else:
-        pairs = list(excluded.items())
-    for node, until in pairs:
+    for node, until in _exclusions(before, nodes):
         if until > after.round and after.excluded.get(node, 0) < until:
             problems.append(f"{node}'s exclusion until round {until} was cut short")
     return problems
