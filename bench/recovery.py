@@ -19,6 +19,9 @@ every stamp.
   ``keep_alive_interval=1,keep_alive_max_attempt=2`` (torch's c10d rendezvous reads
   the same two ``--rdzv-conf`` keys, as whole seconds).
 
+* ``preempt``: the spare figure's setup, but the agent gets SIGTERM (a preemption
+  notice) with the default liveness window: it leaves at once, and the round it
+  leaves is refilled by the spare at ``--nnodes`` max, so no last call is waited for.
 * ``spare``: ``--nnodes 4`` with a fifth agent started once the first round runs: it
   stands by as a spare (rallypoint with ``stable_ranks=1``). One active agent (not
   the store host) and its workers get SIGKILL, with the short liveness window.
@@ -32,7 +35,7 @@ seconds is stopped and reported as "no regroup within N s" instead of failing.
 
 Usage::
 
-    python bench/recovery.py [--repeats 3] [--figures crash,sigterm,sigkill,spare]
+    python bench/recovery.py [--repeats 3] [--figures crash,sigterm,sigkill,spare,preempt]
                              [--give-up 60] [--with-torch-handler]
 
 Prints one line per figure and launcher (median over repeats, runs in brackets) and
@@ -249,7 +252,7 @@ def measure_loss(
     worker = run_dir / "worker.py"
     worker.write_text(LOSS_WORKER)
     stamps, finish = run_dir / "stamps", run_dir / "finish"
-    spare = how == "spare"
+    spare = how in ("spare", "preempt")
     nnodes = str(NODES) if spare else f"{NODES - 1}:{NODES}"
     next_world = NODES if spare else NODES - 1
     common = _common(launcher, backend, nnodes, _free_port(), run_dir.name)
@@ -302,7 +305,7 @@ def measure_loss(
         survivors = {popen.pid for popen, _ in agents.agents} - {victim.pid}
         doomed = _tree(victim.pid)
         signalled = time.time()
-        if how == "sigterm":
+        if how in ("sigterm", "preempt"):
             victim.send_signal(signal.SIGTERM)
         else:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -341,6 +344,10 @@ FIGURES = {
         f"recovery, {NODES} agents x 1 worker + 1 spare, nnodes {NODES}, agent+workers "
         f"SIGKILL ({SHORT_LIVENESS}) -> {NODES - 1} survivors and the spare in a new round"
     ),
+    "preempt": (
+        f"recovery, {NODES} agents x 1 worker + 1 spare, nnodes {NODES}, agent SIGTERM "
+        f"(default liveness window) -> {NODES - 1} survivors and the spare in a new round"
+    ),
 }
 
 
@@ -353,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--figures",
-        default="crash,sigterm,sigkill,spare",
+        default="crash,sigterm,sigkill,spare,preempt",
         help="comma-separated subset of: " + ", ".join(FIGURES),
     )
     parser.add_argument(
