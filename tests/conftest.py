@@ -16,8 +16,10 @@ Debian's etcd-server), naming what to install.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from chaos.cluster import Cluster
 
 from rallypoint.adapters.etcd.server import (
     EtcdCluster,
@@ -87,3 +89,14 @@ def etcd_cluster_factory(
     finally:
         for cluster in clusters:
             cluster.cleanup()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """Real ``rallypoint run`` agents for one test; every process they started is
+    killed when the test ends, whatever its outcome."""
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop_all()

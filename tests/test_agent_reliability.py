@@ -15,13 +15,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from chaos.cluster import HERE, Cluster, free_port, read_jsonl
+from chaos.cluster import HERE, Cluster, c10d_agent_args, free_port, read_jsonl
 
 from rallypoint.agent import workers
 from rallypoint.agent.charging import Charge, FailureCase, evidence_window, judge, refund
@@ -85,24 +84,6 @@ def test_a_charge_is_refunded_when_the_next_round_lacks_a_participant() -> None:
 # --- real agents -------------------------------------------------------------------
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
-
-def _args(port: int, run_id: str, nnodes: str, *extra: str) -> list[str]:
-    return [
-        "--nnodes", nnodes, "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", run_id, "--local-addr", "127.0.0.1",
-        "--monitor-interval", "0.05", "--stop-grace", "2", *extra,
-    ]  # fmt: skip
-
-
 def _round_of(records: list[dict[str, Any]], nodes: int, after: int = -1) -> list[dict[str, Any]]:
     """The records of the latest round above ``after`` with ``nodes`` agents, once all
     its workers have started."""
@@ -126,7 +107,7 @@ def test_a_lost_peer_does_not_spend_the_survivors_restart_budget(
     --max-restarts 0 they regroup instead of giving up, and with 1 the new round's
     workers see TORCHELASTIC_RESTART_COUNT 0 (the charge was refunded)."""
     port, records = free_port(), cluster.dir / "records.jsonl"
-    args = _args(port, "lostpeer", "2:3", "--max-restarts", str(max_restarts))
+    args = c10d_agent_args(port, "lostpeer", "2:3", "--max-restarts", str(max_restarts))
     for name, host in (("a", "true"), ("b", "false"), ("c", "false")):
         cluster.start(
             [*args, "--rdzv-conf", f"{CONF},is_host={host}", WORKER, str(cluster.dir), "watch"],
@@ -156,7 +137,7 @@ def test_a_failure_that_repeats_still_ends_the_job(cluster: Cluster) -> None:
     attempt, nobody is lost, and with --max-restarts 0 the job ends with rank 1's
     failure (after waiting, bounded, for a peer's loss that could explain it)."""
     port = free_port()
-    args = _args(port, "genuine", "2", "--max-restarts", "0")
+    args = c10d_agent_args(port, "genuine", "2", "--max-restarts", "0")
     for name, host in (("a", "true"), ("b", "false")):
         cluster.start(
             [*args, "--rdzv-conf", f"{CONF},is_host={host}", WORKER, str(cluster.dir),
@@ -261,7 +242,7 @@ def test_a_normal_finish_logs_no_failure_on_any_agent(cluster: Cluster) -> None:
     not host the store must not log a failed close (the host has already exited)."""
     for job in range(2):
         port = free_port()
-        args = _args(port, f"clean{job}", "3")
+        args = c10d_agent_args(port, f"clean{job}", "3")
         names = [f"{n}{job}" for n in "abc"]
         for name, host in zip(names, ("true", "false", "false"), strict=True):
             cluster.start(

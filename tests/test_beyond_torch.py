@@ -10,35 +10,16 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos.cluster import HERE, Cluster, free_port, read_jsonl
+from chaos.cluster import HERE, Cluster, c10d_agent_args, free_port, read_jsonl
 
 WORKER = str(HERE / "peer_worker.py")
 # A dead peer is declared after 0.5 s x 2 without a heartbeat.
 CONF = "keep_alive_interval=0.5,keep_alive_max_attempt=2,last_call_timeout=0.3"
 WAIT = 90.0
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
-
-def _args(port: int, run_id: str, nnodes: str, *extra: str) -> list[str]:
-    return [
-        "--nnodes", nnodes, "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", run_id, "--local-addr", "127.0.0.1",
-        "--monitor-interval", "0.05", "--stop-grace", "2", *extra,
-    ]  # fmt: skip
 
 
 def _rounds(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -66,7 +47,9 @@ def test_a_spare_takes_the_lost_nodes_rank_and_the_survivors_keep_theirs(
     survivors keep theirs (torch's rule would re-rank the survivors by node order)."""
     port, records = free_port(), cluster.dir / "records.jsonl"
     events_file = cluster.dir / "events.jsonl"
-    args = _args(port, "spare", "3", "--max-restarts", "3", "--events-file", str(events_file))
+    args = c10d_agent_args(
+        port, "spare", "3", "--max-restarts", "3", "--events-file", str(events_file)
+    )
     conf = f"{CONF},stable_ranks=1"
 
     def start(name: str, host: bool) -> None:
@@ -117,9 +100,7 @@ def _events(path: Path) -> list[dict[str, Any]]:
 def _of(events: list[dict[str, Any]], kind: str, pid: int | None = None) -> list[dict[str, Any]]:
     """The events of ``kind`` (of the agent with ``pid``: node names end in _pid_0)."""
     return [
-        e
-        for e in events
-        if e["kind"] == kind and (pid is None or e["node"].endswith(f"_{pid}_0"))
+        e for e in events if e["kind"] == kind and (pid is None or e["node"].endswith(f"_{pid}_0"))
     ]
 
 
@@ -131,7 +112,7 @@ def test_a_job_wide_budget_of_two_spent_by_two_nodes_ends_the_job(cluster: Clust
     failure ends the job on both agents, and every worker of a round saw the same
     restart count."""
     port, events_file = free_port(), cluster.dir / "events.jsonl"
-    args = _args(
+    args = c10d_agent_args(
         port, "budget", "2", "--max-restarts", "2", "--restart-scope", "job",
         "--events-file", str(events_file),
     )  # fmt: skip
@@ -168,7 +149,7 @@ def test_a_node_failing_its_health_check_is_excluded_and_a_spare_takes_its_place
     rejoins, and the next round runs a and the spare c. b never starts a worker and
     ends quietly, still standing by, when the job finishes."""
     port, events_file = free_port(), cluster.dir / "events.jsonl"
-    args = _args(
+    args = c10d_agent_args(
         port, "health", "2", "--max-restarts", "1", "--health-check-timeout", "60",
         "--health-check-command", 'test -z "$HEALTH_BAD"', "--events-file", str(events_file),
     )  # fmt: skip
@@ -215,7 +196,7 @@ def test_a_preempted_agent_leaves_at_once_while_its_workers_checkpoint(
     checkpoints for a second, while c leaves the rendezvous at once, so a and b
     start a round of two long before the liveness window or c's grace would end."""
     port, events_file = free_port(), cluster.dir / "events.jsonl"
-    args = _args(
+    args = c10d_agent_args(
         port, "preempt", "2:3", "--max-restarts", "1", "--events-file", str(events_file),
     )  # fmt: skip
     args[args.index("--stop-grace") + 1] = "20"

@@ -101,15 +101,6 @@ def report() -> Iterator[list[Row]]:
                 fp.write(json.dumps({**asdict(row), "full": FULL}) + "\n")
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
-
 # --- helpers -------------------------------------------------------------------------
 
 
@@ -221,9 +212,7 @@ def _workers_of(cluster: Cluster, agent: Agent) -> list[int]:
 # --- SIGKILL loop --------------------------------------------------------------------
 
 
-def test_sigkill_loop_keeps_training_to_the_last_step(
-    cluster: Cluster, report: list[Row]
-) -> None:
+def test_sigkill_loop_keeps_training_to_the_last_step(cluster: Cluster, report: list[Row]) -> None:
     """3 agents (--nnodes 2:3, --max-restarts 0): again and again, one non-host agent
     is SIGKILLed (alone: its workers die of the parent-death signal; or with its
     workers, as a lost machine), the two survivors regroup without spending their

@@ -37,6 +37,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def c10d_agent_args(port: int, run_id: str, nnodes: str, *extra: str) -> list[str]:
+    """``rallypoint run`` flags for an agent of a c10d job on 127.0.0.1 with one
+    worker, a fast monitor and a short stop grace."""
+    return [
+        "--nnodes", nnodes, "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", run_id, "--local-addr", "127.0.0.1",
+        "--monitor-interval", "0.05", "--stop-grace", "2", *extra,
+    ]  # fmt: skip
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines of ``path`` (a line being written is skipped)."""
     if not path.exists():
@@ -131,11 +142,7 @@ class Cluster:
                 return result
             for agent in self.agents.values():
                 code = agent.popen.poll()
-                if (
-                    code is not None
-                    and agent.killed_at is None
-                    and agent.name not in allowed_exits
-                ):
+                if code is not None and agent.killed_at is None and agent.name not in allowed_exits:
                     raise AssertionError(
                         f"agent {agent.name} exited {code} while waiting for {what}\n{self.logs()}"
                     )
