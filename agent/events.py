@@ -4,7 +4,8 @@ Every rendezvous round, worker start, failure, restart, exclusion, health check 
 preemption is one :class:`AgentEvent`, written as one JSON line to the file given by
 ``--events-file`` (agents of one host may share it: each line goes out in a single
 ``O_APPEND`` write, so lines never interleave) and logged on the
-``rallypoint.events`` logger. ``rallypoint events FILE`` prints them as a table.
+``rallypoint.events`` logger at DEBUG (``LOGLEVEL=DEBUG`` shows them on the console).
+``rallypoint events FILE`` prints them as a table.
 
 The timings say where recovery time goes: a failure's ``restart`` event carries
 how long the agent took to decide (``decide_s``: waiting for evidence that a lost
@@ -108,7 +109,7 @@ class EventRecorder:
         """Record one event now."""
         event = AgentEvent(time.time(), self.node, kind, round_, fields)
         line = event.to_json()
-        logger.info("%s", line)
+        logger.debug("%s", line)  # the console has its own lines; the file is the record
         if self._fd is not None:
             try:
                 os.write(self._fd, (line + "\n").encode())

@@ -16,7 +16,7 @@ from rallypoint.cli import main
 def test_events_are_json_lines_and_log_records(tmp_path: Path, caplog) -> None:
     path = tmp_path / "events.jsonl"
     log = EventRecorder(str(path), "host_1_0")
-    with caplog.at_level(logging.INFO, logger="rallypoint.events"):
+    with caplog.at_level(logging.DEBUG, logger="rallypoint.events"):
         log.emit(EventKind.ROUND, 3, group_rank=1, group_world_size=2, rendezvous_s=0.25)
     log.close()
     (line,) = path.read_text().splitlines()
