@@ -231,16 +231,15 @@ class ElasticAgent:
         started = time.monotonic()
         self.group.forward(sig)
         self.view.leave()
-        left_s = time.monotonic() - started
-        self.group.stop(self.config.stop_grace, None)
+        # Recorded before the grace: a second, harder stop may not leave time after.
         self.recorder.emit(
             EventKind.PREEMPTION,
             self._round_number,
             signal=sig.name,
-            left_s=left_s,
+            left_s=time.monotonic() - started,
             grace_s=self.config.stop_grace,
-            workers_stopped_s=time.monotonic() - started,
         )
+        self.group.stop(self.config.stop_grace, None)
 
     # ------------------------------------------------------------ the loop
 
