@@ -92,18 +92,31 @@ def _arrive(
 def _leave(store: Store, prefix: str, agents: int, watch: GroupWatch, deadline: float) -> None:
     """Phase two: count this agent out and wait (bounded) until every agent has."""
     store.add(f"{prefix}/left", 1)
-    while store.add(f"{prefix}/left", 0) < agents:
+    _wait_for_count(store, f"{prefix}/left", agents, watch, deadline)
+
+
+def _wait_for_count(
+    store: Store, key: str, target: int, watch: GroupWatch, deadline: float
+) -> None:
+    """Wait until the counter ``key`` reaches ``target``, until ``deadline``, or
+    until a peer is gone (it would never count itself)."""
+    while store.add(key, 0) < target:
         # Not peers_gone: the rendezvous is closed now, by design.
         if time.monotonic() >= deadline or watch.view.dead_participants():
-            break
+            return
         time.sleep(min(watch.interval, _LEAVE_PAUSE))
+
+
+def _closed_seen(a: Assignment) -> str:
+    """The counter of the agents of round ``a`` that saw the rendezvous closed."""
+    return f"{KEY_PREFIX}/{a.round}/closed-seen"
 
 
 def acknowledge_close(store: Store, a: Assignment) -> None:
     """Tell the agent that closed the rendezvous of round ``a`` that this one saw it
     (best effort: the store may be gone already)."""
     try:
-        store.add(f"{KEY_PREFIX}/{a.round}/closed-seen", 1)
+        store.add(_closed_seen(a), 1)
     except Exception as exc:
         logger.debug("acknowledging the close: %s: %s", type(exc).__name__, exc)
 
@@ -113,12 +126,8 @@ def wait_for_acknowledgements(
 ) -> None:
     """After closing the rendezvous of round ``a`` on a failure: wait, at most
     ``timeout`` s, until the round's other agents have seen it closed."""
-    key = f"{KEY_PREFIX}/{a.round}/closed-seen"
     deadline = time.monotonic() + timeout
     try:
-        while store.add(key, 0) < a.group_world_size - 1:
-            if time.monotonic() >= deadline or watch.view.dead_participants():
-                return
-            time.sleep(min(watch.interval, _LEAVE_PAUSE))
+        _wait_for_count(store, _closed_seen(a), a.group_world_size - 1, watch, deadline)
     except Exception as exc:
         logger.debug("waiting for the close to be seen: %s: %s", type(exc).__name__, exc)

@@ -113,11 +113,6 @@ class HandlerView:
         assert self._charge is not None
         return bool(self._charge(round_))
 
-    @property
-    def excludes(self) -> bool:
-        """Whether the handler can exclude this node for some rounds (rallypoint's)."""
-        return self._exclude is not None
-
     def exclude(self) -> int:
         """Exclude this node; the first round it may take part in again."""
         if self._exclude is None:
