@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from chaos.cluster import read_jsonl
 
 MARK_ENV = "RALLYPOINT_ETCD_CHAOS_MARK"
 #: ``make chaos`` (RALLYPOINT_CHAOS_FULL=1): the long form of every scenario.
@@ -91,17 +92,6 @@ RDZV_CONF = (
 
 _ANSWERS_AGAIN = re.compile(r"etcd answers again after ([0-9.]+) s")
 _FAILED = re.compile(r"etcd at \S+ failed .*; retrying for up to")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of ``path`` (a line being written is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 @dataclass

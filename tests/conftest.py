@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from chaos.cluster import Cluster
@@ -100,3 +101,12 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.stop_all()
+
+
+@pytest.fixture
+def handlers() -> Iterator[list[Any]]:
+    """Rendezvous handlers a test makes (append them); each is closed at the end."""
+    made: list[Any] = []
+    yield made
+    for handler in made:
+        handler.close()

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import api as torch_api
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from wait_helpers import join_all
 
 from rallypoint.adapters import (
     RallypointHandler,
@@ -35,21 +35,8 @@ FAST = {
 }
 
 
-@pytest.fixture
-def handlers() -> Iterator[list[RallypointHandler]]:
-    made: list[RallypointHandler] = []
-    yield made
-    for handler in made:
-        handler.close()
-
-
 def _params(backend: str, endpoint: str, run_id: str, n: int, **conf: str) -> RendezvousParameters:
     return RendezvousParameters(backend, endpoint, run_id, n, n, **{**FAST, **conf})
-
-
-def _join(handlers: list[RallypointHandler]) -> list[torch_api.RendezvousInfo]:
-    with ThreadPoolExecutor(len(handlers)) as pool:
-        return list(pool.map(lambda h: h.next_rendezvous(), handlers, timeout=120))
 
 
 def test_unknown_backend_names_the_accepted_ones() -> None:
@@ -84,7 +71,7 @@ def test_c10d_port_zero_host_binds_a_free_port(handlers: list[RallypointHandler]
     assert port > 0
     guest = create_handler(_params("c10d", host.endpoint, "zero", 2, is_host="false"))
     handlers.append(guest)
-    infos = _join([host, guest])
+    infos = join_all([host, guest], 120)
     assert sorted(i.rank for i in infos) == [0, 1]
 
 
@@ -101,7 +88,7 @@ def test_file_store_backend(tmp_path: Path, handlers: list[RallypointHandler]) -
     path = str(tmp_path / "rdzv")
     made = [create_handler(_params("c10d", path, "file", 2, store_type="file")) for _ in range(2)]
     handlers.extend(made)
-    infos = _join(made)
+    infos = join_all(made, 120)
     assert sorted(i.rank for i in infos) == [0, 1]
 
 
@@ -130,7 +117,7 @@ def test_etcd_rendezvous_and_round_store(
         for _ in range(3)
     ]
     handlers.extend(made)
-    infos = _join(made)
+    infos = join_all(made, 120)
     assert sorted(i.rank for i in infos) == [0, 1, 2]
     by_rank = {i.rank: i for i in infos}
     by_rank[0].store.set("hello", b"from rank 0")

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import api as torch_api
-from wait_helpers import eventually
+from wait_helpers import eventually, join_all
 
 from rallypoint.adapters import (
     MemoryBackend,
@@ -62,11 +61,6 @@ def cluster() -> Iterator[tuple[MemoryBackend, Factory]]:
         handler._stop_heartbeats()
 
 
-def _join_all(handlers: list[RallypointHandler]) -> list[torch_api.RendezvousInfo]:
-    with ThreadPoolExecutor(len(handlers)) as pool:
-        return list(pool.map(lambda h: h.next_rendezvous(), handlers, timeout=60))
-
-
 def _eventually(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
     return eventually(condition, timeout)
 
@@ -74,7 +68,7 @@ def _eventually(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
 def test_nodes_agree_on_round_ranks_and_world(cluster: tuple[MemoryBackend, Factory]) -> None:
     _, make = cluster
     handlers = [make(4, 4) for _ in range(4)]
-    infos = _join_all(handlers)
+    infos = join_all(handlers, 60)
     assert sorted(i.rank for i in infos) == [0, 1, 2, 3]
     assert {i.world_size for i in infos} == {4}
     assert {h.round for h in handlers} == {0}
@@ -96,10 +90,10 @@ def test_nodes_agree_on_round_ranks_and_world(cluster: tuple[MemoryBackend, Fact
 def test_store_is_namespaced_per_round(cluster: tuple[MemoryBackend, Factory]) -> None:
     _, make = cluster
     handlers = [make(2, 2) for _ in range(2)]
-    first = _join_all(handlers)
+    first = join_all(handlers, 60)
     first[0].store.set("key", b"round0")
     assert first[1].store.get("key") == b"round0"
-    second = _join_all(handlers)
+    second = join_all(handlers, 60)
     assert {h.round for h in handlers} == {1}
     assert second[0].store.check(["key"]) is False
     second[1].store.set("key", b"round1")
@@ -111,7 +105,7 @@ def test_min_nodes_complete_after_last_call_and_late_node_waits(
 ) -> None:
     _, make = cluster
     handlers = [make(2, 3) for _ in range(2)]
-    infos = _join_all(handlers)
+    infos = join_all(handlers, 60)
     assert {i.world_size for i in infos} == {2}
     late = make(2, 3)
     result: list[object] = []
@@ -122,7 +116,7 @@ def test_min_nodes_complete_after_last_call_and_late_node_waits(
         lambda: (handlers[0].wait_for_change(1.0), handlers[0].num_nodes_waiting())[1] == 1
     )
     # The agents re-rendezvous (as torch's agent does on waiting nodes): 3 nodes.
-    infos = _join_all(handlers)
+    infos = join_all(handlers, 60)
     joiner.join(timeout=30)
     assert {i.world_size for i in infos} == {3}
     assert result and result[0].world_size == 3  # type: ignore[attr-defined]
@@ -133,13 +127,13 @@ def test_dead_participant_is_reported_and_survivors_regroup(
 ) -> None:
     _, make = cluster
     handlers = [make(2, 3) for _ in range(3)]
-    _join_all(handlers)
+    join_all(handlers, 60)
     assert all(h.dead_participants() == frozenset() for h in handlers)
     victim = handlers[2]
     victim._stop_heartbeats()  # a crash, as far as its peers can tell
     assert _eventually(lambda: handlers[0].dead_participants() == {victim.node})
     assert _eventually(lambda: handlers[1].dead_participants() == {victim.node})
-    infos = _join_all(handlers[:2])
+    infos = join_all(handlers[:2], 60)
     assert {i.world_size for i in infos} == {2}
     assert all(h.dead_participants() == frozenset() for h in handlers[:2])
 
@@ -152,13 +146,13 @@ def test_a_leaving_node_makes_its_peers_regroup_without_the_liveness_window(
     _, make = cluster
     slow = {"keep_alive_interval": 20.0, "keep_alive_max_attempt": 3}
     handlers = [make(2, 3, **slow) for _ in range(3)]
-    _join_all(handlers)
+    join_all(handlers, 60)
     leaver = handlers[2]
     leaver.leave()
     assert leaver.node not in handlers[0].sync.refresh().participants
     assert _eventually(lambda: handlers[0].dead_participants() == {leaver.node}, timeout=5)
     assert _eventually(lambda: handlers[1].dead_participants() == {leaver.node}, timeout=5)
-    infos = _join_all(handlers[:2])
+    infos = join_all(handlers[:2], 60)
     assert {i.world_size for i in infos} == {2}
     assert {h.round for h in handlers[:2]} == {1}
     assert not handlers[0].is_closed()
@@ -178,11 +172,11 @@ def test_stable_ranks_keep_survivors_in_place(
 ) -> None:
     _, make = cluster
     a, b, c = (make(3, 3, local_id=i, stable_ranks=stable) for i in (1, 2, 3))
-    first = dict(zip((a, b, c), _join_all([a, b, c]), strict=True))
+    first = dict(zip((a, b, c), join_all([a, b, c], 60), strict=True))
     assert [first[h].rank for h in (a, b, c)] == [0, 1, 2]
     a._stop_heartbeats()  # node 1 dies; node 4 (sorting last) replaces it
     d = make(3, 3, local_id=4, stable_ranks=stable)
-    second = dict(zip((b, c, d), _join_all([b, c, d]), strict=True))
+    second = dict(zip((b, c, d), join_all([b, c, d], 60), strict=True))
     ranks = [second[h].rank for h in (b, c, d)]
     assert ranks == ([1, 2, 0] if stable else [0, 1, 2])
 
@@ -190,7 +184,7 @@ def test_stable_ranks_keep_survivors_in_place(
 def test_closed_rendezvous_refuses_joins(cluster: tuple[MemoryBackend, Factory]) -> None:
     _, make = cluster
     handlers = [make(2, 2) for _ in range(2)]
-    _join_all(handlers)
+    join_all(handlers, 60)
     handlers[0].set_closed()
     assert handlers[0].is_closed()
     assert _eventually(handlers[1].is_closed)

@@ -183,18 +183,23 @@ def test_a_workers_children_die_with_a_sigkilled_agent(cluster: Cluster) -> None
     assert cluster.leftovers() == []
 
 
-@pytest.mark.integration
-def test_the_watchdog_lives_as_long_as_the_workers(tmp_path: Path) -> None:
-    """A group's watchdog starts with its workers and is gone once they are
-    stopped (it kills nothing then: the stop forgot every group first)."""
-    launch = WorkerLaunch(
+def _python_worker(tmp_path: Path, code: str) -> WorkerLaunch:
+    """Local rank 0 running ``python -c code``, its logs under ``tmp_path``."""
+    return WorkerLaunch(
         local_rank=0,
         global_rank=0,
-        argv=[sys.executable, "-c", "import time; time.sleep(600)"],
+        argv=[sys.executable, "-c", code],
         env=dict(os.environ),
         log_dir=str(tmp_path / "logs"),
         error_file=str(tmp_path / "logs" / "error.json"),
     )
+
+
+@pytest.mark.integration
+def test_the_watchdog_lives_as_long_as_the_workers(tmp_path: Path) -> None:
+    """A group's watchdog starts with its workers and is gone once they are
+    stopped (it kills nothing then: the stop forgot every group first)."""
+    launch = _python_worker(tmp_path, "import time; time.sleep(600)")
     group = WorkerGroup()
     group.start([launch])
     try:
@@ -213,14 +218,7 @@ def test_the_watchdog_lives_as_long_as_the_workers(tmp_path: Path) -> None:
 def test_an_exited_worker_keeps_its_pid_until_stopped(tmp_path: Path) -> None:
     """poll() reports the exit without reaping: the pid (the process group the
     watchdog would kill) cannot go to an unrelated process before stop()."""
-    launch = WorkerLaunch(
-        local_rank=0,
-        global_rank=0,
-        argv=[sys.executable, "-c", "import sys; sys.exit(3)"],
-        env=dict(os.environ),
-        log_dir=str(tmp_path / "logs"),
-        error_file=str(tmp_path / "logs" / "error.json"),
-    )
+    launch = _python_worker(tmp_path, "import sys; sys.exit(3)")
     group = WorkerGroup()
     group.start([launch])
     try:

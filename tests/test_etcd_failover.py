@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +28,7 @@ import grpc
 import pytest
 from core_scenarios import completed, node, settings
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from wait_helpers import join_all
 
 from rallypoint.adapters import (
     MemoryBackend,
@@ -73,19 +74,6 @@ def _params(
     return RendezvousParameters(
         "etcd", endpoint, run_id, min_nodes, max_nodes or min_nodes, **{**FAST, **conf}
     )
-
-
-@pytest.fixture
-def handlers() -> Iterator[list[RallypointHandler]]:
-    made: list[RallypointHandler] = []
-    yield made
-    for handler in made:
-        handler.close()
-
-
-def _join(made: list[RallypointHandler]) -> list[Any]:
-    with ThreadPoolExecutor(len(made)) as pool:
-        return list(pool.map(lambda h: h.next_rendezvous(), made, timeout=90))
 
 
 def _in_threads(calls: dict[str, Callable[[], object]]) -> tuple[dict[str, object], list[str]]:
@@ -146,7 +134,7 @@ def test_monitoring_calls_ride_out_an_etcd_restart(
     handlers.extend(
         create_handler(_params(server.endpoint, "restart-monitor", 2)) for _ in range(2)
     )
-    _join(handlers)
+    join_all(handlers, 90)
     round_ = handlers[0].round
     server.stop(kill=True)
     restart = threading.Timer(OUTAGE, server.start)
@@ -195,7 +183,7 @@ def test_monitoring_calls_ride_out_a_stopped_etcd(
 ) -> None:
     server = etcd_server_factory()
     handlers.extend(create_handler(_params(server.endpoint, "sigstop", 2)) for _ in range(2))
-    _join(handlers)
+    join_all(handlers, 90)
     round_ = handlers[0].round
     server.pause()
     resume = threading.Timer(OUTAGE, server.resume)
@@ -214,7 +202,7 @@ def test_an_outage_longer_than_read_timeout_is_a_connection_error(
 ) -> None:
     server = etcd_server_factory()
     handlers.append(create_handler(_params(server.endpoint, "gone", 1, read_timeout="1")))
-    _join(handlers)
+    join_all(handlers, 90)
     server.stop(kill=True)
     time.sleep(2 * handlers[0].cache_duration)  # the next query reads
     started = time.monotonic()
@@ -281,14 +269,14 @@ def test_handlers_fail_over_when_their_member_is_killed(
 ) -> None:
     cluster = etcd_cluster_factory(3)
     handlers.extend(_on_cluster(cluster, "member-killed", 2, 2, 3))
-    _join(handlers)
+    join_all(handlers, 90)
     assert handlers[0].endpoint == cluster.endpoints
     round_ = handlers[0].round
     cluster.members[_member_in_use(cluster, handlers[0])].stop(kill=True)  # not restarted
     _monitoring_carries_on(handlers, round_)
     # A third node arrives: everybody regroups on the two members left.
     handlers.extend(_on_cluster(cluster, "member-killed", 1, 2, 3))
-    infos = _join(handlers)
+    infos = join_all(handlers, 90)
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert len({h.round for h in handlers}) == 1 and handlers[0].round > round_
 
@@ -324,7 +312,7 @@ def test_monitoring_rides_out_the_leader_being_killed(
 ) -> None:
     cluster = etcd_cluster_factory(3)
     handlers.extend(_on_cluster(cluster, "leader-monitor", 2, 2))
-    _join(handlers)
+    join_all(handlers, 90)
     round_ = handlers[0].round
     cluster.members[cluster.leader()].stop(kill=True)
     _monitoring_carries_on(handlers, round_)

@@ -11,11 +11,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from wait_helpers import join_all
 
 from rallypoint.adapters import RallypointHandler, RendezvousConnectionError, create_handler
 from rallypoint.adapters.c10d.store import bind_address
@@ -38,19 +38,6 @@ FAST = {
 
 def _params(endpoint: str, run_id: str, n: int = 1, **conf: str) -> RendezvousParameters:
     return RendezvousParameters("rallypoint-etcd", endpoint, run_id, n, n, **{**FAST, **conf})
-
-
-@pytest.fixture
-def handlers() -> Iterator[list[RallypointHandler]]:
-    made: list[RallypointHandler] = []
-    yield made
-    for handler in made:
-        handler.close()
-
-
-def _join(handlers: list[RallypointHandler]) -> list[object]:
-    with ThreadPoolExecutor(len(handlers)) as pool:
-        return list(pool.map(lambda h: h.next_rendezvous(), handlers, timeout=60))
 
 
 # --- certificates ------------------------------------------------------------
@@ -185,7 +172,7 @@ def test_etcd_over_tls_with_client_certificates_completes_a_rendezvous(
         "ssl_cert_key": str(certs.client_key),
     }
     handlers.append(create_handler(_params(f"https://{tls_etcd.endpoint}", "tls", 2, **v2_names)))
-    infos = _join(handlers)
+    infos = join_all(handlers, 60)
     assert sorted(info.rank for info in infos) == [0, 1]  # type: ignore[attr-defined]
     assert handlers[0].endpoint.startswith("https://")
 
@@ -239,7 +226,7 @@ def test_etcd_with_auth_completes_a_rendezvous(
             _params(auth_etcd.endpoint, "auth", 2, user="trainer", password_file=str(password_file))
         )
     )
-    infos = _join(handlers)
+    infos = join_all(handlers, 60)
     assert sorted(info.rank for info in infos) == [0, 1]  # type: ignore[attr-defined]
     # The round's store (the agent's) works under the same credentials.
     store = infos[0].store  # type: ignore[attr-defined]
@@ -418,7 +405,7 @@ def test_etcd_with_auth_rides_out_a_server_restart(
     # thread keeps the peer alive), a new round.
     params = _params(auth_etcd.endpoint, "auth-restart", 2, user="trainer", password="trainer-pw")
     handlers.extend(create_handler(params) for _ in range(2))
-    infos = _join(handlers)
+    infos = join_all(handlers, 60)
     store = infos[0].store  # type: ignore[attr-defined]
     store.set("before", b"1")
     for restart in range(2):
@@ -433,4 +420,4 @@ def test_etcd_with_auth_rides_out_a_server_restart(
         while time.monotonic() < deadline:
             assert all(h.dead_participants() == frozenset() for h in handlers)
             time.sleep(0.05)
-    assert {info.rank for info in _join(handlers)} == {0, 1}  # type: ignore[attr-defined]
+    assert {info.rank for info in join_all(handlers, 60)} == {0, 1}  # type: ignore[attr-defined]
