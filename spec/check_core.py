@@ -131,10 +131,16 @@ class CoreSteps:
             counters = _counters(state)
             read = core_driver.after_read(NodeView(), node, state, counters, 0.0)
             self._reads[state, node] = read
-        return read._replace(
-            observations=self._aged(state, node, timers),
-            contended=timers.contended,
-            announced=state.round if node in pending else -1,
+        # (observations, contended, announced) are fields 4, 8 and 9: one
+        # construction instead of _replace's Python-level loop (a view per step).
+        return NodeView._make(
+            (
+                *read[:4],
+                self._aged(state, node, timers),
+                *read[5:8],
+                timers.contended,
+                state.round if node in pending else -1,
+            )
         )
 
     def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
@@ -361,8 +367,11 @@ def _step_problems(
     """
     instruction, sanitized = decision.instruction, decision.state
     problems = check_removal_published(node, state, timers.expired, decision.dead, written)
-    problems += check_state(written, settings)
-    problems += check_transition(state, sanitized)
+    if written is not state:
+        # (a state the step does not write was checked when it was written)
+        problems += check_state(written, settings)
+    if sanitized is not state:
+        problems += check_transition(state, sanitized)
     if isinstance(instruction, Write):
         problems += check_transition(sanitized, written)
         problems += check_admissions(node, state, sanitized, written, instruction.admitted, log)

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import itertools
 
-from ..core import Decision, HeartbeatSighting, NodeDesc, NodeView, RendezvousState, Wait
+from ..core import (
+    Decision,
+    HeartbeatSighting,
+    NodeDesc,
+    NodeView,
+    RendezvousState,
+    Wait,
+    Write,
+)
 from ..core import driver as core_driver
 from .check_core import CoreStep, CoreSteps
 from .check_state import Age, Deadline, Global, Local, Op, Timers, make_observations, node_of
@@ -32,6 +40,17 @@ class StepProperties:
         #: wake-ups, for the core steps' current generation
         self._wakeups: dict[tuple[object, ...], list[str]] = {}
         self._generation = core.generation
+
+    def peer_problems(self, g: Global, slot: int, step: CoreStep) -> list[str]:
+        """The checks of ``slot``'s ``step`` in ``g`` that read the other nodes'
+        local states: the leases of the nodes it declared dead, and, for a write
+        that publishes no phase, the waiters it leaves asleep."""
+        decision = step.decision
+        problems = self.broken_leases(g, decision.dead) if decision.dead else []
+        instruction = decision.instruction
+        if not problems and isinstance(instruction, Write) and instruction.phase is None:
+            problems = self.missed_wakeups(g, slot, step)
+        return problems
 
     def broken_leases(self, g: Global, dead: frozenset[NodeDesc]) -> list[str]:
         """Self-fencing (docs/design.md, decision 7): a node declared dead whose

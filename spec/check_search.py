@@ -118,6 +118,7 @@ class Search:
                 max_round = self.config.max_round
                 if max_round is not None:
                     level = [(g, fp) for g, fp in level if g.shared.round <= max_round]
+                level = _by_shared_state(level)
                 size = max(1, min(_CHUNK, len(level) // (workers * 4)))
                 chunks = [level[i : i + size] for i in range(0, len(level), size)]
                 # In process, each chunk is stepped after the previous one merged:
@@ -192,22 +193,23 @@ class Search:
             Found: a transition violates a property (``event`` names it).
         """
         steps = self.steps
+        phases = tuple((loc.phase, loc.incarnation) for loc in g.locals)
         for abstract in steps.events(g):
-            stored, checked = steps.choices(g, abstract)
-            self.checked_transitions += len(checked)
+            stored, checked, checks = steps.plan(g, abstract)
+            self.checked_transitions += checks
             for event in checked:
                 try:
                     steps.successor(g, event, check_only=True)
                 except Found as found:
                     found.event = event
                     raise
-            for event in stored:
+            for template in stored:
                 try:
-                    succ, _ = steps.successor(g, event)
+                    succ = steps.follow(g, template, phases)
                 except Found as found:
-                    found.event = event
+                    found.event = template.event
                     raise
-                yield event, succ
+                yield template.event, succ
 
     def step_chunk(
         self,
@@ -247,6 +249,17 @@ class Search:
         self._edges_reported |= edges
         stepped += self.checked_transitions - checked_before
         return successors, stepped, edges, violation
+
+
+def _by_shared_state(level: list[tuple[Global, int]]) -> list[tuple[Global, int]]:
+    """``level`` with the states of one shared state next to each other (in the
+    order each shared state first appears): most of a state's step work is
+    memoized on its shared state, and a chunk is stepped in one process, so
+    this keeps that work in one process instead of repeating it in each."""
+    groups: dict[object, list[tuple[Global, int]]] = {}
+    for item in level:
+        groups.setdefault(item[0].shared, []).append(item)
+    return [item for group in groups.values() for item in group]
 
 
 def _path(parents: _Parents, fp: int) -> list[Event]:

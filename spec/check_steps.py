@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from ..core import (
     Beat,
@@ -26,7 +27,9 @@ from ..core import (
     Instruction,
     JoinOp,
     KeepAliveOp,
+    NodeDesc,
     Operator,
+    RendezvousState,
     Wait,
     Write,
 )
@@ -54,7 +57,40 @@ from .check_symmetry import CACHE_LIMIT
 from .check_trace import narrate
 from .lifecycle import TERMINAL_PHASES, Lifecycle, Phase
 
-__all__ = ["Steps"]
+__all__ = ["Plan", "Steps", "Template"]
+
+
+class Template(NamedTuple):
+    """A stored event's step, as far as it reads no other node's local state
+    (see :meth:`Steps.plan`)."""
+
+    event: Event
+    #: the operator the step runs (None for a crash)
+    op: Operator | None
+    #: the node's local state in which the step runs (a start's, for a start)
+    started: Local
+    #: the driver's part (None for a crash)
+    core_step: CoreStep | None
+    #: the node's local state after the step
+    after: Local
+    #: the shared state and intent log after the step
+    written: RendezvousState
+    intents: frozenset[NodeDesc]
+    #: crashes, failures and exclusions the step adds
+    counts: tuple[int, int, int]
+    #: the number of what the step's conformance reads besides every node's phase
+    conform: int
+
+
+class Plan(NamedTuple):
+    """What the search does with one event of a state (see :meth:`Steps.plan`)."""
+
+    #: the stored successors' templates
+    stored: list[Template]
+    #: the events to check and not store (empty once checked)
+    checked: list[Event]
+    #: how many events it checks (by the first state's checks, once checked)
+    checks: int
 
 
 class _ChargeNow(ChargeRestartOp):
@@ -107,6 +143,16 @@ class Steps:
         self._conformed: set[tuple[object, ...]] = set()
         #: (shared state, intent log, event kind, slot, local) -> events (see choices)
         self._choices: dict[tuple[object, ...], tuple[list[Event], list[Event]]] = {}
+        #: (shared state, intent log, event kind, slot, local) -> the event's plan
+        #: (see plan)
+        self._plans: dict[tuple[object, ...], Plan] = {}
+        #: what a step's conformance reads, beyond every node's phase -> a number
+        #: (see _template); numbers are never reused, so that a number conformed
+        #: before the table was dropped still means what it meant
+        self._conform_ids: dict[tuple[object, ...], int] = {}
+        self._conform_numbers = itertools.count()
+        #: (conformance number, every node's phase and incarnation) conformed
+        self._conformed_ids: set[tuple[object, ...]] = set()
         #: whether steps describe themselves (only a trace needs it)
         self.narrate = False
 
@@ -265,6 +311,113 @@ class Steps:
                 checked.append(concrete)
         return [*violations, *stored.values()], checked
 
+    # -- plans: the search's successors -----------------------------------------
+
+    def plan(self, g: Global, event: Event) -> Plan:
+        """What the search does with ``event`` (an event of :meth:`events`) in
+        ``g``: the successors it stores, made from templates that hold all they
+        share with every state of the same shared state, intent log and local
+        state of the node (see :meth:`follow`), and the events it only checks
+        (see :meth:`choices`).
+
+        The checked events are handed out with the first state of that shared
+        state, intent log and local state only (``Plan.checked`` is empty after
+        it): a checked Wait, Beat, Announce or Done writes nothing, so its checks
+        read only the core step and the node's own lifecycle change, which are
+        the same in every such state; a checked Write has the outcome of a stored
+        one (the same written state, dead nodes and admitted nodes), so what its
+        checks read of the other nodes (their lifecycle changes, the leases of
+        the nodes declared dead, the waiters the write could leave asleep) is
+        what the stored event's checks read, in every state (docs/spec.md,
+        "Checked once").
+
+        Raises:
+            Found: a stored event's core step breaks a property (its event set).
+        """
+        loc = g.locals[event.slot]
+        key = (g.shared, g.intents, event.kind, event.slot, loc)
+        known = self._plans.get(key)
+        if known is not None:
+            return known
+        stored, checked = self.choices(g, event)
+        templates = []
+        for concrete in stored:
+            try:
+                templates.append(self._template(g, concrete))
+            except Found as found:
+                found.event = concrete
+                raise
+        if len(self._plans) >= CACHE_LIMIT:
+            self._plans.clear()
+        self._plans[key] = Plan(templates, [], len(checked))
+        return Plan(templates, checked, len(checked))
+
+    def _template(self, g: Global, event: Event) -> Template:
+        """``event``'s step in ``g``, as far as it reads no other node's local
+        state (the checks of the node's own local event are made here)."""
+        slot, kind = event.slot, event.kind
+        loc = g.locals[slot]
+        if kind is EventKind.CRASH:
+            self.conformance.local_event(g, slot, "crash", Lifecycle.CRASHED)
+            crashed = Local(loc.incarnation + 1, Phase.IDLE, None, None)
+            return Template(event, None, loc, None, crashed, g.shared, g.intents, (1, 0, 0), -1)
+        timers = event.timers
+        assert timers is not None  # events of stepping kinds come from expand
+        started, counts = (loc, (0, 0, 0)) if kind not in STARTS else self._started(g, event)
+        op = _operator(event, loc, g)
+        deadline = Deadline.BEFORE if started.op is None else timers.deadline
+        node = node_of(slot, loc.incarnation)
+        step = self.core.step(g.shared, node, op, timers, deadline, g.intents)
+        after = _next_local(started, step.decision.instruction, deadline)
+        what = (g.shared, step.decision, step.performed, step.guards, slot, started)
+        conform = self._conform_ids.get(what)
+        if conform is None:
+            if len(self._conform_ids) >= CACHE_LIMIT:
+                self._conform_ids.clear()  # numbers are never reused: see __init__
+            conform = self._conform_ids[what] = next(self._conform_numbers)
+        written, intents = step.written, step.intents
+        return Template(event, op, started, step, after, written, intents, counts, conform)
+
+    def follow(self, g: Global, template: Template, phases: tuple[object, ...]) -> Global:
+        """The successor of ``g`` that ``template`` (of :meth:`plan`) makes, after
+        the checks that read the other nodes' local states. ``phases``: every
+        node's ``(phase, incarnation)`` in ``g``.
+
+        Raises:
+            Found: the step breaks a property (the caller names the event).
+        """
+        slot = template.event.slot
+        crashes, failures, exclusions = template.counts
+        locals_ = list(g.locals)
+        locals_[slot] = template.after
+        after = Global(
+            template.written,
+            tuple(locals_),
+            g.crashes + crashes,
+            template.intents,
+            g.failures + failures,
+            g.exclusions + exclusions,
+        )
+        step = template.core_step
+        if step is None:
+            return after  # a crash: its checks read only the node's own state
+        problems = self.properties.peer_problems(g, slot, step)
+        if problems:
+            raise Found(problems, step.decision)
+        if self._charging and template.written.round != g.shared.round:
+            after = _round_advanced(after)
+        conformed = (template.conform, phases)
+        if conformed not in self._conformed_ids:
+            assert template.op is not None  # a stepping event's template has its operator
+            started = with_local(g, slot, template.started)._replace(
+                failures=g.failures + failures, exclusions=g.exclusions + exclusions
+            )
+            self._conform(started, slot, step, after, template.op, [])
+            if len(self._conformed_ids) >= CACHE_LIMIT:
+                self._conformed_ids.clear()
+            self._conformed_ids.add(conformed)
+        return after
+
     # -- successors --------------------------------------------------------------
 
     def successor(
@@ -297,6 +450,25 @@ class Steps:
             return self._step(g, slot, _operator(event, loc, g), event.timers, check_only)
         return self._start(g, event, event.timers, check_only)
 
+    def _started(self, g: Global, event: Event) -> tuple[Local, tuple[int, int, int]]:
+        """The local state in which the node of ``event`` (one that starts an
+        operation) takes the operation's first step, and the crashes, failures
+        and exclusions the start adds. A join start's lifecycle event is
+        checked here.
+
+        Raises:
+            Found: the model has no such lifecycle event.
+        """
+        slot, op = event.slot, STARTS[event.kind]
+        loc = g.locals[slot]
+        if op is Op.JOIN:
+            new = Local(loc.incarnation, Phase.JOINING, op, Deadline.BEFORE)
+            dest = self.conformance.model_state(with_local(g, slot, new), slot)
+            self.conformance.local_event(g, slot, "join", dest)
+            return new, (0, 0, 0)
+        started = loc._replace(op=op, deadline=Deadline.BEFORE)
+        return started, (0, int(op is Op.CHARGE), int(op is Op.EXCLUDE))
+
     def _start(
         self, g: Global, event: Event, timers: Timers, check_only: bool
     ) -> tuple[Global, list[str]]:
@@ -308,17 +480,10 @@ class Steps:
         """
         slot, op = event.slot, STARTS[event.kind]
         loc = g.locals[slot]
-        if op is Op.JOIN:
-            new = Local(loc.incarnation, Phase.JOINING, op, Deadline.BEFORE)
-            started = with_local(g, slot, new)
-            dest = self.conformance.model_state(started, slot)
-            self.conformance.local_event(g, slot, "join", dest)
-        else:
-            started = with_local(g, slot, loc._replace(op=op, deadline=Deadline.BEFORE))
-            if op is Op.CHARGE:
-                started = started._replace(failures=g.failures + 1)
-            elif op is Op.EXCLUDE:
-                started = started._replace(exclusions=g.exclusions + 1)
+        new, (_, failures, exclusions) = self._started(g, event)
+        started = with_local(g, slot, new)._replace(
+            failures=g.failures + failures, exclusions=g.exclusions + exclusions
+        )
         try:
             operator = _operator(event, loc, g)
             after, lines = self._step(started, slot, operator, timers, check_only)
@@ -390,12 +555,7 @@ class Steps:
             decision = core_step.decision
             if self.narrate:
                 lines = narrate(loc, timers, deadline, op, decision, g, core_step.read_log)
-            problems = self.properties.broken_leases(g, decision.dead) if decision.dead else []
-            # No missed wake-up: a write that publishes no phase must leave the
-            # decision of every node waiting on the state as it was.
-            instruction = decision.instruction
-            if not problems and isinstance(instruction, Write) and instruction.phase is None:
-                problems = self.properties.missed_wakeups(g, slot, core_step)
+            problems = self.properties.peer_problems(g, slot, core_step)
         except Found as found:
             if self.narrate and found.decision is not None:
                 found.lines = narrate(loc, timers, deadline, op, found.decision, g, found.read_log)

@@ -17,11 +17,14 @@ from collections.abc import Callable, Iterator
 
 from ..core import NodeDesc, RendezvousState
 from .check_state import CheckConfig, Global, Local, node_of
+from .lifecycle import TERMINAL_PHASES, Phase
 
 __all__ = ["CACHE_LIMIT", "Symmetry", "relabel"]
 
 #: Entries a memo of the search keeps at most (a bound on memory, not on the search).
 CACHE_LIMIT = 500_000
+#: The phase a node in any terminal phase is stored in (see Symmetry._normal_locals).
+_FINISHED = Phase.CLOSED
 
 
 def relabel(g: Global, perm: tuple[int, ...]) -> Global:
@@ -32,7 +35,22 @@ def relabel(g: Global, perm: tuple[int, ...]) -> Global:
     def lab(n: NodeDesc) -> NodeDesc:
         return NodeDesc(f"n{perm[int(n.addr[1:])]}", n.pid, n.local_id)
 
-    s = g.shared
+    shared = _rename_nodes(g.shared, lab)
+    locals_: list[Local] = [g.locals[0]] * len(g.locals)
+    for i, loc in enumerate(g.locals):
+        locals_[perm[i]] = loc
+    intents = frozenset(map(lab, g.intents))
+    return Global(shared, tuple(locals_), g.crashes, intents, g.failures, g.exclusions)
+
+
+def _rename_nodes(
+    s: RendezvousState, rename: Callable[[NodeDesc], NodeDesc | None]
+) -> RendezvousState:
+    """``s`` with every node ``n`` named ``rename(n)`` (None: left as it is)."""
+
+    def lab(n: NodeDesc) -> NodeDesc:
+        return rename(n) or n
+
     shared = s.evolve(
         participants={lab(n): r for n, r in s.participants.items()},
         wait_list={lab(n) for n in s.wait_list},
@@ -42,11 +60,7 @@ def relabel(g: Global, perm: tuple[int, ...]) -> Global:
     )
     if s.excluded:
         shared = shared.evolve(excluded={lab(n): u for n, u in s.excluded.items()})
-    locals_: list[Local] = [g.locals[0]] * len(g.locals)
-    for i, loc in enumerate(g.locals):
-        locals_[perm[i]] = loc
-    intents = frozenset(map(lab, g.intents))
-    return Global(shared, tuple(locals_), g.crashes, intents, g.failures, g.exclusions)
+    return shared
 
 
 def _slot_key(loc: Local) -> tuple[object, ...]:
@@ -64,6 +78,14 @@ class Symmetry:
         #: state -> (relabelling, fingerprint); (shared, intents, relabelling) -> key
         self._fingerprints: dict[Global, tuple[tuple[int, ...], int]] = {}
         self._shared_keys: dict[tuple[object, ...], tuple[object, ...]] = {}
+        #: id of a state -> (the state, the nodes it names); (state, renames) -> renamed
+        self._names: dict[int, tuple[RendezvousState, frozenset[NodeDesc]]] = {}
+        self._renames: dict[tuple[object, ...], RendezvousState] = {}
+        #: (shared state, local states, intent log) -> their normal forms
+        self._normal_local_forms: dict[
+            tuple[object, ...],
+            tuple[RendezvousState, tuple[Local, ...], frozenset[NodeDesc]],
+        ] = {}
 
     def normalize(self, g: Global, shift_rounds: bool = True) -> Global:
         """Forget what no future step can tell apart.
@@ -89,7 +111,78 @@ class Symmetry:
         """
         shift = g.shared.round if shift_rounds and self.config.max_round is None else 0
         shared = self._normal_shared(g.shared, shift)
-        return Global(shared, g.locals, g.crashes, g.intents, g.failures, g.exclusions)
+        locals_, intents = g.locals, g.intents
+        if any(loc.incarnation or loc.phase in TERMINAL_PHASES for loc in locals_):
+            shared, locals_, intents = self._normal_locals(shared, locals_, intents)
+        return Global(shared, locals_, g.crashes, intents, g.failures, g.exclusions)
+
+    def _normal_locals(
+        self, shared: RendezvousState, locals_: tuple[Local, ...], intents: frozenset[NodeDesc]
+    ) -> tuple[RendezvousState, tuple[Local, ...], frozenset[NodeDesc]]:
+        """Forget what no future step reads of a slot's incarnation and of a
+        finished node (docs/spec.md, "Finished nodes and forgotten crashes").
+
+        * A node in a terminal phase never steps again, and every check maps
+          each terminal phase to a lifecycle state that never changes: every
+          terminal phase is stored as ``closed``.
+        * A slot's incarnation only names its node. Once no earlier incarnation
+          of the slot is named anywhere (the crashed node's entries are gone),
+          the slot is stored as incarnation 0, its node renamed in the shared
+          state and the intent log: the renaming keeps every order the core
+          compares (within the slot's address only one node is named).
+        """
+        key = (shared, locals_, intents)
+        known = self._normal_local_forms.get(key)
+        if known is not None:
+            return known
+        named = self._named(shared) | intents
+        renames: dict[NodeDesc, NodeDesc] = {}
+        normal = list(locals_)
+        for slot, loc in enumerate(locals_):
+            if loc.phase in TERMINAL_PHASES and (loc.phase is not _FINISHED or loc.op):
+                loc = normal[slot] = Local(loc.incarnation, _FINISHED, None, None)
+            incarnation = loc.incarnation
+            if not incarnation or any(node_of(slot, k) in named for k in range(incarnation)):
+                continue
+            normal[slot] = loc._replace(incarnation=0)
+            node = node_of(slot, incarnation)
+            if node in named:
+                renames[node] = node_of(slot, 0)
+        normal_shared, normal_intents = shared, intents
+        if renames:
+            normal_shared = self._renamed(shared, tuple(sorted(renames.items())))
+            normal_intents = frozenset(renames.get(n, n) for n in intents)
+        if len(self._normal_local_forms) >= CACHE_LIMIT:
+            self._normal_local_forms.clear()
+        known = self._normal_local_forms[key] = (normal_shared, tuple(normal), normal_intents)
+        return known
+
+    def _named(self, state: RendezvousState) -> frozenset[NodeDesc]:
+        """Every node ``state`` names (members, heartbeats, ranks, exclusions)."""
+        known = self._names.get(id(state))
+        if known is not None and known[0] is state:
+            return known[1]
+        named = (
+            state.members()
+            | frozenset(state.heartbeats)
+            | frozenset(state.last_ranks)
+            | frozenset(state.excluded)
+        )
+        if len(self._names) >= CACHE_LIMIT:
+            self._names.clear()
+        self._names[id(state)] = (state, named)
+        return named
+
+    def _renamed(
+        self, state: RendezvousState, renames: tuple[tuple[NodeDesc, NodeDesc], ...]
+    ) -> RendezvousState:
+        key = (state, renames)
+        known = self._renames.get(key)
+        if known is None:
+            if len(self._renames) >= CACHE_LIMIT:
+                self._renames.clear()
+            known = self._renames[key] = _rename_nodes(state, dict(renames).get)
+        return known
 
     def _normal_shared(self, state: RendezvousState, shift: int) -> RendezvousState:
         # Core steps are memoized, so the same written state comes back many times:
