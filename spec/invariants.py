@@ -244,6 +244,8 @@ def check_removal_published(
       be back as a new entry (its heartbeat counter moved): it removed its stale
       entry and joined again in one write.
     """
+    if not silent and not declared:
+        return []  # (most steps: nobody silent, nobody declared)
     members = before.heartbeats
     silent = frozenset(n for n in silent if n in members)
     declared = frozenset(declared)

@@ -1,0 +1,209 @@
+"""The checker's reductions hide no state and no planted bug of the kind they could hide.
+
+Each reduction is compared with the search without it (patched off here), on a
+space small enough to search both ways in seconds:
+
+* finished nodes stored as one phase, and a crashed slot's incarnation forgotten
+  once its crashed node is named nowhere (``Symmetry._normal_locals``): the
+  reduced search reaches exactly the normal forms of the states the full search
+  reaches; a bug that reads a restarted process's pid (which the renaming
+  changes) is still found;
+* a checked event checked once per shared state, intent log and local state of its
+  node (``Steps.plan``): the same states, transitions and lifecycle edges as
+  checking it in every state, and the same planted bugs found;
+* stored successors made from templates (``Steps.plan`` / ``Steps.follow``): the
+  successors the step rules make (``Steps.successor``), event for event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rallypoint.core import NodeDesc, RendezvousState, actions, driver, operators
+from rallypoint.core.actions import Action
+from rallypoint.spec import check_steps
+from rallypoint.spec.check import CheckConfig, Checker, CheckResult, Global, check
+from rallypoint.spec.check_search import Search
+from rallypoint.spec.check_symmetry import Symmetry
+
+#: Two nodes, one crash, close: crashes, ghosts and finished nodes, in seconds.
+CRASHING = CheckConfig(nodes=2, max_crashes=1)
+#: Three nodes, no crash or close (the planted bugs' usual space).
+SMALL = CheckConfig(nodes=3, max_crashes=0, allow_close=False)
+
+
+def _search(config: CheckConfig) -> tuple[Checker, CheckResult, list[Global]]:
+    checker = Checker(config)
+    states: list[Global] = []
+    search = Search(checker.steps, checker.symmetry)
+    result = search.run(checker.initial(), on_state=lambda g, fp: states.append(g))
+    return checker, result, states
+
+
+def _without_local_normal_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unchanged(self: Symmetry, *forms: object) -> tuple[object, ...]:
+        return forms
+
+    monkeypatch.setattr(Symmetry, "_normal_locals", unchanged)
+
+
+def test_finished_nodes_and_forgotten_crashes_lose_no_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reduced, reduced_result, reduced_states = _search(CRASHING)
+    with monkeypatch.context() as patch:
+        _without_local_normal_forms(patch)
+        _, full_result, full_states = _search(CRASHING)
+    assert reduced_result.ok and full_result.ok and full_result.complete
+    # every state of the full search has its normal form in the reduced one, and
+    # the reduced one reaches nothing else (up to the ranks' order: a renamed
+    # slot may be relabelled differently, and ranks move with their nodes; see
+    # docs/spec.md, "Symmetry reduction")
+    symmetry = reduced.symmetry
+
+    def image(g: Global) -> int:
+        return symmetry.fingerprint(symmetry.normalize(_rankless(g)))[1]
+
+    assert {image(g) for g in full_states} == {image(g) for g in reduced_states}
+    assert len(reduced_states) < len(full_states)
+    # the full search stores finished nodes in different phases and a restarted
+    # slot under its new pid; the reduced one merges them
+    assert any(g.crashes and all(loc.incarnation == 0 for loc in g.locals) for g in reduced_states)
+    assert not any(g.crashes and all(loc.incarnation == 0 for loc in g.locals) for g in full_states)
+
+
+def _rankless(g: Global) -> Global:
+    shared = g.shared.evolve(
+        participants=dict.fromkeys(g.shared.participants, 0),
+        last_ranks=dict.fromkeys(g.shared.last_ranks, 0),
+    )
+    return g._replace(shared=shared)
+
+
+def _ranks_that_break_for_a_restarted_process(
+    participants: object, previous: object = None
+) -> dict[NodeDesc, int]:
+    """A bug that reads a pid as more than an order: a round with a restarted
+    process in it (the checker's restarts have pids above 100) gets duplicate ranks."""
+    ordered = sorted(participants)  # type: ignore[call-overload]
+    if any(node.pid > 100 for node in ordered):
+        return dict.fromkeys(ordered, 0)
+    return {node: rank for rank, node in enumerate(ordered)}
+
+
+def test_a_bug_that_reads_a_restarted_pid_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forgetting a crash renames the restarted process to its slot's first pid,
+    which keeps every order the core compares but not the pid itself. The
+    renaming waits until the crashed process is named nowhere, so a restarted
+    process still completes rounds under its own pid (beside its ghost) and the
+    bug shows."""
+    monkeypatch.setattr(actions, "assign_ranks", _ranks_that_break_for_a_restarted_process)
+    result = check(dataclasses.replace(CRASHING, nodes=3, allow_close=False, max_states=50_000))
+    assert result.violation is not None
+    assert any("duplicate ranks" in p for p in result.violation.problems)
+    assert "crashed, restarts as n" in result.violation.format()
+
+
+def _checking_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans made afresh for every state: checked events checked in every state."""
+    plan = check_steps.Steps.plan
+
+    def every_time(self: check_steps.Steps, g: Global, event: object) -> check_steps.Plan:
+        self._plans.clear()
+        return plan(self, g, event)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(check_steps.Steps, "plan", every_time)
+
+
+def test_checking_once_explores_what_checking_every_time_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    once = check(CRASHING)
+    with monkeypatch.context() as patch:
+        _checking_every_time(patch)
+        every = check(CRASHING)
+    assert once.ok and every.ok
+    assert (once.states, once.transitions, once.depth) == (
+        every.states,
+        every.transitions,
+        every.depth,
+    )
+    assert once.lifecycle_edges == every.lifecycle_edges
+
+
+def _skip_the_last_call(monkeypatch: pytest.MonkeyPatch) -> str:
+    rows = tuple(
+        dataclasses.replace(
+            row,
+            guard=lambda c, d: not c.state.complete and c.is_participant and operators._quorum(c),
+        )
+        if row.action is Action.MARK_RENDEZVOUS_COMPLETE
+        else row
+        for row in operators.JOIN_TABLE
+    )
+    monkeypatch.setattr(operators, "JOIN_TABLE", rows)
+    return "conformance"
+
+
+def _phase_without_the_last_call(monkeypatch: pytest.MonkeyPatch) -> str:
+    real = driver.phase_of
+
+    def phase(state: RendezvousState, settings: object) -> tuple[object, ...]:
+        full = real(state, settings)  # type: ignore[arg-type]
+        return full[:3] + full[4:]
+
+    monkeypatch.setattr(driver, "phase_of", phase)
+    return "missed wake-up"
+
+
+def _exit_that_keeps_its_heartbeat(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A participant leaving a complete round keeps its heartbeat entry: a
+    checked exit (a later deadline) writes what the stored one writes."""
+    effects = dict(actions._EFFECTS)
+
+    def leave(state: RendezvousState, node: NodeDesc, s: object) -> RendezvousState:
+        left = state.evolve(participants=state.participants.delete(node))
+        return actions.remove_participant_epilogue(left, s)  # type: ignore[arg-type]
+
+    effects[Action.REMOVE_FROM_PARTICIPANTS] = leave
+    monkeypatch.setattr(actions, "_EFFECTS", effects)
+    return ""
+
+
+@pytest.mark.parametrize(
+    "plant", [_skip_the_last_call, _phase_without_the_last_call, _exit_that_keeps_its_heartbeat]
+)
+def test_checking_once_finds_the_bugs_checking_every_time_finds(
+    monkeypatch: pytest.MonkeyPatch, plant: object
+) -> None:
+    """Bugs seen by the checks that read other nodes' local states (conformance of
+    peers, missed wake-ups) or by a step's own checks: found either way."""
+    expected = plant(monkeypatch)  # type: ignore[operator]
+    once = check(SMALL)
+    with monkeypatch.context() as patch:
+        _checking_every_time(patch)
+        every = check(SMALL)
+    assert once.violation is not None and every.violation is not None
+    assert any(expected in p for p in once.violation.problems)
+    assert any(expected in p for p in every.violation.problems)
+
+
+def test_plans_make_the_successors_the_step_rules_make() -> None:
+    checker, result, states = _search(CRASHING)
+    assert result.ok
+    steps, symmetry = checker.steps, checker.symmetry
+    compared = 0
+    for g in states:
+        phases = tuple((loc.phase, loc.incarnation) for loc in g.locals)
+        for event in steps.events(g):
+            templates, _, checks = steps.plan(g, event)
+            stored, checked = steps.choices(g, event)
+            assert [t.event for t in templates] == stored and checks == len(checked)
+            for template in templates:
+                fast = steps.follow(g, template, phases)
+                slow, _ = steps.successor(g, template.event)
+                assert symmetry.normalize(fast) == symmetry.normalize(slow), template.event
+                compared += 1
+    assert compared > 10_000
