@@ -95,6 +95,8 @@ class CoreSteps:
         #: each deadline's time relative to now
         self.times = {d: d.relative(settings) for d in Deadline}
         self._steps: dict[tuple[object, ...], CoreStep] = {}
+        #: (state, node, timers, deadline) -> a join's decision (see decide)
+        self._decisions: dict[tuple[object, ...], Decision] = {}
         #: how many times the memo of steps was dropped (the ids of the steps it
         #: held may then be reused: see StepProperties.missed_wakeups)
         self.generation = 0
@@ -176,14 +178,23 @@ class CoreSteps:
     def decide(
         self, state: RendezvousState, node: NodeDesc, timers: Timers, deadline: Deadline | None
     ) -> Decision:
-        """The decision of a join of ``node`` on ``state`` (not carried out)."""
+        """The decision of a join of ``node`` on ``state`` (not carried out;
+        memoized: the waiters of every write from one state decide on it)."""
+        key = (state, node, timers, deadline)
+        known = self._decisions.get(key)
+        if known is not None:
+            return known
         view = self.view(state, node, timers)
         try:
-            return core_driver.decide(
+            known = core_driver.decide(
                 view, node, self.settings, JoinOp(), self.limit(deadline), 0.0
             )
         except InvalidTransitionError as exc:
             raise Found([f"the core chose an action it then rejected: {exc}"]) from None
+        if len(self._decisions) >= CACHE_LIMIT:
+            self._decisions.clear()
+        self._decisions[key] = known
+        return known
 
     def contention_matters(self, g: Global, node: NodeDesc, timers: Timers) -> bool:
         """Whether a lost compare-and-set changes the join step of ``node`` with

@@ -40,6 +40,8 @@ class StepProperties:
         #: wake-ups, for the core steps' current generation
         self._wakeups: dict[tuple[object, ...], list[str]] = {}
         self._generation = core.generation
+        #: node -> whether its lease has run out a liveness window after its renewal
+        self._fences: dict[NodeDesc, bool] = {}
 
     def peer_problems(self, g: Global, slot: int, step: CoreStep) -> list[str]:
         """The checks of ``slot``'s ``step`` in ``g`` that read the other nodes'
@@ -65,18 +67,27 @@ class StepProperties:
         problems = []
         training = Phase.TRAINING
         for i, loc in enumerate(g.locals):
-            gone = node_of(i, loc.incarnation)
-            if gone not in dead or loc.phase is not training:
+            if loc.phase is not training:
                 continue
-            lapsed = make_observations({gone: HeartbeatSighting(0, -window)}, None)
-            view = NodeView(observations=lapsed)
-            if not core_driver.must_fence(view, gone, self.settings, 0.0):
+            gone = node_of(i, loc.incarnation)
+            if gone in dead and not self._fenced(gone):
                 problems.append(
                     f"lease: {gone} was declared dead while it trained, and its own lease "
                     f"(last renewed a liveness window of {window:g} s ago) had not run out: "
                     "must_fence said its workers could go on"
                 )
         return problems
+
+    def _fenced(self, node: NodeDesc) -> bool:
+        """Whether the core tells ``node`` to stop its workers a liveness window
+        after its last renewal (memoized: a function of the node and settings)."""
+        known = self._fences.get(node)
+        if known is None:
+            window = self.settings.liveness_window
+            lapsed = make_observations({node: HeartbeatSighting(0, -window)}, None)
+            view = NodeView(observations=lapsed)
+            known = self._fences[node] = core_driver.must_fence(view, node, self.settings, 0.0)
+        return known
 
     def missed_wakeups(self, g: Global, slot: int, core_step: CoreStep) -> list[str]:
         """Waiters the step ``core_step`` of ``slot`` leaves asleep although their

@@ -80,6 +80,8 @@ class Template(NamedTuple):
     counts: tuple[int, int, int]
     #: the number of what the step's conformance reads besides every node's phase
     conform: int
+    #: whether the step's conformance reads the other nodes' phases at all
+    reads_peers: bool = False
 
 
 class Plan(NamedTuple):
@@ -151,8 +153,9 @@ class Steps:
         #: before the table was dropped still means what it meant
         self._conform_ids: dict[tuple[object, ...], int] = {}
         self._conform_numbers = itertools.count()
-        #: (conformance number, every node's phase and incarnation) conformed
-        self._conformed_ids: set[tuple[object, ...]] = set()
+        #: (conformance number, every node's phase and incarnation) conformed, or
+        #: the number alone when the conformance reads no other node
+        self._conformed_ids: set[object] = set()
         #: whether steps describe themselves (only a trace needs it)
         self.narrate = False
 
@@ -370,13 +373,25 @@ class Steps:
         step = self.core.step(g.shared, node, op, timers, deadline, g.intents)
         after = _next_local(started, step.decision.instruction, deadline)
         what = (g.shared, step.decision, step.performed, step.guards, slot, started)
+        written, sanitized = step.written, step.decision.state
+        instruction = step.decision.instruction
+        # Peers' lifecycle states are read only for those declared dead or
+        # admitted, and for everybody when the round completes or advances
+        # (Conformance.conform); otherwise the node's own change alone.
+        reads_peers = (
+            bool(step.decision.dead)
+            or (isinstance(instruction, Write) and bool(instruction.admitted))
+            or written.complete != sanitized.complete
+            or written.round != sanitized.round
+        )
         conform = self._conform_ids.get(what)
         if conform is None:
             if len(self._conform_ids) >= CACHE_LIMIT:
                 self._conform_ids.clear()  # numbers are never reused: see __init__
             conform = self._conform_ids[what] = next(self._conform_numbers)
-        written, intents = step.written, step.intents
-        return Template(event, op, started, step, after, written, intents, counts, conform)
+        return Template(
+            event, op, started, step, after, written, step.intents, counts, conform, reads_peers
+        )
 
     def follow(self, g: Global, template: Template, phases: tuple[object, ...]) -> Global:
         """The successor of ``g`` that ``template`` (of :meth:`plan`) makes, after
@@ -406,7 +421,7 @@ class Steps:
             raise Found(problems, step.decision)
         if self._charging and template.written.round != g.shared.round:
             after = _round_advanced(after)
-        conformed = (template.conform, phases)
+        conformed = (template.conform, phases) if template.reads_peers else template.conform
         if conformed not in self._conformed_ids:
             assert template.op is not None  # a stepping event's template has its operator
             started = with_local(g, slot, template.started)._replace(

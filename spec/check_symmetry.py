@@ -112,8 +112,10 @@ class Symmetry:
         shift = g.shared.round if shift_rounds and self.config.max_round is None else 0
         shared = self._normal_shared(g.shared, shift)
         locals_, intents = g.locals, g.intents
-        if any(loc.incarnation or loc.phase in TERMINAL_PHASES for loc in locals_):
-            shared, locals_, intents = self._normal_locals(shared, locals_, intents)
+        for loc in locals_:
+            if loc.incarnation or loc.phase in TERMINAL_PHASES:
+                shared, locals_, intents = self._normal_locals(shared, locals_, intents)
+                break
         return Global(shared, locals_, g.crashes, intents, g.failures, g.exclusions)
 
     def _normal_locals(
