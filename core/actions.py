@@ -75,6 +75,11 @@ class Action(enum.Enum):
     #: The operation's deadline passed: raise RendezvousTimeoutError.
     ERROR_TIMEOUT = "error_timeout"
 
+    # Members are singletons compared by identity: hash them by identity too, in C
+    # (Enum's own __hash__ is a Python-level call, and apply looks every action up
+    # in the effect table).
+    __hash__ = object.__hash__
+
     @property
     def changes_state(self) -> bool:
         """True for the actions that :func:`apply` turns into a new shared state."""
@@ -95,14 +100,17 @@ class Action(enum.Enum):
         return self is Action.REMOVE_FROM_REDUNDANCY_LIST
 
 
-#: Looked up by identity: hashing a member is a Python-level call, and reading one
-#: off the class goes through EnumType's __getattr__ hook (both on every decision).
-_TERMINAL = (Action.FINISH, Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT, Action.ERROR_TIMEOUT)
+#: Read once: reading a member off the class goes through EnumType's __getattr__
+#: hook (on every decision).
+_TERMINAL = frozenset(
+    {Action.FINISH, Action.ERROR_CLOSED, Action.ERROR_GRACEFUL_EXIT, Action.ERROR_TIMEOUT}
+)
 
 
 def _beat(state: RendezvousState, node: NodeDesc, changes: dict[str, object]) -> dict[str, object]:
-    """``changes`` plus what a keep-alive of ``node`` changes (a new entry starts
-    above every counter ever handed out)."""
+    """``changes`` (a dictionary of changes, or the fields of the new state) plus
+    what a keep-alive of ``node`` changes (a new entry starts above every counter
+    ever handed out)."""
     heartbeats = state.heartbeats
     current = heartbeats.get(node)
     seq = state.heartbeat_seq
@@ -185,30 +193,38 @@ def _refuse(action: Action, node: NodeDesc, why: str) -> NoReturn:
 
 def _add_to_participants(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
     participants = state.participants
-    if state.closed:
-        _refuse(Action.ADD_TO_PARTICIPANTS, node, "the rendezvous is closed")
-    if state.complete:
-        _refuse(Action.ADD_TO_PARTICIPANTS, node, "the round is complete")
-    if node in participants:
-        _refuse(Action.ADD_TO_PARTICIPANTS, node, "already joined")
-    if len(participants) >= s.max_nodes:
-        _refuse(Action.ADD_TO_PARTICIPANTS, node, "round is full")
+    if state.closed or state.complete or node in participants or len(participants) >= s.max_nodes:
+        _refuse(Action.ADD_TO_PARTICIPANTS, node, _why_not_joining(state, node, s))
     participants = participants.set(node, 0)
     # One copy of the state for the whole join: its keep-alive, and the arming of
-    # the last call at min_nodes, go into the same changes.
-    changes: dict[str, object] = {"participants": participants}
-    if node in state.wait_list:
-        changes["wait_list"] = state.wait_list - {node}
-    if node in state.redundancy_list:
-        changes["redundancy_list"] = state.redundancy_list - {node}
-    if len(participants) == s.min_nodes:
+    # the last call at min_nodes, go into the same fields.
+    fields = state._fields()
+    fields["participants"] = participants
+    # (An empty set is told apart without hashing the node.)
+    if state.wait_list and node in state.wait_list:
+        fields["wait_list"] = state.wait_list - {node}
+    if state.redundancy_list and node in state.redundancy_list:
+        fields["redundancy_list"] = state.redundancy_list - {node}
+    count = len(participants)
+    if count == s.min_nodes:
         arming = state.last_call_seq + 1
-        changes["last_call"] = arming
-        changes["last_call_seq"] = arming
-    state = state._derive(_beat(state, node, changes))
-    if len(participants) == s.max_nodes:
+        fields["last_call"] = arming
+        fields["last_call_seq"] = arming
+    state = RendezvousState._of(_beat(state, node, fields))
+    if count == s.max_nodes:
         state = _mark_complete(state, s)
     return state
+
+
+def _why_not_joining(state: RendezvousState, node: NodeDesc, s: Settings) -> str:
+    """Why ``node`` may not join ``state`` (the first reason, in the order checked)."""
+    if state.closed:
+        return "the rendezvous is closed"
+    if state.complete:
+        return "the round is complete"
+    if node in state.participants:
+        return "already joined"
+    return "round is full"  # the only refusal left (see _add_to_participants)
 
 
 def _add_to_wait_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
@@ -229,12 +245,13 @@ def _add_to_redundancy_list(state: RendezvousState, node: NodeDesc, s: Settings)
 def _remove_from_participants(
     state: RendezvousState, node: NodeDesc, s: Settings
 ) -> RendezvousState:
-    if node not in state.participants:
+    participants = state.participants
+    if node not in participants:
         _refuse(Action.REMOVE_FROM_PARTICIPANTS, node, "not a participant")
-    state = state._derive(
-        {"participants": state.participants.delete(node), "heartbeats": _without(state, node)}
-    )
-    return remove_participant_epilogue(state, s)
+    fields = state._fields()
+    fields["participants"] = participants.delete(node)
+    fields["heartbeats"] = _without(state, node)
+    return remove_participant_epilogue(RendezvousState._of(fields), s)
 
 
 _Effect = Callable[[RendezvousState, NodeDesc, Settings], RendezvousState]
@@ -339,7 +356,13 @@ def apply(state: RendezvousState, action: Action, ctx: Context) -> RendezvousSta
         InvalidTransitionError: ``action`` changes nothing (SYNC, FINISH, errors) or
             does not fit ``state`` (e.g. removing a node that is not there).
     """
+    return _apply(state, action, ctx.node, ctx.settings)
+
+
+def _apply(state: RendezvousState, action: Action, node: NodeDesc, s: Settings) -> RendezvousState:
+    """:func:`apply` with the two fields of the context it reads (the driver calls
+    it so, building no :class:`Context`)."""
     effect = _EFFECTS.get(action)
     if effect is None:
         raise InvalidTransitionError(f"{action.name} does not change the rendezvous state")
-    return effect(state, ctx.node, ctx.settings)
+    return effect(state, node, s)

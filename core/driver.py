@@ -52,8 +52,10 @@ from typing import NamedTuple
 
 from immutables import Map
 
-from .actions import Action, apply
+from .actions import _TERMINAL, Action, _apply, apply
 from .liveness import (
+    _SIDE_MASK,
+    SIDE_BITS,
     fence_due,
     heartbeat_of,
     keep_own_since,
@@ -63,7 +65,7 @@ from .liveness import (
     renew_own,
     sanitize,
 )
-from .operators import JoinOp, Operator, keep_alive_due, wake_at
+from .operators import ExitOp, JoinOp, Operator, _exit_answer, _join_answer, wake_at
 from .state import Context, NodeDesc, Observations, RendezvousState, Settings
 
 __all__ = [
@@ -98,6 +100,7 @@ _NOBODY: frozenset[NodeDesc] = frozenset()
 _SYNC = Action.SYNC
 _KEEP_ALIVE = Action.KEEP_ALIVE
 _FINISH = Action.FINISH
+_REMOVE_FROM_REDUNDANCY_LIST = Action.REMOVE_FROM_REDUNDANCY_LIST
 #: ``_built(Cls, (every field, in order))``: a named tuple made without the
 #: Python-level ``__new__`` that calling the class runs. The paths taken on every
 #: step build their views, instructions and decisions this way
@@ -262,40 +265,42 @@ def after_read(
     """The view after a read: ``state`` (None: nothing stored yet); the side
     counters if they were read with it (None: keep the cached ones); the intent log
     of the state's round if it was read."""
-    state = RendezvousState() if state is None else state
-    since = now if view.since is None else view.since
+    if state is None:
+        state = RendezvousState()
+    _, side, counters_at, since, seen, _, _, _, contended, announced = view
+    if since is None:
+        since = now
     if counters is None:
-        side = view.counters
-        counters_at = view.counters_at
-        obs = observe_read(view.observations, state, node, side.get(node, 0), now)
+        # (An empty map still hashes the key: a node that never read counters skips it.)
+        obs = observe_read(seen, state, node, side.get(node, 0) if side else 0, now)
     else:
-        side = Map(counters)
-        if node in view.counters and node not in side:
-            side = side.set(node, view.counters[node])  # never forget the own beats
+        side, obs = _read_counters(view, node, state, counters, now)
         counters_at = now
-        obs = observe(view.observations, state, now, side)
-        before = view.observations.heartbeats.get(node)
-        if before is not None:
-            mine = obs.heartbeats.get(node)
-            if mine is not None and mine.since != before.since:
-                # A read is no renewal of this node's own lease (see renew_own).
-                obs = keep_own_since(obs, node, mine.counter, before.since)
     log, log_round = (None, -1) if intents is None else (tuple(intents), state.round)
-    return _built(
-        NodeView,
-        (
-            state,
-            side,  # counters
-            counters_at,
-            since,
-            obs,  # observations
-            False,  # stale
-            log,  # intents
-            log_round,  # intents_round
-            view.contended,
-            view.announced,
-        ),
-    )
+    fresh = (state, side, counters_at, since, obs, False, log, log_round, contended, announced)
+    return _built(NodeView, fresh)
+
+
+def _read_counters(
+    view: NodeView,
+    node: NodeDesc,
+    state: RendezvousState,
+    counters: Mapping[NodeDesc, int],
+    now: float,
+) -> tuple[Map[NodeDesc, int], Observations]:
+    """The side counters and observations of :func:`after_read` for a read with
+    the side counters."""
+    side = Map(counters)
+    if node in view.counters and node not in side:
+        side = side.set(node, view.counters[node])  # never forget the own beats
+    obs = observe(view.observations, state, now, side)
+    before = view.observations.heartbeats.get(node)
+    if before is not None:
+        mine = obs.heartbeats.get(node)
+        if mine is not None and mine.since != before.since:
+            # A read is no renewal of this node's own lease (see renew_own).
+            obs = keep_own_since(obs, node, mine.counter, before.since)
+    return side, obs
 
 
 def after_write(
@@ -314,31 +319,20 @@ def after_write(
     (see :func:`rallypoint.core.liveness.renew_own`): pass it, or the node fences
     itself up to one round trip late.
     """
-    state = RendezvousState() if stored is None else stored
-    counters = view.counters
-    side = counters.get(node, 0)
-    mine = state.heartbeats.get(node) if won else None
-    if mine is not None and mine != view.state.heartbeats.get(node):
+    if stored is None:
+        stored = RendezvousState()
+    old, counters, counters_at, since, seen, _, _, _, contended, announced = view
+    side = counters.get(node, 0) if counters else 0
+    mine = stored.heartbeats.get(node) if won else None
+    if mine is not None and mine != old.heartbeats.get(node):
+        pair = (mine << SIDE_BITS) | (side & _SIDE_MASK)  # heartbeat_of, inlined
         at = now if started is None else started
-        obs = observe_renewal(view.observations, state, node, side, now, at)
+        obs = observe_renewal(seen, stored, node, pair, now, at)
     else:
-        obs = observe_read(view.observations, state, node, side, now)
-    contended = view.contended or not won
-    return _built(
-        NodeView,
-        (
-            state,
-            counters,
-            view.counters_at,
-            view.since,
-            obs,  # observations
-            False,  # stale
-            None,  # intents
-            -1,  # intents_round
-            contended,
-            view.announced,
-        ),
-    )
+        obs = observe_read(seen, stored, node, side, now)
+    contended = contended or not won
+    fresh = (stored, counters, counters_at, since, obs, False, None, -1, contended, announced)
+    return _built(NodeView, fresh)
 
 
 def after_beat(
@@ -389,8 +383,9 @@ def after_announce(view: NodeView, round_: int) -> NodeView:
 def after_wait(view: NodeView) -> NodeView:
     """The view after a wait ended (or a new operation starts): read before
     deciding again."""
-    # (stale, contended) are fields 5 and 8; the others are kept.
-    return _built(NodeView, (*view[:5], True, *view[6:8], False, *view[9:]))
+    state, counters, counters_at, since, seen, _, log, log_round, _, announced = view
+    stale = (state, counters, counters_at, since, seen, True, log, log_round, False, announced)
+    return _built(NodeView, stale)
 
 
 # -- phases --------------------------------------------------------------------------
@@ -421,6 +416,25 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
     )
 
 
+_PHASE_OF_AS_DEFINED = phase_of
+
+
+def _same_phase(a: RendezvousState, b: RendezvousState, max_nodes: int) -> bool:
+    """``phase_of(a, settings) == phase_of(b, settings)``, compared field by field
+    with no tuples built, and ending at the first difference (run on every write;
+    tests/test_core_speedups.py checks that both agree)."""
+    if a.round != b.round or a.complete != b.complete or a.closed != b.closed:
+        return False
+    if a.last_call != b.last_call or bool(a.wait_list) != bool(b.wait_list):
+        return False
+    in_a = len(a.participants)
+    in_b = len(b.participants)
+    if (in_a >= max_nodes) != (in_b >= max_nodes):
+        return False
+    # (complete is the same in both here; only a complete round counts departures)
+    return not a.complete or (in_a < a.world_size) == (in_b < b.world_size)
+
+
 def _phased(
     new: RendezvousState,
     base: RendezvousState,
@@ -431,7 +445,12 @@ def _phased(
     admitted: tuple[NodeDesc, ...] = (),
 ) -> Write:
     """A write of ``new`` over ``base`` (set its phase; say whether to publish it)."""
-    if phase_of(new, settings) == phase_of(base, settings):
+    if (
+        _same_phase(new, base, settings.max_nodes)
+        if phase_of is _PHASE_OF_AS_DEFINED
+        # A phase_of swapped in (the checker's mutation tests do) is called as given.
+        else phase_of(new, settings) == phase_of(base, settings)
+    ):
         return _built(Write, (new, action, dead, None, deadline, admitted))
     phase = base.phase + 1
     new = new._derive({"phase": phase})
@@ -559,11 +578,12 @@ def decide(
 ) -> Decision:
     """The next instruction of ``node`` running ``op`` (with ``deadline``) at
     local time ``now``."""
-    due = _counters_due(view, settings, now)
-    if view.stale or due:
-        return Decision(Read(due), None, view.state, _NOBODY)
-    state = view.state
-    observations = view.observations
+    # One unpacking instead of an attribute read per field (this runs every step).
+    state, _, counters_at, since, observations, stale, _, _, _, _ = view
+    last = since if counters_at is None else counters_at
+    due = last is not None and now - last > settings.liveness_window / 2  # _counters_due
+    if stale or due:
+        return Decision(Read(due), None, state, _NOBODY)
     oldest = observations.oldest
     if oldest is None or now - oldest <= settings.liveness_window:
         # sanitize's own first test, made here: no sighting is old enough for
@@ -573,16 +593,45 @@ def decide(
         sanitized, dead = sanitize(state, observations, settings, now, node)
         if _must_reread(view, dead, settings, now):
             return Decision(Read(True), None, sanitized, _NOBODY)
-    ctx = Context(node, sanitized, settings, now, observations)
-    action = op(ctx, deadline)
-    if action is _SYNC or action.is_terminal:
-        return _no_write(view, ctx, op, action, dead, deadline)
-    if not dead and node in state.heartbeats and (action is _KEEP_ALIVE or keep_alive_due(ctx)):
-        # A member beats when its keep-alive is due, also before another write: a
-        # node that keeps losing compare-and-sets must not look dead meanwhile.
-        return Decision(Beat(), action, sanitized, dead)
+    # The join and exit operators answer from the context's fields: no Context is
+    # built for them (an operator of another type, a subclass included, gets one).
+    kind = type(op)
+    if kind is JoinOp:
+        action = _join_answer(node, sanitized, settings, now, observations, deadline)
+    elif kind is ExitOp:
+        action = _exit_answer(node, sanitized, now, deadline)
+    else:
+        action = op(Context(node, sanitized, settings, now, observations), deadline)
+    if action is _SYNC or action in _TERMINAL:
+        return _no_write(view, node, settings, op, action, sanitized, dead, deadline, now)
+    if not dead:
+        # A member beats when its keep-alive is due (keep_alive_due, whose own
+        # sighting test comes first: a joiner has none), also before another write:
+        # a node that keeps losing compare-and-sets must not look dead meanwhile.
+        own = observations.heartbeats.get(node)
+        if (
+            action is _KEEP_ALIVE
+            or (own is not None and now - own.since >= settings.keep_alive_interval)
+        ) and node in state.heartbeats:
+            return Decision(Beat(), action, sanitized, dead)
+    return _write(view, node, settings, op, action, sanitized, dead, now)
+
+
+def _write(
+    view: NodeView,
+    node: NodeDesc,
+    settings: Settings,
+    op: Operator,
+    action: Action,
+    sanitized: RendezvousState,
+    dead: frozenset[NodeDesc],
+    now: float,
+) -> Decision:
+    """:func:`decide`'s instruction for an answer that writes: the write, or first
+    the steps of a join through the intent log."""
+    state = view.state
     admitted: tuple[NodeDesc, ...] = ()
-    new = apply(sanitized, action, ctx)
+    new = _apply(sanitized, action, node, settings)
     if (view.contended or view.announced == sanitized.round) and action in _ADMISSIONS:
         # Others are joining too: join through the intent log, and admit them all
         # (a node in the log joins only with a batch that moves the cursor past
@@ -598,33 +647,37 @@ def decide(
             read = Read(_counters_due(view, settings, now), intents=True)
             return Decision(read, action, sanitized, dead)
         new, admitted = _admit_batch(view, node, settings, op, new, now)
-    reset = now + settings.join_timeout if action.resets_deadline else None
+    # (Action.resets_deadline, read as the identity it is)
+    reset = now + settings.join_timeout if action is _REMOVE_FROM_REDUNDANCY_LIST else None
     write = _phased(new, state, settings, action, dead, reset, admitted)
     return _built(Decision, (write, action, sanitized, dead))
 
 
 def _no_write(
     view: NodeView,
-    ctx: Context,
+    node: NodeDesc,
+    settings: Settings,
     op: Operator,
     action: Action,
+    sanitized: RendezvousState,
     dead: frozenset[NodeDesc],
     deadline: float,
+    now: float,
 ) -> Decision:
     """:func:`decide`'s instruction for an answer that writes nothing (SYNC or a
     terminal action): publish the dead first, wait, renew a lease running out, or
     be done."""
-    node, sanitized, settings = ctx.node, ctx.state, ctx.settings
     if dead:
         return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
     state = view.state
     if action is _SYNC:
+        ctx = Context(node, sanitized, settings, now, view.observations)
         return Decision(Wait(wake_at(ctx, deadline), state.phase), action, sanitized, dead)
     if (
         action is _FINISH
-        and node in state.heartbeats
-        and fence_due(ctx.observations, node, settings, ctx.now)
         and isinstance(op, JoinOp)
+        and fence_due(view.observations, node, settings, now)
+        and node in state.heartbeats
     ):
         # Never hand workers a lease that is running out (a node admitted by
         # another's batch after a long wait, or back from a partition): renew

@@ -55,6 +55,8 @@ _NOBODY: frozenset[NodeDesc] = frozenset()
 #: calling the class runs (sightings are renewed on nearly every read and write).
 _built = tuple.__new__
 _since: Callable[[HeartbeatSighting], float] = operator.attrgetter("since")
+#: Observations made here (see Observations._derived), the class method bound once.
+_observations = Observations._derived
 
 
 def heartbeat_of(state_counter: int, side_counter: int) -> int:
@@ -102,16 +104,7 @@ def observe(
     if counters and (observations.source is not counts or observations.source_side is not side):
         return _observe_counters(observations, state, now, side)
     # Most reads and writes: only the last call can have changed.
-    last_call = _last_call_seen(observations.last_call, state, now)
-    if last_call is observations.last_call:
-        return observations
-    return Observations._derived(
-        observations.heartbeats,
-        last_call,
-        observations.source,
-        observations.source_side,
-        observations.oldest,
-    )
+    return _with_last_call(observations, _last_call_seen(observations.last_call, state, now))
 
 
 def _observe_counters(
@@ -150,7 +143,7 @@ def _observe_counters(
         # Every other sighting is unchanged, and the new ones all start at now.
         oldest = now
     last_call = _last_call_seen(observations.last_call, state, now)
-    return Observations._derived(updated, last_call, counts, side, oldest)
+    return _observations(updated, last_call, counts, side, oldest)
 
 
 def observe_read(
@@ -164,31 +157,59 @@ def observe_read(
     counters, its own side counter being ``side_counter``: exactly
     ``observe_own(observe(observations, state, now, counters=False), node, pair,
     now)`` for its own counter pair, in one call. Most reads change neither
-    sighting, and then cost no new object."""
-    last_call = _last_call_seen(observations.last_call, state, now)
+    sighting, and then cost no new object; a read that changes both builds one."""
+    last_call = seen = observations.last_call
+    arming = state.last_call
+    # (_last_call_seen and _with_last_call, inlined: this runs on every read and
+    # write of every node)
+    if arming is None:
+        last_call = None
+    elif last_call is None or last_call.arming != arming or last_call.round != state.round:
+        last_call = _built(LastCallSighting, (state.round, arming, now))
     counter = state.heartbeats.get(node)
-    sighting = observations.heartbeats.get(node)
+    sightings = observations.heartbeats
+    sighting = sightings.get(node)
     if counter is None:
-        own = None
-        moved = sighting is not None
+        if sighting is None:
+            return observations if last_call is seen else _with_last_call(observations, last_call)
+        # The own entry is gone (observe_own of None).
+        updated = sightings.delete(node)
+        oldest = observations.oldest
+        if sighting.since == oldest or oldest is None:
+            oldest = _oldest(updated)
     else:
         own = (counter << SIDE_BITS) | (side_counter & _SIDE_MASK)  # heartbeat_of, inlined
-        moved = sighting is None or sighting.counter != own
-    if last_call is not observations.last_call:
-        observations = Observations._derived(
-            observations.heartbeats,
-            last_call,
-            observations.source,
-            observations.source_side,
-            observations.oldest,
-        )
-    if not moved:
+        if sighting is None:
+            # A new own entry, first seen now (observe_own).
+            updated = sightings.set(node, _built(HeartbeatSighting, (own, now)))
+            oldest = observations.oldest
+            if oldest is None:
+                oldest = now if len(updated) == 1 else _oldest(updated)
+        elif sighting.counter == own:
+            return observations if last_call is seen else _with_last_call(observations, last_call)
+        else:
+            # Another node's write moved this node's counter (a batch admitted it):
+            # a read is no renewal of this node's lease (keep_own_since, renew_own).
+            since = sighting.since
+            updated = sightings.set(node, _built(HeartbeatSighting, (own, since)))
+            oldest = observations.oldest
+            if oldest is None or since < oldest:
+                oldest = since
+    return _observations(updated, last_call, observations.source, observations.source_side, oldest)
+
+
+def _with_last_call(observations: Observations, last_call: LastCallSighting | None) -> Observations:
+    """``observations`` with the last-call sighting ``last_call`` (itself when it
+    is the one they hold)."""
+    if last_call is observations.last_call:
         return observations
-    if sighting is not None and own is not None:
-        # Another node's write moved this node's counter (a batch admitted it): a
-        # read is no renewal of this node's lease (see renew_own).
-        return keep_own_since(observations, node, own, sighting.since)
-    return observe_own(observations, node, own, now)
+    return _observations(
+        observations.heartbeats,
+        last_call,
+        observations.source,
+        observations.source_side,
+        observations.oldest,
+    )
 
 
 def keep_own_since(
@@ -200,7 +221,7 @@ def keep_own_since(
     oldest = observations.oldest
     if oldest is None or since < oldest:
         oldest = since
-    return Observations._derived(
+    return _observations(
         updated, observations.last_call, observations.source, observations.source_side, oldest
     )
 
@@ -227,16 +248,16 @@ def observe_renewal(
     observations: Observations,
     state: RendezvousState,
     node: NodeDesc,
-    side_counter: int,
+    counter: int,
     now: float,
     started: float,
 ) -> Observations:
-    """:func:`observe_read` of a ``state`` this node just wrote, with a counter of
-    its own that the write moved, then :func:`renew_own` from ``started``: in one
-    construction (a join's write)."""
-    last_call = _last_call_seen(observations.last_call, state, now)
-    own = (state.heartbeats[node] << SIDE_BITS) | (side_counter & _SIDE_MASK)
-    return _renewed(observations, node, own, started, last_call)
+    """:func:`observe_read` of a ``state`` this node just wrote, with its own counter
+    pair (:func:`heartbeat_of`) moved by the write to ``counter``, then
+    :func:`renew_own` from ``started``: in one construction (a join's write)."""
+    return _renewed(
+        observations, node, counter, started, _last_call_seen(observations.last_call, state, now)
+    )
 
 
 def _renewed(
@@ -253,12 +274,11 @@ def _renewed(
     updated = seen.set(node, _built(HeartbeatSighting, (counter, started)))
     oldest = observations.oldest
     if oldest is None or (sighting is not None and sighting.since == oldest):
-        oldest = _oldest(updated)
+        # (A node that reads no side counters holds its own sighting alone.)
+        oldest = started if len(updated) == 1 else _oldest(updated)
     elif started < oldest:
         oldest = started
-    return Observations._derived(
-        updated, last_call, observations.source, observations.source_side, oldest
-    )
+    return _observations(updated, last_call, observations.source, observations.source_side, oldest)
 
 
 def fence_after(settings: Settings) -> float:
@@ -305,7 +325,7 @@ def observe_own(
         # A node that reads no side counters holds its own new sighting alone.
         only_own = counter is not None and len(updated) == 1
         oldest = now if only_own else _oldest(updated)
-    return Observations._derived(
+    return _observations(
         updated, observations.last_call, observations.source, observations.source_side, oldest
     )
 

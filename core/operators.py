@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .actions import Action
-from .state import Context
+from .state import Context, NodeDesc, Observations, RendezvousState, Settings
 
 __all__ = [
     "JOIN_TABLE",
@@ -46,23 +46,12 @@ Operator = Callable[[Context, float], Action]
 def keep_alive_due(ctx: Context) -> bool:
     """The node has a heartbeat entry whose counter it last saw move at least
     ``keep_alive_interval`` ago (its own beat included)."""
-    if ctx.node not in ctx.state.heartbeats:
-        return False
-    sighting = ctx.observations.heartbeats.get(ctx.node)
-    if sighting is None:
-        return False
-    return ctx.now - sighting.since >= ctx.settings.keep_alive_interval
+    return _beat_due(ctx.node, ctx.state, ctx.settings, ctx.now, ctx.observations)
 
 
 def last_call_passed(ctx: Context) -> bool:
     """The last call is armed and this node saw it armed over ``last_call_timeout`` ago."""
-    state = ctx.state
-    sighting = ctx.observations.last_call
-    if state.last_call is None or sighting is None:
-        return False
-    if (sighting.round, sighting.arming) != (state.round, state.last_call):
-        return False
-    return ctx.now - sighting.since > ctx.settings.last_call_timeout
+    return _last_call_over(ctx.state, ctx.settings, ctx.now, ctx.observations)
 
 
 def _timed_out(ctx: Context, deadline: float) -> bool:
@@ -191,57 +180,97 @@ class JoinOp:
     """Join the next round: become a participant and wait until the round completes."""
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
-        """:data:`JOIN_TABLE`'s answer, reached without walking it: the same rows
-        in the same order, with each fact the guards share read once instead of
-        once per row (tests/test_core_speedups.py checks that both agree)."""
-        if JOIN_TABLE is not _JOIN_TABLE_AS_DEFINED:
-            # A table swapped in (the checker's mutation tests do) is walked as given.
-            return join_row(ctx, deadline).action
-        state = ctx.state
-        node = ctx.node
-        settings = ctx.settings
-        redundant = node in state.redundancy_list
-        if state.closed:
-            return _ERROR_GRACEFUL_EXIT if redundant else _ERROR_CLOSED
-        full = len(state.participants) >= settings.max_nodes
-        participant = node in state.participants
-        excluded = bool(state.excluded) and state.excluded.get(node, 0) > state.round
-        if excluded and not (redundant or participant or node in state.wait_list):
-            return _ADD_TO_REDUNDANCY_LIST
-        if redundant:
-            if full or excluded:
-                return _KEEP_ALIVE if keep_alive_due(ctx) else _SYNC
-            return _REMOVE_FROM_REDUNDANCY_LIST
-        complete = state.complete
-        if complete and participant:
-            return _FINISH
-        now = ctx.now
-        if now > deadline:
-            if now <= deadline + settings.rollback_period:
-                if participant:
-                    return _REMOVE_FROM_PARTICIPANTS
-                if node in state.wait_list:
-                    return _REMOVE_FROM_WAIT_LIST
-            return _ERROR_TIMEOUT
-        if complete:
-            if node not in state.wait_list:
-                return _ADD_TO_REDUNDANCY_LIST if full else _ADD_TO_WAIT_LIST
-        elif not participant:
-            return _ADD_TO_PARTICIPANTS
-        elif _quorum(ctx) and last_call_passed(ctx):
-            return _MARK_RENDEZVOUS_COMPLETE
-        return _KEEP_ALIVE if keep_alive_due(ctx) else _SYNC
+        """:data:`JOIN_TABLE`'s answer (see :func:`_join_answer`)."""
+        return _join_answer(ctx.node, ctx.state, ctx.settings, ctx.now, ctx.observations, deadline)
+
+
+def _join_answer(
+    node: NodeDesc,
+    state: RendezvousState,
+    settings: Settings,
+    now: float,
+    observations: Observations,
+    deadline: float,
+) -> Action:
+    """:data:`JOIN_TABLE`'s answer for the context of these fields, reached without
+    walking it: the same rows in the same order, with each fact the guards share
+    read once instead of once per row (tests/test_core_speedups.py checks that both
+    agree). The driver calls it with the fields, building no :class:`Context`."""
+    if JOIN_TABLE is not _JOIN_TABLE_AS_DEFINED:
+        # A table swapped in (the checker's mutation tests do) is walked as given.
+        return join_row(Context(node, state, settings, now, observations), deadline).action
+    redundant = node in state.redundancy_list
+    if state.closed:
+        return _ERROR_GRACEFUL_EXIT if redundant else _ERROR_CLOSED
+    participants = state.participants
+    full = len(participants) >= settings.max_nodes
+    participant = node in participants
+    excluded = bool(state.excluded) and state.excluded.get(node, 0) > state.round
+    if excluded and not (redundant or participant or node in state.wait_list):
+        return _ADD_TO_REDUNDANCY_LIST
+    if redundant:
+        if full or excluded:
+            return _KEEP_ALIVE if _beat_due(node, state, settings, now, observations) else _SYNC
+        return _REMOVE_FROM_REDUNDANCY_LIST
+    complete = state.complete
+    if complete and participant:
+        return _FINISH
+    if now > deadline:
+        if now <= deadline + settings.rollback_period:
+            if participant:
+                return _REMOVE_FROM_PARTICIPANTS
+            if node in state.wait_list:
+                return _REMOVE_FROM_WAIT_LIST
+        return _ERROR_TIMEOUT
+    if complete:
+        if node not in state.wait_list:
+            return _ADD_TO_REDUNDANCY_LIST if full else _ADD_TO_WAIT_LIST
+    elif not participant:
+        return _ADD_TO_PARTICIPANTS
+    elif settings.min_nodes <= len(participants) <= settings.max_nodes and _last_call_over(
+        state, settings, now, observations
+    ):
+        return _MARK_RENDEZVOUS_COMPLETE
+    return _KEEP_ALIVE if _beat_due(node, state, settings, now, observations) else _SYNC
+
+
+def _beat_due(
+    node: NodeDesc, state: RendezvousState, settings: Settings, now: float, seen: Observations
+) -> bool:
+    """:func:`keep_alive_due` of the context of these fields (the operators take
+    the fields from the driver, which builds no :class:`Context` for them)."""
+    if node not in state.heartbeats:
+        return False
+    sighting = seen.heartbeats.get(node)
+    return sighting is not None and now - sighting.since >= settings.keep_alive_interval
+
+
+def _last_call_over(
+    state: RendezvousState, settings: Settings, now: float, seen: Observations
+) -> bool:
+    """:func:`last_call_passed` of the context of these fields (its arming and
+    round, compared one by one: no tuples built)."""
+    sighting = seen.last_call
+    if state.last_call is None or sighting is None:
+        return False
+    if sighting.arming != state.last_call or sighting.round != state.round:
+        return False
+    return now - sighting.since > settings.last_call_timeout
 
 
 class ExitOp:
     """Leave the current round (called before joining the next one)."""
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
-        if ctx.node in ctx.state.participants:
-            if ctx.now > deadline:
-                return _ERROR_TIMEOUT
-            return _REMOVE_FROM_PARTICIPANTS
-        return _FINISH
+        return _exit_answer(ctx.node, ctx.state, ctx.now, deadline)
+
+
+def _exit_answer(node: NodeDesc, state: RendezvousState, now: float, deadline: float) -> Action:
+    """:class:`ExitOp`'s answer for the context of these fields (the driver calls
+    it with the fields, building no :class:`Context`)."""
+    if node in state.participants:
+        return _ERROR_TIMEOUT if now > deadline else _REMOVE_FROM_PARTICIPANTS
+    return _FINISH
 
 
 def _unless_done(done: bool, ctx: Context, deadline: float, action: Action) -> Action:

@@ -276,9 +276,22 @@ class RendezvousState:
     def _derive(self, changes: dict[str, object]) -> RendezvousState:
         """:meth:`evolve` for the core's own transitions, whose ``changes`` are
         known to be fields of the stored types: no per-field checks."""
+        fields = self._fields()
+        fields.update(changes)
+        return RendezvousState._of(fields)
+
+    def _fields(self) -> dict[str, object]:
+        """A copy of the field dictionary, for a transition to set the fields it
+        changes in and hand to :meth:`_of` (the hottest transitions fill it
+        directly instead of building a dictionary of changes for :meth:`_derive`)."""
         fields = self.__dict__.copy()
         fields.pop("_hash", None)  # the copy's fields change: hash them anew
-        fields.update(changes)
+        return fields
+
+    @staticmethod
+    def _of(fields: dict[str, object]) -> RendezvousState:
+        """The state whose field dictionary is ``fields`` (every field, of the
+        stored types; see :meth:`_fields`), which it takes over."""
         new = _new_instance(RendezvousState)
         # Handing the copy over whole costs half of filling the new instance's own
         # (key-sharing) dictionary field by field.

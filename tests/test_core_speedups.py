@@ -38,6 +38,8 @@ from rallypoint.core import (
     after_write,
     apply,
     assign_ranks,
+    decide,
+    driver,
     heartbeat_of,
     join_row,
     observe,
@@ -583,3 +585,98 @@ def test_after_write_wait_and_beat_build_the_views_replace_would(
         renewed = _reference_renewal(beaten.observations, node, pair, now)
     beaten = beaten._replace(observations=renewed)
     assert after_beat(view, node, beat, now) == beaten
+
+
+# -- decisions made without a Context ---------------------------------------------------
+
+
+class _TableJoin(JoinOp):
+    """The join operator as defined: :data:`JOIN_TABLE` walked row by row. A
+    subclass, so the driver hands it a :class:`Context` (its field-wise shortcut is
+    for JoinOp itself) while every isinstance check still sees a join."""
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        return join_row(ctx, deadline).action
+
+
+class _PlainExit(ExitOp):
+    """The exit operator as its docstring defines it, read off a Context."""
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        if ctx.node not in ctx.state.participants:
+            return Action.FINISH
+        return Action.ERROR_TIMEOUT if ctx.now > deadline else Action.REMOVE_FROM_PARTICIPANTS
+
+
+def _outcome(view: NodeView, node: NodeDesc, s: Settings, op: object, deadline: float, now: float):  # type: ignore[no-untyped-def]
+    """The decision, or the error it raised (states of every shape are drawn, and
+    applying an action to some of them is refused)."""
+    try:
+        return decide(view, node, s, op, deadline, now)  # type: ignore[arg-type]
+    except Exception as error:  # compared below, not swallowed
+        return type(error), str(error)
+
+
+@pytest.mark.slow
+@settings(max_examples=1500)
+@given(any_views(), nodes, any_settings(), times, times, st.booleans(), st.booleans())
+def test_decide_without_a_context_decides_what_the_operators_as_defined_decide(
+    view, node, s, now, deadline, leaving, fresh
+):
+    """The driver asks JoinOp and ExitOp for their answer from the context's
+    fields; the decision (wait, write, admission batch, beat, done) is the one it
+    makes when the operators are called with a Context and walk the table."""
+    if fresh:  # past the reads, to the operator's answer
+        view = view._replace(stale=False, counters_at=now, since=now)
+    fast, plain = (ExitOp(), _PlainExit()) if leaving else (JoinOp(), _TableJoin())
+    for limit in (deadline, float("inf"), now - s.rollback_period):
+        expected = _outcome(view, node, s, plain, limit, now)
+        assert _outcome(view, node, s, fast, limit, now) == expected
+
+
+_PHASE_FIELDS = ("round", "complete", "closed", "last_call", "participants", "wait_list")
+_PHASE_FIELDS += ("world_size", "heartbeats")
+
+
+@st.composite
+def state_pairs(draw: st.DrawFn) -> tuple[RendezvousState, RendezvousState]:
+    """Two states: unrelated, or the second one the first with some of the fields
+    a phase is made of changed (mostly, the phases agree)."""
+    first = draw(any_states())
+    if draw(st.booleans()):
+        return first, draw(any_states())
+    other = draw(any_states())
+    names = draw(st.sets(st.sampled_from(_PHASE_FIELDS)))
+    return first, first.evolve(**{name: getattr(other, name) for name in names})
+
+
+@settings(max_examples=1000)
+@given(state_pairs(), any_settings())
+def test_same_phase_is_phase_of_compared(pair, s):
+    first, second = pair
+    expected = driver.phase_of(first, s) == driver.phase_of(second, s)
+    assert driver._same_phase(first, second, s.max_nodes) is expected
+
+
+def test_a_phase_of_swapped_in_decides_what_a_write_publishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = Settings("speedups", 1, 3)
+    view = after_read(NodeView(), POOL[0], RendezvousState(), None, 0.0)
+    write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0).instruction
+    assert isinstance(write, Write) and write.phase == 1  # the join arms the last call
+    monkeypatch.setattr(driver, "phase_of", lambda state, _: (state.round,))
+    write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0).instruction
+    assert isinstance(write, Write) and write.phase is None and write.state.phase == 0
+
+
+def test_actions_hash_as_the_singletons_they_are():
+    """Actions hash by identity (a C-level hash for the effect table's lookups):
+    equal members are the same object, so tables and sets still find them."""
+    assert Action.__hash__ is object.__hash__
+    effects = {action: action.name for action in Action}
+    for action in Action:
+        assert effects[action] == action.name
+        assert Action(action.value) in effects and hash(action) == hash(Action[action.name])
+    terminal = {a for a in Action if a.is_terminal}
+    assert terminal == {Action.FINISH} | {a for a in Action if a.name.startswith("ERROR_")}
