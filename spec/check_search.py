@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import multiprocessing
 import time
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -108,25 +109,28 @@ class Search:
         global _WORKER
         depth = 0
         self.checked_transitions = 0
-        pool: Pool | None = None
+        # One single-process pool per worker, so that a shared state's chunks go
+        # to the same process level after level and find their memoized work
+        # there (with one shared pool, every worker redid most of it: two
+        # workers used 1.7 times the CPU time of one).
+        pools: list[Pool] = []
         if workers > 1:
             _WORKER = self
-            pool = multiprocessing.get_context("fork").Pool(workers)
+            context = multiprocessing.get_context("fork")
+            pools = [context.Pool(1) for _ in range(workers)]
         try:
             while level:
                 result.depth = depth
                 max_round = self.config.max_round
                 if max_round is not None:
                     level = [(g, fp) for g, fp in level if g.shared.round <= max_round]
-                level = _by_shared_state(level)
                 size = max(1, min(_CHUNK, len(level) // (workers * 4)))
-                chunks = [level[i : i + size] for i in range(0, len(level), size)]
                 # In process, each chunk is stepped after the previous one merged:
                 # it skips the successors already known.
-                outcomes = (
-                    pool.imap(_step_chunk_in_worker, chunks)
-                    if pool is not None
-                    else (self.step_chunk(chunk, parents) for chunk in chunks)
+                outcomes: Iterable[_ChunkOutcome] = (
+                    _in_workers(pools, level, size)
+                    if pools
+                    else (self.step_chunk(chunk, parents) for chunk in _chunks(level, size))
                 )
                 following = self._merge(outcomes, result, parents, progress, on_state)
                 if following is None:
@@ -134,7 +138,7 @@ class Search:
                 level = following
                 depth += 1 if level else 0
         finally:
-            if pool is not None:
+            for pool in pools:
                 pool.terminate()
                 pool.join()
             _WORKER = None
@@ -251,15 +255,42 @@ class Search:
         return successors, stepped, edges, violation
 
 
-def _by_shared_state(level: list[tuple[Global, int]]) -> list[tuple[Global, int]]:
-    """``level`` with the states of one shared state next to each other (in the
-    order each shared state first appears): most of a state's step work is
-    memoized on its shared state, and a chunk is stepped in one process, so
-    this keeps that work in one process instead of repeating it in each."""
+def _by_shared_state(level: list[tuple[Global, int]]) -> dict[object, list[tuple[Global, int]]]:
+    """The states of ``level`` by shared state, in the order each first appears:
+    most of a state's step work is memoized on its shared state."""
     groups: dict[object, list[tuple[Global, int]]] = {}
     for item in level:
         groups.setdefault(item[0].shared, []).append(item)
-    return [item for group in groups.values() for item in group]
+    return groups
+
+
+def _chunks(level: list[tuple[Global, int]], size: int) -> list[list[tuple[Global, int]]]:
+    """``level`` cut into chunks of ``size`` states, a shared state's states next
+    to each other."""
+    return _cut([item for group in _by_shared_state(level).values() for item in group], size)
+
+
+def _cut(items: list[tuple[Global, int]], size: int) -> list[list[tuple[Global, int]]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _in_workers(
+    pools: list[Pool], level: list[tuple[Global, int]], size: int
+) -> Iterator[_ChunkOutcome]:
+    """The outcomes of ``level``'s chunks, each stepped by the worker its shared
+    state belongs to (the same worker level after level, where that state's
+    memoized work is), in an order that takes the workers in turn."""
+    shares: list[list[tuple[Global, int]]] = [[] for _ in pools]
+    for shared, group in _by_shared_state(level).items():
+        shares[hash(shared) % len(pools)].extend(group)
+    queues = [
+        [pool.apply_async(_step_chunk_in_worker, (chunk,)) for chunk in _cut(share, size)]
+        for pool, share in zip(pools, shares, strict=True)
+    ]
+    for turn in itertools.zip_longest(*queues):
+        for outcome in turn:
+            if outcome is not None:
+                yield outcome.get()
 
 
 def _path(parents: _Parents, fp: int) -> list[Event]:
