@@ -245,6 +245,18 @@ class RendezvousState:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def __eq__(self, other: object) -> bool:
+        # States are compared on every hit of a memo keyed on an equal copy: the
+        # cached hashes tell most unequal states apart without a field.
+        if self is other:
+            return True
+        if other.__class__ is not RendezvousState:
+            return NotImplemented
+        if hash(self) != hash(other):
+            return False
+        mine, theirs = self.__dict__, other.__dict__
+        return all(mine[name] == theirs[name] for name in _FIELD_NAMES)
+
     def __getstate__(self) -> dict[str, object]:
         # String hashes differ between processes: a copy made in another process
         # hashes anew.
@@ -252,7 +264,12 @@ class RendezvousState:
 
     def members(self) -> frozenset[NodeDesc]:
         """Every node the state knows: participants, waiting and redundant nodes."""
-        return frozenset(self.participants) | self.wait_list | self.redundancy_list
+        # Cached like the hash: checkers and monitors ask a state many times.
+        cached = self.__dict__.get("_members")
+        if cached is None:
+            cached = frozenset(self.participants) | self.wait_list | self.redundancy_list
+            object.__setattr__(self, "_members", cached)
+        return cached
 
     def ranks(self) -> dict[NodeDesc, int]:
         """node -> rank of a complete round (empty while incomplete)."""
@@ -286,6 +303,7 @@ class RendezvousState:
         directly instead of building a dictionary of changes for :meth:`_derive`)."""
         fields = self.__dict__.copy()
         fields.pop("_hash", None)  # the copy's fields change: hash them anew
+        fields.pop("_members", None)
         return fields
 
     @staticmethod

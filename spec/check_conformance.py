@@ -9,8 +9,6 @@ sanitize removed them, ``admitted`` when its write took them in, and
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 from ..core import CloseOp, NodeDesc, Observations, Operator, RendezvousState, Settings
 from ..core import driver as core_driver
 from ..core.actions import Action
@@ -23,7 +21,7 @@ __all__ = ["Conformance"]
 
 NO_OBSERVATIONS = Observations()
 #: Peer edges have no guards; their checks pass this placeholder.
-_NO_GUARDS = Guards(*([False] * len(fields(Guards))))
+_NO_GUARDS = Guards(*([False] * len(Guards._fields)))
 
 
 class Conformance:
@@ -189,7 +187,7 @@ class Conformance:
 
 
 def _true_guards(guards: Guards) -> str:
-    held = [name for name, value in vars(guards).items() if value]
+    held = [name for name, value in guards._asdict().items() if value]
     return ", ".join(held) or "none"
 
 

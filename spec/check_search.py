@@ -231,6 +231,7 @@ class Search:
         violation = None
         symmetry = self.symmetry
         for g, fp in chunk:
+            g = symmetry.intern(g)
             seen: set[Global] = set()  # many timer choices lead to one state
             try:
                 for event, succ in self.successors(g):

@@ -81,6 +81,8 @@ class Symmetry:
         #: id of a state -> (the state, the nodes it names); (state, renames) -> renamed
         self._names: dict[int, tuple[RendezvousState, frozenset[NodeDesc]]] = {}
         self._renames: dict[tuple[object, ...], RendezvousState] = {}
+        #: shared state -> the one instance of it the search keeps (see intern)
+        self._interned: dict[RendezvousState, RendezvousState] = {}
         #: (shared state, local states, intent log) -> their normal forms
         self._normal_local_forms: dict[
             tuple[object, ...],
@@ -186,6 +188,18 @@ class Symmetry:
             known = self._renames[key] = _rename_nodes(state, dict(renames).get)
         return known
 
+    def intern(self, g: Global) -> Global:
+        """``g`` with its shared state replaced by the one equal instance this
+        search keeps of it: memo tables are keyed on shared states, and a lookup
+        with the very key object skips comparing equal copies field by field
+        (states come back from relabelling and from worker processes as copies)."""
+        shared = self._interned.get(g.shared)
+        if shared is None:
+            if len(self._interned) >= CACHE_LIMIT:
+                self._interned.clear()
+            shared = self._interned[g.shared] = g.shared
+        return g if shared is g.shared else g._replace(shared=shared)
+
     def _normal_shared(self, state: RendezvousState, shift: int) -> RendezvousState:
         # Core steps are memoized, so the same written state comes back many times:
         # remember its normal form by identity (the entry keeps it alive).
@@ -218,6 +232,9 @@ class Symmetry:
                 )
         if len(self._normal_forms) >= CACHE_LIMIT:
             self._normal_forms.clear()
+        if len(self._interned) >= CACHE_LIMIT:
+            self._interned.clear()
+        normal = self._interned.setdefault(normal, normal)
         self._normal_forms[id(state)] = (state, shift, normal)
         return normal
 

@@ -331,7 +331,12 @@ def check_admissions(
     problems = _cursor_problems(written.round, same_round, entries, start, cursor)
     pending = frozenset(entries[start:])
     left = frozenset(entries[max(cursor, start) :])
-    joined = {n for n in written.members() if n != writer and _admitted_by(n, sanitized, written)}
+    # Members of the written state that were not members before, or that went from
+    # the wait list to the participants (_admitted_by, for every member at once).
+    members = written.members()
+    joined = set(members - sanitized.members())
+    joined.update(sanitized.wait_list & frozenset(written.participants))
+    joined.discard(writer)
     named = list(admitted)
     if len(set(named)) != len(named):
         problems.append(f"{writer} admitted a node twice in one write: {[str(n) for n in named]}")

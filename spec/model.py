@@ -37,7 +37,7 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 from transitions import Machine, MachineError
 
@@ -301,9 +301,10 @@ class View:
     pending: frozenset[NodeDesc] = frozenset()
 
 
-@dataclass(frozen=True)
-class Guards:
-    """The protocol's conditions, evaluated on one :class:`View` (hashable)."""
+class Guards(NamedTuple):
+    """The protocol's conditions, evaluated on one :class:`View` (hashable; a
+    named tuple, because guards are keys of the checker's memo tables and tuple
+    hashing and comparison run in C)."""
 
     closed: bool
     round_complete: bool

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from rallypoint.spec.model import (
 
 A, B, C = NodeDesc("a", 1, 0), NodeDesc("b", 1, 0), NodeDesc("c", 1, 0)
 SETTINGS = Settings("m", min_nodes=2, max_nodes=3, last_call_timeout=1.0, keep_alive_interval=1.0)
-GUARD_NAMES = [f.name for f in dataclasses.fields(Guards)]
+GUARD_NAMES = list(Guards._fields)
 
 
 def guards(**true: bool) -> Guards:
