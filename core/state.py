@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
@@ -254,8 +255,7 @@ class RendezvousState:
             return NotImplemented
         if hash(self) != hash(other):
             return False
-        mine, theirs = self.__dict__, other.__dict__
-        return all(mine[name] == theirs[name] for name in _FIELD_NAMES)
+        return bool(_field_values(self.__dict__) == _field_values(other.__dict__))
 
     def __getstate__(self) -> dict[str, object]:
         # String hashes differ between processes: a copy made in another process
@@ -318,6 +318,8 @@ class RendezvousState:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RendezvousState))
+#: A state's field dictionary -> its field values in order (in C).
+_field_values = operator.itemgetter(*_FIELD_NAMES)
 _FIELD_SET = frozenset(_FIELD_NAMES)
 _MAP_FIELDS = frozenset({"participants", "heartbeats", "last_ranks", "excluded"})
 _SET_FIELDS = frozenset({"wait_list", "redundancy_list"})

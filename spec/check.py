@@ -84,6 +84,19 @@ The state space is made finite and small the way TLA+ specs do it:
   ``ExcludeOp``); both are off by default, and the search is then the one without
   them, state for state.
 
+* **Finished nodes and forgotten crashes.** Every terminal phase is stored as
+  ``closed`` (no terminal node steps again, and every check maps it to a
+  lifecycle state that never changes), and a slot whose crashed process is named
+  nowhere any more is stored under its first pid (the renaming keeps every order
+  the core compares).
+* **Checked once.** A checked event (a ``Wait``, a ``Beat``, or a timer choice
+  whose outcome a stored event has too) is checked in the first state with its
+  shared state, intent log and node-local state: what its checks read beyond
+  those is read alike by a stored event, which is checked in every state.
+
+All of these are argued in docs/spec.md, and tests/test_spec_reductions.py
+compares each new one with the search without it.
+
 Visited states are kept as 64-bit fingerprints (as TLC does), with a parent pointer,
 so a violation is replayed from the initial state into a readable trace.
 
