@@ -31,8 +31,6 @@ __all__ = ["Search"]
 _PROGRESS_INTERVAL = 0.5
 #: States a worker steps in one go, at most.
 _CHUNK = 256
-#: Collector thresholds during a search (generation 0, 1, 2); see _few_collections.
-_SEARCH_GC_THRESHOLDS = (100_000, 20, 100)
 
 #: One successor a chunk hands back: (parent fingerprint, event, state, fingerprint).
 _Successor = tuple[int, Event, Global, int]
@@ -75,7 +73,7 @@ class Search:
         ``_PROGRESS_INTERVAL`` seconds, and ``on_state`` with every newly stored
         state and its fingerprint.
         """
-        with _few_collections():
+        with _without_collections():
             self._start = self._reported = time.perf_counter()
             self._initial = initial
             result = CheckResult(self.config)
@@ -320,26 +318,28 @@ def _step_chunk_in_worker(chunk: list[tuple[Global, int]]) -> _ChunkOutcome:
 
 
 @contextlib.contextmanager
-def _few_collections() -> Iterator[None]:
-    """Run the search with the cycle collector triggered rarely.
+def _without_collections() -> Iterator[None]:
+    """Run the search without the cycle collector.
 
     A search allocates millions of small objects that live to its end (memo tables,
-    fingerprints, parents) and makes almost no reference cycles, so the collector's
-    default thresholds (a pass every 700 allocations) spend about a third of the
-    search traversing them and find next to nothing: a bounded 3-node search
-    (40,000 states) took 28.9 s with them, 21.2 s with these, 19.3 s with none.
-    Forked workers inherit them.
+    fingerprints, parents) and makes almost no reference cycles, so the collector
+    spends its time traversing them and finds next to nothing: a bounded 3-node
+    search (40,000 states) took 28.9 s with the default thresholds, 21.2 s with
+    rare collections, 19.3 s with none; a 3-node space with a crash (74,542
+    states) 33.5 CPU-s with rare collections, 29.6 with none, its memory the same.
+    Forked workers inherit it.
 
     On the way out, what the search made moves to the oldest generation at once
-    (``freeze`` then ``unfreeze``): with the default thresholds back, the next
-    young collection would otherwise traverse all of it (a second, after a
-    3-node search of five seconds).
+    (``freeze`` then ``unfreeze``): with the collector back, the next young
+    collection would otherwise traverse all of it (a second, after a 3-node
+    search of five seconds).
     """
-    saved = gc.get_threshold()
-    gc.set_threshold(*_SEARCH_GC_THRESHOLDS)
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
         gc.freeze()
         gc.unfreeze()
-        gc.set_threshold(*saved)
+        if was_enabled:
+            gc.enable()
