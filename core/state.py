@@ -240,10 +240,10 @@ class RendezvousState:
     def __hash__(self) -> int:
         # States are dictionary keys in memo tables (the checker's, the simulator's
         # agreement tracker): hash the fields once per object, not once per lookup.
-        cached = self.__dict__.get("_hash")
+        fields = self.__dict__
+        cached = fields.get("_hash")
         if cached is None:
-            cached = hash(tuple(self.__dict__[name] for name in _FIELD_NAMES))
-            object.__setattr__(self, "_hash", cached)
+            cached = fields["_hash"] = hash(_field_values(fields))
         return cached
 
     def __eq__(self, other: object) -> bool:
