@@ -4,9 +4,13 @@ Each level is stepped in chunks (:meth:`Search.step_chunk`) and their successors
 merged in order; this process keeps the visited fingerprints and the parent
 pointers, and replays a violation into its trace. With several workers the chunks
 are stepped by forked processes: a worker is a fork of the search (so a bug
-planted in the core before the search is planted in every worker) and hands back
-the successors it did not hand back before. Chunks merge in order either way, so
-the states, transitions and depth do not depend on the number of workers.
+planted in the core before the search is planted in every worker), steps the
+shared states that hash to it level after level (its memo tables hold their
+work), and hands back the successors it did not hand back before. A level is
+the set of states first reached at that depth whatever order its chunks merge
+in, so the states, transitions and depth do not depend on the number of workers;
+the parent a state is reached from, and so a violation's trace, may (with
+several workers, the order follows ``hash()``, which differs between runs).
 """
 
 from __future__ import annotations
