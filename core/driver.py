@@ -54,8 +54,6 @@ from immutables import Map
 
 from .actions import _TERMINAL, Action, _apply, apply
 from .liveness import (
-    _SIDE_MASK,
-    SIDE_BITS,
     fence_due,
     heartbeat_of,
     keep_own_since,
@@ -65,7 +63,15 @@ from .liveness import (
     renew_own,
     sanitize,
 )
-from .operators import ExitOp, JoinOp, Operator, _exit_answer, _join_answer, wake_at
+from .operators import (
+    ExitOp,
+    JoinOp,
+    Operator,
+    _beat_due,
+    _exit_answer,
+    _join_answer,
+    wake_at,
+)
 from .state import Context, NodeDesc, Observations, RendezvousState, Settings
 
 __all__ = [
@@ -100,7 +106,6 @@ _NOBODY: frozenset[NodeDesc] = frozenset()
 _SYNC = Action.SYNC
 _KEEP_ALIVE = Action.KEEP_ALIVE
 _FINISH = Action.FINISH
-_REMOVE_FROM_REDUNDANCY_LIST = Action.REMOVE_FROM_REDUNDANCY_LIST
 #: ``_built(Cls, (every field, in order))``: a named tuple made without the
 #: Python-level ``__new__`` that calling the class runs. The paths taken on every
 #: step build their views, instructions and decisions this way
@@ -325,9 +330,8 @@ def after_write(
     side = counters.get(node, 0) if counters else 0
     mine = stored.heartbeats.get(node) if won else None
     if mine is not None and mine != old.heartbeats.get(node):
-        pair = (mine << SIDE_BITS) | (side & _SIDE_MASK)  # heartbeat_of, inlined
         at = now if started is None else started
-        obs = observe_renewal(seen, stored, node, pair, now, at)
+        obs = observe_renewal(seen, stored, node, heartbeat_of(mine, side), now, at)
     else:
         obs = observe_read(seen, stored, node, side, now)
     contended = contended or not won
@@ -578,11 +582,9 @@ def decide(
 ) -> Decision:
     """The next instruction of ``node`` running ``op`` (with ``deadline``) at
     local time ``now``."""
-    # One unpacking instead of an attribute read per field (this runs every step).
-    state, _, counters_at, since, observations, stale, _, _, _, _ = view
-    last = since if counters_at is None else counters_at
-    due = last is not None and now - last > settings.liveness_window / 2  # _counters_due
-    if stale or due:
+    state, observations = view.state, view.observations
+    due = _counters_due(view, settings, now)
+    if view.stale or due:
         return Decision(Read(due), None, state, _NOBODY)
     oldest = observations.oldest
     if oldest is None or now - oldest <= settings.liveness_window:
@@ -604,16 +606,13 @@ def decide(
         action = op(Context(node, sanitized, settings, now, observations), deadline)
     if action is _SYNC or action in _TERMINAL:
         return _no_write(view, node, settings, op, action, sanitized, dead, deadline, now)
-    if not dead:
-        # A member beats when its keep-alive is due (keep_alive_due, whose own
-        # sighting test comes first: a joiner has none), also before another write:
-        # a node that keeps losing compare-and-sets must not look dead meanwhile.
-        own = observations.heartbeats.get(node)
-        if (
-            action is _KEEP_ALIVE
-            or (own is not None and now - own.since >= settings.keep_alive_interval)
-        ) and node in state.heartbeats:
-            return Decision(Beat(), action, sanitized, dead)
+    if not dead and (
+        (action is _KEEP_ALIVE and node in state.heartbeats)
+        or _beat_due(node, state, settings, now, observations)
+    ):
+        # A member beats when its keep-alive is due, also before another write: a
+        # node that keeps losing compare-and-sets must not look dead meanwhile.
+        return Decision(Beat(), action, sanitized, dead)
     return _write(view, node, settings, op, action, sanitized, dead, now)
 
 
@@ -647,8 +646,7 @@ def _write(
             read = Read(_counters_due(view, settings, now), intents=True)
             return Decision(read, action, sanitized, dead)
         new, admitted = _admit_batch(view, node, settings, op, new, now)
-    # (Action.resets_deadline, read as the identity it is)
-    reset = now + settings.join_timeout if action is _REMOVE_FROM_REDUNDANCY_LIST else None
+    reset = now + settings.join_timeout if action.resets_deadline else None
     write = _phased(new, state, settings, action, dead, reset, admitted)
     return _built(Decision, (write, action, sanitized, dead))
 
