@@ -61,6 +61,18 @@ class Conformance:
         guards = Guards.of(View(node, g.shared, self.settings, 0.0, NO_OBSERVATIONS))
         self.expect(self.model_state(g, slot), trigger, dst, guards, node)
 
+    @staticmethod
+    def reads_peers(
+        sanitized: RendezvousState,
+        dead: frozenset[NodeDesc],
+        written: RendezvousState,
+        admitted: tuple[NodeDesc, ...],
+    ) -> bool:
+        """Whether :meth:`conform` of such a step reads the other nodes' local
+        states: those declared dead or admitted, and everybody's when the round
+        completes or advances. Otherwise it reads the stepping node's alone."""
+        return bool(dead) or bool(admitted) or _round_moved(sanitized, written)
+
     def conform(
         self,
         g: Global,
@@ -98,8 +110,7 @@ class Conformance:
         moved = self._admissions(g, sanitized, after, nodes, admitted, stages)
         if own != final:
             self.expect(own, "round_completed", final, _NO_GUARDS, node)
-        written = after.shared
-        if written.complete != sanitized.complete or written.round != sanitized.round:
+        if _round_moved(sanitized, after.shared):
             for i in range(len(g.locals)):
                 if i == slot or i in moved:
                     continue
@@ -184,6 +195,11 @@ class Conformance:
             raise Found(
                 [f"conformance: {node}'s batch is not a sequence of admissions: {exc}"]
             ) from None
+
+
+def _round_moved(sanitized: RendezvousState, written: RendezvousState) -> bool:
+    """The step completed the round or advanced it (every node may change state)."""
+    return written.complete != sanitized.complete or written.round != sanitized.round
 
 
 def _true_guards(guards: Guards) -> str:

@@ -141,8 +141,6 @@ class Steps:
         #: whether a node's workers may fail (a charge may then run when a write
         #: advances the round: see _step)
         self._charging = config.max_failures > 0
-        #: steps already conformed (see _step)
-        self._conformed: set[tuple[object, ...]] = set()
         #: (shared state, intent log, event kind, slot, local) -> events (see choices)
         self._choices: dict[tuple[object, ...], tuple[list[Event], list[Event]]] = {}
         #: (shared state, intent log, event kind, slot, local) -> the event's plan
@@ -153,9 +151,10 @@ class Steps:
         #: before the table was dropped still means what it meant
         self._conform_ids: dict[tuple[object, ...], int] = {}
         self._conform_numbers = itertools.count()
-        #: (conformance number, every node's phase and incarnation) conformed, or
-        #: the number alone when the conformance reads no other node
-        self._conformed_ids: set[object] = set()
+        #: steps conformed already: (conformance number, every node's phase and
+        #: incarnation), or the number alone when the conformance reads no other
+        #: node (see _conformance_key)
+        self._conformed: set[object] = set()
         #: whether steps describe themselves (only a trace needs it)
         self.narrate = False
 
@@ -372,25 +371,29 @@ class Steps:
         node = node_of(slot, loc.incarnation)
         step = self.core.step(g.shared, node, op, timers, deadline, g.intents)
         after = _next_local(started, step.decision.instruction, deadline)
-        what = (g.shared, step.decision, step.performed, step.guards, slot, started)
-        written, sanitized = step.written, step.decision.state
-        instruction = step.decision.instruction
-        # Peers' lifecycle states are read only for those declared dead or
-        # admitted, and for everybody when the round completes or advances
-        # (Conformance.conform); otherwise the node's own change alone.
-        reads_peers = (
-            bool(step.decision.dead)
-            or (isinstance(instruction, Write) and bool(instruction.admitted))
-            or written.complete != sanitized.complete
-            or written.round != sanitized.round
+        number, reads_peers = self._conformance(g.shared, step, slot, started)
+        written, intents = step.written, step.intents
+        return Template(
+            event, op, started, step, after, written, intents, counts, number, reads_peers
         )
-        conform = self._conform_ids.get(what)
-        if conform is None:
+
+    def _conformance(
+        self, shared: RendezvousState, step: CoreStep, slot: int, started: Local
+    ) -> tuple[int, bool]:
+        """The number of what the conformance of ``slot``'s ``step`` (run from its
+        local state ``started``) reads besides the nodes' phases, and whether it
+        reads the other nodes' phases at all."""
+        what = (shared, step.decision, step.performed, step.guards, slot, started)
+        number = self._conform_ids.get(what)
+        if number is None:
             if len(self._conform_ids) >= CACHE_LIMIT:
                 self._conform_ids.clear()  # numbers are never reused: see __init__
-            conform = self._conform_ids[what] = next(self._conform_numbers)
-        return Template(
-            event, op, started, step, after, written, step.intents, counts, conform, reads_peers
+            number = self._conform_ids[what] = next(self._conform_numbers)
+        decision = step.decision
+        instruction = decision.instruction
+        admitted = instruction.admitted if isinstance(instruction, Write) else ()
+        return number, self.conformance.reads_peers(
+            decision.state, decision.dead, step.written, admitted
         )
 
     def follow(self, g: Global, template: Template, phases: tuple[object, ...]) -> Global:
@@ -422,15 +425,12 @@ class Steps:
         if self._charging and template.written.round != g.shared.round:
             after = _round_advanced(after)
         conformed = (template.conform, phases) if template.reads_peers else template.conform
-        if conformed not in self._conformed_ids:
+        if conformed not in self._conformed:
             assert template.op is not None  # a stepping event's template has its operator
             started = with_local(g, slot, template.started)._replace(
                 failures=g.failures + failures, exclusions=g.exclusions + exclusions
             )
-            self._conform(started, slot, step, after, template.op, [])
-            if len(self._conformed_ids) >= CACHE_LIMIT:
-                self._conformed_ids.clear()
-            self._conformed_ids.add(conformed)
+            self._conform(started, slot, step, after, template.op, [], conformed)
         return after
 
     # -- successors --------------------------------------------------------------
@@ -525,20 +525,13 @@ class Steps:
         deadline = Deadline.BEFORE if loc.op is None else timers.deadline
         core_step, lines = self._core_step(g, slot, op, timers, deadline)
         decision = core_step.decision
-        # Conformance depends on the shared state and intent log, what the step
-        # decided and did, its guards, and every node's phase and pid; many steps
-        # share all of them (timer choices that differ in nothing the check reads),
-        # so each combination is checked once.
-        conformed = (
-            g.shared,
-            g.intents,
-            decision,
-            core_step.performed,
-            core_step.guards,
-            slot,
-            loc.op,
-            tuple((o.phase, o.incarnation) for o in g.locals),
-        )
+        # Conformance depends on the shared state, what the step decided and did,
+        # its guards, the node's local state and (when it reads them) every node's
+        # phase and pid; many steps share all of them (timer choices that differ in
+        # nothing the check reads), so each combination is checked once.
+        number, reads_peers = self._conformance(g.shared, core_step, slot, loc)
+        phases = tuple((o.phase, o.incarnation) for o in g.locals)
+        conformed = (number, phases) if reads_peers else number
         if check_only and conformed in self._conformed:
             return g, lines
         new_loc = _next_local(loc, decision.instruction, deadline)
@@ -546,10 +539,7 @@ class Steps:
         if self._charging and core_step.written.round != g.shared.round:
             after = _round_advanced(after)
         if conformed not in self._conformed:
-            self._conform(g, slot, core_step, after, op, lines)
-            if len(self._conformed) >= CACHE_LIMIT:
-                self._conformed.clear()
-            self._conformed.add(conformed)
+            self._conform(g, slot, core_step, after, op, lines, conformed)
         return after, lines
 
     def _core_step(
@@ -589,7 +579,10 @@ class Steps:
         after: Global,
         op: Operator,
         lines: list[str],
+        conformed: object,
     ) -> None:
+        """Check the step's conformance, and remember it as ``conformed`` (its key:
+        see :meth:`_conformance`)."""
         decision = core_step.decision
         instruction = decision.instruction
         admitted = instruction.admitted if isinstance(instruction, Write) else ()
@@ -609,6 +602,9 @@ class Steps:
             found.decision = decision
             found.lines = lines
             raise
+        if len(self._conformed) >= CACHE_LIMIT:
+            self._conformed.clear()
+        self._conformed.add(conformed)
 
 
 def _member(g: Global, slot: int) -> bool:
