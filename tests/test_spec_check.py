@@ -6,6 +6,12 @@ import dataclasses
 import multiprocessing
 
 import pytest
+from checker_plants import (
+    assert_same_space,
+    phase_without_the_last_call,
+    replace_row,
+    skip_the_last_call,
+)
 
 from rallypoint.core import (
     Announce,
@@ -19,7 +25,6 @@ from rallypoint.core import (
     Write,
     actions,
     driver,
-    operators,
 )
 from rallypoint.core.actions import Action
 from rallypoint.spec.check import (
@@ -122,14 +127,6 @@ def test_a_bug_of_later_rounds_is_found(monkeypatch: pytest.MonkeyPatch) -> None
     assert "round=1" in result.violation.format()
 
 
-def _replace_row(monkeypatch: pytest.MonkeyPatch, action: Action, guard: object) -> None:
-    rows = tuple(
-        dataclasses.replace(row, guard=guard) if row.action is action else row
-        for row in operators.JOIN_TABLE
-    )
-    monkeypatch.setattr(operators, "JOIN_TABLE", rows)
-
-
 def test_mutation_duplicate_ranks_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         actions, "assign_ranks", lambda parts, prev=None: dict.fromkeys(sorted(parts), 0)
@@ -142,7 +139,7 @@ def test_mutation_duplicate_ranks_is_found(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_mutation_complete_below_min_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
-    _replace_row(
+    replace_row(
         monkeypatch,
         Action.MARK_RENDEZVOUS_COMPLETE,
         lambda c, d: not c.state.complete and c.is_participant,
@@ -159,11 +156,7 @@ def test_mutation_skipping_the_last_call_breaks_conformance(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Invariants still hold; only the model's guard catches the early completion."""
-    _replace_row(
-        monkeypatch,
-        Action.MARK_RENDEZVOUS_COMPLETE,
-        lambda c, d: not c.state.complete and c.is_participant and operators._quorum(c),
-    )
+    skip_the_last_call(monkeypatch)
     result = check(SMALL)
     assert result.violation is not None
     (problem,) = result.violation.problems
@@ -359,13 +352,7 @@ def test_the_checker_decides_through_the_driver(monkeypatch: pytest.MonkeyPatch)
 def test_a_phase_that_misses_the_last_call_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     """A phase without the last call: the write that arms it wakes nobody, and a
     participant already waiting sleeps past the end of the last call."""
-    real = driver.phase_of
-
-    def phase_without_last_call(state: RendezvousState, settings: object) -> tuple[object, ...]:
-        phase = real(state, settings)  # type: ignore[arg-type]
-        return phase[:3] + phase[4:]
-
-    monkeypatch.setattr(driver, "phase_of", phase_without_last_call)
+    phase_without_the_last_call(monkeypatch)
     result = check(SMALL)
     assert result.violation is not None
     (problem,) = result.violation.problems
@@ -575,12 +562,7 @@ def test_parallel_workers_explore_the_same_space_and_find_planted_bugs(
 ) -> None:
     sequential, parallel = check(SMALL), check(SMALL, workers=2)
     assert parallel.ok and parallel.complete
-    assert (parallel.states, parallel.transitions, parallel.depth) == (
-        sequential.states,
-        sequential.transitions,
-        sequential.depth,
-    )
-    assert parallel.lifecycle_edges == sequential.lifecycle_edges
+    assert_same_space(parallel, sequential)
     # a bug planted before the search is in every worker (they are forks)
     monkeypatch.setattr(
         actions, "assign_ranks", lambda parts, prev=None: dict.fromkeys(sorted(parts), 0)

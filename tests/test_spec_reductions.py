@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from checker_plants import assert_same_space, phase_without_the_last_call, skip_the_last_call
 
-from rallypoint.core import NodeDesc, RendezvousState, actions, driver, operators
+from rallypoint.core import NodeDesc, RendezvousState, actions
 from rallypoint.core.actions import Action
 from rallypoint.spec import check_steps
 from rallypoint.spec.check import CheckConfig, Checker, CheckResult, Global, check
@@ -125,36 +126,16 @@ def test_checking_once_explores_what_checking_every_time_does(
         _checking_every_time(patch)
         every = check(CRASHING)
     assert once.ok and every.ok
-    assert (once.states, once.transitions, once.depth) == (
-        every.states,
-        every.transitions,
-        every.depth,
-    )
-    assert once.lifecycle_edges == every.lifecycle_edges
+    assert_same_space(once, every)
 
 
 def _skip_the_last_call(monkeypatch: pytest.MonkeyPatch) -> str:
-    rows = tuple(
-        dataclasses.replace(
-            row,
-            guard=lambda c, d: not c.state.complete and c.is_participant and operators._quorum(c),
-        )
-        if row.action is Action.MARK_RENDEZVOUS_COMPLETE
-        else row
-        for row in operators.JOIN_TABLE
-    )
-    monkeypatch.setattr(operators, "JOIN_TABLE", rows)
+    skip_the_last_call(monkeypatch)
     return "conformance"
 
 
 def _phase_without_the_last_call(monkeypatch: pytest.MonkeyPatch) -> str:
-    real = driver.phase_of
-
-    def phase(state: RendezvousState, settings: object) -> tuple[object, ...]:
-        full = real(state, settings)  # type: ignore[arg-type]
-        return full[:3] + full[4:]
-
-    monkeypatch.setattr(driver, "phase_of", phase)
+    phase_without_the_last_call(monkeypatch)
     return "missed wake-up"
 
 
