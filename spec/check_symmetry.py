@@ -193,12 +193,15 @@ class Symmetry:
         search keeps of it: memo tables are keyed on shared states, and a lookup
         with the very key object skips comparing equal copies field by field
         (states come back from relabelling and from worker processes as copies)."""
-        shared = self._interned.get(g.shared)
-        if shared is None:
-            if len(self._interned) >= CACHE_LIMIT:
-                self._interned.clear()
-            shared = self._interned[g.shared] = g.shared
+        shared = self._one_instance(g.shared)
         return g if shared is g.shared else g._replace(shared=shared)
+
+    def _one_instance(self, state: RendezvousState) -> RendezvousState:
+        """The instance of ``state`` this search keeps (``state`` itself, the
+        first time)."""
+        if len(self._interned) >= CACHE_LIMIT:
+            self._interned.clear()
+        return self._interned.setdefault(state, state)
 
     def _normal_shared(self, state: RendezvousState, shift: int) -> RendezvousState:
         # Core steps are memoized, so the same written state comes back many times:
@@ -232,9 +235,7 @@ class Symmetry:
                 )
         if len(self._normal_forms) >= CACHE_LIMIT:
             self._normal_forms.clear()
-        if len(self._interned) >= CACHE_LIMIT:
-            self._interned.clear()
-        normal = self._interned.setdefault(normal, normal)
+        normal = self._one_instance(normal)
         self._normal_forms[id(state)] = (state, shift, normal)
         return normal
 
