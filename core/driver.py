@@ -52,13 +52,13 @@ from typing import NamedTuple
 
 from immutables import Map
 
-from .actions import _TERMINAL, Action, _apply, apply
+from .actions import _RESETTING_DEADLINE, _TERMINAL, Action, _apply, apply
 from .liveness import (
+    _observe_own_entry,
     fence_due,
     heartbeat_of,
     keep_own_since,
     observe,
-    observe_read,
     observe_renewal,
     renew_own,
     sanitize,
@@ -276,12 +276,18 @@ def after_read(
     if since is None:
         since = now
     if counters is None:
-        # (An empty map still hashes the key: a node that never read counters skips it.)
-        obs = observe_read(seen, state, node, side.get(node, 0) if side else 0, now)
+        # observe_read, given the own entry. (An empty map still hashes the key: a
+        # node that never read counters skips it.)
+        own_side = side.get(node, 0) if side else 0
+        obs = _observe_own_entry(seen, state, node, state.heartbeats.get(node), own_side, now)
     else:
         side, obs = _read_counters(view, node, state, counters, now)
         counters_at = now
-    log, log_round = (None, -1) if intents is None else (tuple(intents), state.round)
+    log: tuple[NodeDesc, ...] | None = None
+    log_round = -1
+    if intents is not None:
+        log = tuple(intents)
+        log_round = state.round
     fresh = (state, side, counters_at, since, obs, False, log, log_round, contended, announced)
     return _built(NodeView, fresh)
 
@@ -328,12 +334,19 @@ def after_write(
         stored = RendezvousState()
     old, counters, counters_at, since, seen, _, _, _, contended, announced = view
     side = counters.get(node, 0) if counters else 0
-    mine = stored.heartbeats.get(node) if won else None
-    if mine is not None and mine != old.heartbeats.get(node):
+    beats = stored.heartbeats
+    mine = beats.get(node)
+    if (
+        won
+        and mine is not None
+        # (the view's own heartbeats: the own counter did not move)
+        and beats is not old.heartbeats
+        and mine != old.heartbeats.get(node)
+    ):
         at = now if started is None else started
         obs = observe_renewal(seen, stored, node, heartbeat_of(mine, side), now, at)
     else:
-        obs = observe_read(seen, stored, node, side, now)
+        obs = _observe_own_entry(seen, stored, node, mine, side, now)  # observe_read
     contended = contended or not won
     fresh = (stored, counters, counters_at, since, obs, False, None, -1, contended, announced)
     return _built(NodeView, fresh)
@@ -457,8 +470,9 @@ def _phased(
     ):
         return _built(Write, (new, action, dead, None, deadline, admitted))
     phase = base.phase + 1
-    new = new._derive({"phase": phase})
-    return _built(Write, (new, action, dead, phase, deadline, admitted))
+    fields = new._fields()
+    fields["phase"] = phase
+    return _built(Write, (RendezvousState._of(fields), action, dead, phase, deadline, admitted))
 
 
 # -- decisions ---------------------------------------------------------------------
@@ -582,10 +596,12 @@ def decide(
 ) -> Decision:
     """The next instruction of ``node`` running ``op`` (with ``deadline``) at
     local time ``now``."""
-    state, observations = view.state, view.observations
-    due = _counters_due(view, settings, now)
-    if view.stale or due:
-        return Decision(Read(due), None, state, _NOBODY)
+    state = view.state
+    if view.stale:
+        return _built(Decision, (Read(_counters_due(view, settings, now)), None, state, _NOBODY))
+    if _counters_due(view, settings, now):
+        return _built(Decision, (Read(True), None, state, _NOBODY))
+    observations = view.observations
     oldest = observations.oldest
     if oldest is None or now - oldest <= settings.liveness_window:
         # sanitize's own first test, made here: no sighting is old enough for
@@ -631,7 +647,7 @@ def _write(
     state = view.state
     admitted: tuple[NodeDesc, ...] = ()
     new = _apply(sanitized, action, node, settings)
-    if (view.contended or view.announced == sanitized.round) and action in _ADMISSIONS:
+    if action in _ADMISSIONS and (view.contended or view.announced == sanitized.round):
         # Others are joining too: join through the intent log, and admit them all
         # (a node in the log joins only with a batch that moves the cursor past
         # it, or a later batch could admit it again after it left). Dead peers'
@@ -646,7 +662,7 @@ def _write(
             read = Read(_counters_due(view, settings, now), intents=True)
             return Decision(read, action, sanitized, dead)
         new, admitted = _admit_batch(view, node, settings, op, new, now)
-    reset = now + settings.join_timeout if action.resets_deadline else None
+    reset = now + settings.join_timeout if action in _RESETTING_DEADLINE else None
     write = _phased(new, state, settings, action, dead, reset, admitted)
     return _built(Decision, (write, action, sanitized, dead))
 

@@ -158,41 +158,55 @@ def observe_read(
     ``observe_own(observe(observations, state, now, counters=False), node, pair,
     now)`` for its own counter pair, in one call. Most reads change neither
     sighting, and then cost no new object; a read that changes both builds one."""
+    return _observe_own_entry(
+        observations, state, node, state.heartbeats.get(node), side_counter, now
+    )
+
+
+def _observe_own_entry(
+    observations: Observations,
+    state: RendezvousState,
+    node: NodeDesc,
+    counter: int | None,
+    side_counter: int,
+    now: float,
+) -> Observations:
+    """:func:`observe_read`, given ``node``'s own entry in ``state``'s heartbeats
+    (``counter``; None: it has none), which the driver has looked up already."""
     last_call = seen = observations.last_call
     arming = state.last_call
-    # (_last_call_seen and _with_last_call, inlined: this runs on every read and
-    # write of every node)
+    # (_last_call_seen, inlined: this runs on every read and write of every node)
     if arming is None:
         last_call = None
     elif last_call is None or last_call.arming != arming or last_call.round != state.round:
         last_call = _built(LastCallSighting, (state.round, arming, now))
-    counter = state.heartbeats.get(node)
-    sightings = observations.heartbeats
+    updated = sightings = observations.heartbeats
+    oldest = observations.oldest
     sighting = sightings.get(node)
     if counter is None:
         if sighting is None:
-            return observations if last_call is seen else _with_last_call(observations, last_call)
-        # The own entry is gone (observe_own of None).
-        updated = sightings.delete(node)
-        oldest = observations.oldest
-        if sighting.since == oldest or oldest is None:
-            oldest = _oldest(updated)
+            if last_call is seen:
+                return observations
+        else:
+            # The own entry is gone (observe_own of None).
+            updated = sightings.delete(node)
+            if sighting.since == oldest or oldest is None:
+                oldest = _oldest(updated)
     else:
         own = (counter << SIDE_BITS) | (side_counter & _SIDE_MASK)  # heartbeat_of, inlined
         if sighting is None:
             # A new own entry, first seen now (observe_own).
             updated = sightings.set(node, _built(HeartbeatSighting, (own, now)))
-            oldest = observations.oldest
             if oldest is None:
                 oldest = now if len(updated) == 1 else _oldest(updated)
         elif sighting.counter == own:
-            return observations if last_call is seen else _with_last_call(observations, last_call)
+            if last_call is seen:
+                return observations
         else:
             # Another node's write moved this node's counter (a batch admitted it):
             # a read is no renewal of this node's lease (keep_own_since, renew_own).
             since = sighting.since
             updated = sightings.set(node, _built(HeartbeatSighting, (own, since)))
-            oldest = observations.oldest
             if oldest is None or since < oldest:
                 oldest = since
     return _observations(updated, last_call, observations.source, observations.source_side, oldest)

@@ -199,7 +199,9 @@ def _join_answer(
     if JOIN_TABLE is not _JOIN_TABLE_AS_DEFINED:
         # A table swapped in (the checker's mutation tests do) is walked as given.
         return join_row(Context(node, state, settings, now, observations), deadline).action
-    redundant = node in state.redundancy_list
+    # (An empty set is told apart without hashing the node.)
+    redundancy = state.redundancy_list
+    redundant = node in redundancy if redundancy else False
     if state.closed:
         return _ERROR_GRACEFUL_EXIT if redundant else _ERROR_CLOSED
     participants = state.participants
@@ -239,10 +241,11 @@ def _beat_due(
 ) -> bool:
     """:func:`keep_alive_due` of the context of these fields (the operators take
     the fields from the driver, which builds no :class:`Context` for them)."""
-    if node not in state.heartbeats:
-        return False
+    # (The sighting first: most decisions find it recent, and look no further.)
     sighting = seen.heartbeats.get(node)
-    return sighting is not None and now - sighting.since >= settings.keep_alive_interval
+    if sighting is None or now - sighting.since < settings.keep_alive_interval:
+        return False
+    return node in state.heartbeats
 
 
 def _last_call_over(
@@ -331,24 +334,32 @@ def wake_at(ctx: Context, deadline: float | None = None) -> float | None:
     moment a silent peer would be declared dead. None: only a state change matters.
     """
     s = ctx.settings
+    now = ctx.now
+    me = ctx.node
+    observations = ctx.observations
+    heartbeats = ctx.state.heartbeats
+    window = s.liveness_window
     times: list[float] = []
     if deadline is not None:
         times.append(deadline)
         times.append(deadline + s.rollback_period)
-    own = ctx.observations.heartbeats.get(ctx.node)
-    if own is not None and ctx.node in ctx.state.heartbeats:
+    own = observations.heartbeats.get(me)
+    if own is not None and me in heartbeats:
         times.append(own.since + s.keep_alive_interval)
-    sighting = ctx.observations.last_call
+    sighting = observations.last_call
     if sighting is not None and ctx.state.last_call is not None:
         times.append(sighting.since + s.last_call_timeout)
-    oldest = ctx.observations.oldest
-    if oldest is not None and oldest + s.liveness_window > ctx.now:
+    oldest = observations.oldest
+    if oldest is not None and oldest + window > now:
         # No sighting has expired yet: the oldest one expires first. Waking for it
         # when it is this node's own costs one early wake, not a per-peer walk.
-        times.append(oldest + s.liveness_window)
+        times.append(oldest + window)
     else:
-        for node, seen in ctx.observations.heartbeats.items():
-            if node != ctx.node and node in ctx.state.heartbeats:
-                times.append(seen.since + s.liveness_window)
-    future = [t for t in times if t > ctx.now]
-    return min(future) if future else None
+        for node, seen in observations.heartbeats.items():
+            if node != me and node in heartbeats:
+                times.append(seen.since + window)
+    earliest = None  # the earliest time in the future (one pass: no list, no min call)
+    for at in times:
+        if at > now and (earliest is None or at < earliest):
+            earliest = at
+    return earliest

@@ -8,7 +8,9 @@ observation, the composition it stands for, the effect written field by field.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 
 import pytest
 from hypothesis import assume, given, settings
@@ -42,12 +44,15 @@ from rallypoint.core import (
     driver,
     heartbeat_of,
     join_row,
+    keep_alive_due,
     observe,
     observe_own,
     sanitize,
+    wake_at,
 )
 from rallypoint.core import operators as core_operators
 from rallypoint.core.liveness import observe_read
+from rallypoint.core.state import _FIELD_NAMES
 
 POOL = [NodeDesc(addr, pid, 0) for addr in ("a", "b") for pid in (1, 2, 3)]
 nodes = st.sampled_from(POOL)
@@ -680,3 +685,114 @@ def test_actions_hash_as_the_singletons_they_are():
         assert Action(action.value) in effects and hash(action) == hash(Action[action.name])
     terminal = {a for a in Action if a.is_terminal}
     assert terminal == {Action.FINISH} | {a for a in Action if a.name.startswith("ERROR_")}
+
+
+# -- the copies a transition makes ------------------------------------------------------
+
+
+@given(any_states(), st.booleans(), st.booleans())
+def test_a_derived_state_drops_the_caches_of_the_one_it_came_from(state, hashed, listed):
+    """A transition copies the field dictionary; the copy's fields change, so
+    neither the cached hash nor the cached member set may come along (the copy
+    skips dropping them when the original holds neither)."""
+    if hashed:
+        hash(state)
+    if listed:
+        state.members()
+    new = state.evolve(round=state.round + 1, wait_list=state.wait_list | {POOL[0]})
+    assert "_hash" not in vars(new) and "_members" not in vars(new)
+    assert new.members() == frozenset(new.participants) | new.wait_list | new.redundancy_list
+    assert hash(new) == hash(RendezvousState(**{n: getattr(new, n) for n in _FIELD_NAMES}))
+
+
+@given(any_states())
+def test_a_state_copied_or_rebuilt_elsewhere_is_the_same_state(state):
+    """States rebuilt from their fields (copies, another process's) equal the
+    original and hash alike, and carry no cache from it."""
+    hash(state)
+    state.members()
+    for copied in (
+        copy.copy(state),
+        copy.deepcopy(state),
+        pickle.loads(pickle.dumps(state)),
+    ):
+        assert copied == state and hash(copied) == hash(state)
+        assert set(vars(copied)) <= set(_FIELD_NAMES) | {"_hash"}
+        assert {n: getattr(copied, n) for n in _FIELD_NAMES} == {
+            n: getattr(state, n) for n in _FIELD_NAMES
+        }
+        assert copied.evolve(phase=copied.phase + 1).phase == state.phase + 1
+
+
+@given(any_views(), nodes, st.booleans(), st.sampled_from(_PHASE_FIELDS[:4]), times)
+def test_after_write_of_a_state_sharing_the_views_heartbeats(view, node, won, name, now):
+    """A write that left the heartbeats as they were (the same map: completing a
+    round, closing it, a phase) moves no own counter: after_write tells so by
+    identity, and builds the view its plain definition builds."""
+    assume(all(seen.since <= now for seen in view.observations.heartbeats.values()))
+    other = {"round": 7, "complete": True, "closed": True, "last_call": 9}[name]
+    stored = view.state.evolve(**{name: other})
+    assert stored.heartbeats is view.state.heartbeats
+    obs = observe(view.observations, stored, now, counters=False)
+    expected = view._replace(
+        state=stored,
+        observations=obs,
+        stale=False,
+        intents=None,
+        intents_round=-1,
+        contended=view.contended or not won,
+    )
+    expected = expected._replace(observations=_reference_own(expected, node, stored, now))
+    assert after_write(view, node, won, stored, now) == expected
+
+
+def test_only_leaving_the_redundancy_list_resets_the_deadline():
+    resetting = {action for action in Action if action.resets_deadline}
+    assert resetting == {Action.REMOVE_FROM_REDUNDANCY_LIST}
+
+
+# -- timers --------------------------------------------------------------------------
+
+
+def _reference_wake_at(ctx: Context, deadline: float | None) -> float | None:
+    """wake_at as its docstring defines it: the earliest future time of the
+    deadline, the end of its rollback, the own keep-alive, the end of the last call,
+    and the expiry of the oldest sighting (or of every watched peer's, once the
+    oldest has expired)."""
+    s = ctx.settings
+    times = [] if deadline is None else [deadline, deadline + s.rollback_period]
+    own = ctx.observations.heartbeats.get(ctx.node)
+    if own is not None and ctx.node in ctx.state.heartbeats:
+        times.append(own.since + s.keep_alive_interval)
+    if ctx.observations.last_call is not None and ctx.state.last_call is not None:
+        times.append(ctx.observations.last_call.since + s.last_call_timeout)
+    oldest = ctx.observations.oldest
+    if oldest is not None and oldest + s.liveness_window > ctx.now:
+        times.append(oldest + s.liveness_window)
+    else:
+        times.extend(
+            seen.since + s.liveness_window
+            for peer, seen in ctx.observations.heartbeats.items()
+            if peer != ctx.node and peer in ctx.state.heartbeats
+        )
+    return min((t for t in times if t > ctx.now), default=None)
+
+
+@settings(max_examples=500)
+@given(nodes, any_states(), any_settings(), times, any_observations(), st.none() | times)
+def test_wake_at_is_the_earliest_future_timer(node, state, s, now, obs, deadline):
+    ctx = Context(node, state, s, now, obs)
+    assert wake_at(ctx, deadline) == _reference_wake_at(ctx, deadline)
+
+
+@settings(max_examples=500)
+@given(nodes, any_states(), any_settings(), times, any_observations())
+def test_keep_alive_due_is_its_definition(node, state, s, now, obs):
+    """A heartbeat entry, and a sighting of it at least a keep-alive interval old."""
+    sighting = obs.heartbeats.get(node)
+    expected = (
+        node in state.heartbeats
+        and sighting is not None
+        and now - sighting.since >= s.keep_alive_interval
+    )
+    assert keep_alive_due(Context(node, state, s, now, obs)) is expected
