@@ -137,7 +137,7 @@ from .check_state import (
     node_of,
 )
 from .check_steps import Steps
-from .check_symmetry import Symmetry, relabel
+from .check_symmetry import Instances, Symmetry, relabel
 from .check_trace import describe, replay
 from .lifecycle import Phase
 
@@ -174,8 +174,9 @@ class Checker:
     def __init__(self, config: CheckConfig) -> None:
         self.config = config
         self.settings = config.settings()
-        self.steps = Steps(config)
-        self.symmetry = Symmetry(config)
+        instances = Instances()  # one instance of each state, for steps and symmetry
+        self.steps = Steps(config, instances)
+        self.symmetry = Symmetry(config, instances)
         self.model = self.steps.conformance.model
 
     @property

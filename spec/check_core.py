@@ -37,7 +37,7 @@ from ..core import driver as core_driver
 from ..core.actions import Action
 from ..core.errors import InvalidTransitionError
 from .check_state import Age, Deadline, Found, Global, Timers, make_observations
-from .check_symmetry import CACHE_LIMIT
+from .check_symmetry import CACHE_LIMIT, Instances
 from .invariants import (
     check_admissions,
     check_removal_published,
@@ -80,8 +80,10 @@ class _Effect(NamedTuple):
 class CoreSteps:
     """The memoized driver steps of one search (and the views they decide on)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, instances: Instances | None = None) -> None:
         self.settings = settings
+        #: the one instance of each state the steps make (see step)
+        self.instances = Instances() if instances is None else instances
         window = settings.liveness_window
         #: the age of the node's own sighting for each of its values
         self._own_ages = {
@@ -260,10 +262,32 @@ class CoreSteps:
         if len(self._steps) >= CACHE_LIMIT:
             self._steps.clear()
             self.generation += 1
+        decision, written = self._one_instances(state, decision, effect.written)
         step = self._steps[key] = CoreStep(
-            decision, effect.performed, effect.written, guards, effect.intents, read_log
+            decision, effect.performed, written, guards, effect.intents, read_log
         )
         return step
+
+    def _one_instances(
+        self, state: RendezvousState, decision: Decision, written: RendezvousState
+    ) -> tuple[Decision, RendezvousState]:
+        """``decision`` and ``written`` with each state the step made (the written
+        one, the view with the dead removed) replaced by the one instance of it the
+        steps hand out. Many steps make equal states (the same write under other
+        timers); the successors and memo keys made of them then compare by identity
+        instead of field by field (see :class:`Instances`)."""
+        one = self.instances.one
+        if written is not state:
+            written = one(written)
+        sanitized = decision.state
+        if sanitized is not state:
+            sanitized = one(sanitized)
+        instruction = decision.instruction
+        if isinstance(instruction, Write):
+            instruction = instruction._replace(state=written)
+        elif isinstance(instruction, Done) and instruction.state is decision.state:
+            instruction = instruction._replace(state=sanitized)  # it ends on the view
+        return decision._replace(instruction=instruction, state=sanitized), written
 
     def _decide(
         self, view: NodeView, node: NodeDesc, op: Operator, limit: float, log: tuple[NodeDesc, ...]

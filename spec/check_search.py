@@ -234,17 +234,14 @@ class Search:
         symmetry = self.symmetry
         for g, fp in chunk:
             g = symmetry.intern(g)
-            seen: set[Global] = set()  # many timer choices lead to one state
+            seen: set[int] = set()  # many timer choices lead to one state
             try:
                 for event, succ in self.successors(g):
                     stepped += 1
-                    succ = symmetry.normalize(succ)
-                    if succ in seen:
+                    succ, perm, cfp = symmetry.place(succ)
+                    if cfp in seen or cfp in known:
                         continue
-                    seen.add(succ)
-                    perm, cfp = symmetry.fingerprint(succ)
-                    if cfp in known:
-                        continue
+                    seen.add(cfp)
                     if handed_out is not None:
                         handed_out.add(cfp)
                     successors.append((fp, event, relabel(succ, perm), cfp))

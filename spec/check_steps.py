@@ -53,7 +53,7 @@ from .check_state import (
     node_of,
     with_local,
 )
-from .check_symmetry import CACHE_LIMIT
+from .check_symmetry import CACHE_LIMIT, Instances
 from .check_trace import narrate
 from .lifecycle import TERMINAL_PHASES, Lifecycle, Phase
 
@@ -130,10 +130,10 @@ class Steps:
     """The events of one search and their successors (memoized where a pure
     function of fewer things than the whole state)."""
 
-    def __init__(self, config: CheckConfig) -> None:
+    def __init__(self, config: CheckConfig, instances: Instances | None = None) -> None:
         self.config = config
         self.settings = config.settings()
-        self.core = CoreSteps(self.settings)
+        self.core = CoreSteps(self.settings, instances)
         self.conformance = Conformance(self.settings)
         #: the deadline's values in the order time moves them
         self.deadlines = Deadline.in_time_order(self.settings)
@@ -305,7 +305,9 @@ class Steps:
                     checks.add(check)
                     checked.append(concrete)
                 continue
-            outcome = (instruction, step.performed, step.written, step.intents)
+            # (a Write's state is the written one: one instance of it, see CoreSteps)
+            written = instruction[1:] if isinstance(instruction, Write) else instruction
+            outcome = (written, step.performed, step.written, step.intents)
             if stored.setdefault(outcome, concrete) is concrete:
                 checks.add(check)
             elif check not in checks:
