@@ -22,29 +22,36 @@ import multiprocessing
 import time
 from collections.abc import Callable, Container, Iterable, Iterator
 from multiprocessing.pool import Pool
+from typing import Any, TypeVar
 
 from .check_state import CheckResult, Event, Found, Global, Violation
 from .check_steps import Steps
 from .check_symmetry import Symmetry, relabel
 from .check_trace import replay
+from .check_wire import Wire, WireTuple, event_of
 from .invariants import check_state
 
 __all__ = ["Search"]
 
 #: Seconds between two progress reports of a search.
 _PROGRESS_INTERVAL = 0.5
+_T = TypeVar("_T")
 #: States a worker steps in one go, at most.
 _CHUNK = 256
 
-#: One successor a chunk hands back: (parent fingerprint, event, state, fingerprint).
-_Successor = tuple[int, Event, Global, int]
+#: A state of a level: (the state, its fingerprint) in process; from a worker, (the
+#: state on the wire, its fingerprint, the hash of its shared state).
+_Item = tuple[Any, ...]
+#: One successor a chunk hands back: (parent fingerprint, event, its level item);
+#: from a worker, the event is on the wire.
+_Successor = tuple[int, Event | WireTuple, _Item]
 #: What stepping a chunk gives (see Search.step_chunk).
 _ChunkOutcome = tuple[
     list[_Successor], int, set[tuple[str, str, str]], tuple[int, Event, list[str]] | None
 ]
-#: Fingerprint -> (its parent's fingerprint, the event from the parent; None for
-#: the initial state, its own parent).
-_Parents = dict[int, tuple[int, Event | None]]
+#: Fingerprint -> (its parent's fingerprint, the event from the parent, maybe on
+#: the wire; None for the initial state, its own parent).
+_Parents = dict[int, tuple[int, Event | WireTuple | None]]
 
 
 class Search:
@@ -63,6 +70,8 @@ class Search:
         self._start = self._reported = 0.0
         #: the state the search started from (a violation's trace starts there)
         self._initial: Global | None = None
+        #: this process's end of the wire to and from the workers
+        self._wire = Wire()
 
     def run(
         self,
@@ -101,7 +110,7 @@ class Search:
         self,
         result: CheckResult,
         parents: _Parents,
-        level: list[tuple[Global, int]],
+        level: list[_Item],
         progress: Callable[[CheckResult], None] | None,
         on_state: Callable[[Global, int], None] | None,
         workers: int,
@@ -120,12 +129,11 @@ class Search:
             _WORKER = self
             context = multiprocessing.get_context("fork")
             pools = [context.Pool(1) for _ in range(workers)]
+            g, fp = level[0]
+            level = [(self._wire.state(g), fp, hash(g.shared))]
         try:
             while level:
                 result.depth = depth
-                max_round = self.config.max_round
-                if max_round is not None:
-                    level = [(g, fp) for g, fp in level if g.shared.round <= max_round]
                 size = max(1, min(_CHUNK, len(level) // (workers * 4)))
                 # In process, each chunk is stepped after the previous one merged:
                 # it skips the successors already known.
@@ -153,23 +161,27 @@ class Search:
         parents: _Parents,
         progress: Callable[[CheckResult], None] | None,
         on_state: Callable[[Global, int], None] | None,
-    ) -> list[tuple[Global, int]] | None:
+    ) -> list[_Item] | None:
         """Merge a level's chunk outcomes in order: the next level, or None when
         the search stops here (a violation, or the state limit)."""
         limit = self.config.max_states
-        following: list[tuple[Global, int]] = []
+        following: list[_Item] = []
         for successors, stepped, edges, violation in outcomes:
             result.transitions += stepped
             self.steps.conformance.edges |= edges
             if violation is not None:
                 result.violation = self._violation(parents, *violation)
                 return None
-            for parent, event, stored, cfp in successors:
+            for parent, event, item in successors:
+                cfp = item[1]
                 if cfp in parents:
                     continue
                 parents[cfp] = (parent, event)
-                following.append((stored, cfp))
+                following.append(item)
                 if on_state is not None:
+                    stored = item[0]
+                    if not isinstance(stored, Global):
+                        stored = self._wire.global_of(stored)
                     on_state(stored, cfp)
                 if limit is not None and len(parents) >= limit:
                     result.complete = False
@@ -232,7 +244,10 @@ class Search:
         stepped = 0
         violation = None
         symmetry = self.symmetry
+        max_round = self.config.max_round
         for g, fp in chunk:
+            if max_round is not None and g.shared.round > max_round:
+                continue  # stored, not stepped: the rounds are bounded
             g = symmetry.intern(g)
             seen: set[int] = set()  # many timer choices lead to one state
             try:
@@ -244,7 +259,7 @@ class Search:
                     seen.add(cfp)
                     if handed_out is not None:
                         handed_out.add(cfp)
-                    successors.append((fp, event, relabel(succ, perm), cfp))
+                    successors.append((fp, event, (relabel(succ, perm), cfp)))
             except Found as problem:
                 assert problem.event is not None
                 violation = (fp, problem.event, problem.problems)
@@ -264,25 +279,36 @@ def _by_shared_state(level: list[tuple[Global, int]]) -> dict[object, list[tuple
     return groups
 
 
+def _by_shared_hash(
+    level: list[tuple[WireTuple, int, int]],
+) -> dict[int, list[tuple[WireTuple, int]]]:
+    """:func:`_by_shared_state` for states on the wire, by their shared state's hash."""
+    groups: dict[int, list[tuple[WireTuple, int]]] = {}
+    for wire, fp, shared_hash in level:
+        groups.setdefault(shared_hash, []).append((wire, fp))
+    return groups
+
+
 def _chunks(level: list[tuple[Global, int]], size: int) -> list[list[tuple[Global, int]]]:
     """``level`` cut into chunks of ``size`` states, a shared state's states next
     to each other."""
     return _cut([item for group in _by_shared_state(level).values() for item in group], size)
 
 
-def _cut(items: list[tuple[Global, int]], size: int) -> list[list[tuple[Global, int]]]:
+def _cut(items: list[_T], size: int) -> list[list[_T]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _in_workers(
-    pools: list[Pool], level: list[tuple[Global, int]], size: int
+    pools: list[Pool], level: list[tuple[WireTuple, int, int]], size: int
 ) -> Iterator[_ChunkOutcome]:
     """The outcomes of ``level``'s chunks, each stepped by the worker its shared
     state belongs to (the same worker level after level, where that state's
-    memoized work is), in an order that takes the workers in turn."""
-    shares: list[list[tuple[Global, int]]] = [[] for _ in pools]
-    for shared, group in _by_shared_state(level).items():
-        shares[hash(shared) % len(pools)].extend(group)
+    memoized work is), in an order that takes the workers in turn. (Forked
+    workers hash alike: they share the main process's hash seed.)"""
+    shares: list[list[tuple[WireTuple, int]]] = [[] for _ in pools]
+    for shared_hash, group in _by_shared_hash(level).items():
+        shares[shared_hash % len(pools)].extend(group)
     queues = [
         [pool.apply_async(_step_chunk_in_worker, (chunk,)) for chunk in _cut(share, size)]
         for pool, share in zip(pools, shares, strict=True)
@@ -300,7 +326,7 @@ def _path(parents: _Parents, fp: int) -> list[Event]:
         parent, event = parents[fp]
         if event is None:
             break
-        events.append(event)
+        events.append(event_of(event))
         fp = parent
     events.reverse()
     return events
@@ -310,12 +336,21 @@ def _path(parents: _Parents, fp: int) -> list[Event]:
 _WORKER: Search | None = None
 
 
-def _step_chunk_in_worker(chunk: list[tuple[Global, int]]) -> _ChunkOutcome:
-    """A forked worker's part of a level: it remembers what it handed back, the
-    main process knows the rest."""
+def _step_chunk_in_worker(chunk: list[tuple[WireTuple, int]]) -> _ChunkOutcome:
+    """A forked worker's part of a level, from the wire and back: it remembers what
+    it handed back, the main process knows the rest."""
     search = _WORKER
     assert search is not None, "a worker runs only in a fork of Search.run"
-    return search.step_chunk(chunk, search._handed_out, search._handed_out)
+    wire = search._wire
+    states = [(wire.global_of(state), fp) for state, fp in chunk]
+    successors, stepped, edges, violation = search.step_chunk(
+        states, search._handed_out, search._handed_out
+    )
+    sent: list[_Successor] = []
+    for parent, event, (g, fp) in successors:
+        assert isinstance(event, Event)  # stepped in this process: not on the wire
+        sent.append((parent, wire.event(event), (wire.state(g), fp, hash(g.shared))))
+    return sent, stepped, edges, violation
 
 
 @contextlib.contextmanager
