@@ -87,6 +87,33 @@ def _slot_key(loc: Local) -> tuple[object, ...]:
     return (loc.incarnation, loc.phase, loc.op or "", loc.deadline or 0, loc.round_ended)
 
 
+#: (slot, incarnation) -> its node (node_of makes a new one on every call)
+_NODES: dict[tuple[int, int], NodeDesc] = {}
+
+
+def _node(slot: int, incarnation: int) -> NodeDesc:
+    """:func:`node_of`, one instance per node."""
+    key = (slot, incarnation)
+    node = _NODES.get(key)
+    if node is None:
+        node = _NODES[key] = node_of(slot, incarnation)
+    return node
+
+
+#: A successor's normal form, the relabelling to its representative, its fingerprint.
+_Placed = tuple[Global, tuple[int, ...], int]
+#: What a fingerprint computes of a shared state and an intent log alone: (the
+#: state, each slot's incarnation -> the label-free facts the two tell of each
+#: slot's node, a relabelling -> the shared part of the key). The memo of these is
+#: keyed on the state's id; the record keeps the state, and a hit is checked with
+#: ``is`` (an id is reused once its object is gone).
+_Record = tuple[
+    RendezvousState,
+    dict[tuple[int, ...], tuple[tuple[object, ...], ...]],
+    dict[tuple[int, ...], tuple[object, ...]],
+]
+
+
 class Symmetry:
     """Normal forms and canonical representatives of the states of one search."""
 
@@ -96,18 +123,34 @@ class Symmetry:
         self.instances = Instances() if instances is None else instances
         #: id of a written state -> (the state, the round shift, its normal form)
         self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
-        #: state -> (relabelling, fingerprint); (shared, intents, relabelling) -> key
+        #: state -> (relabelling, fingerprint)
         self._fingerprints: dict[Global, tuple[tuple[int, ...], int]] = {}
-        self._shared_keys: dict[tuple[object, ...], tuple[object, ...]] = {}
+        #: (id of a shared state, intent log) -> the memo of what a fingerprint
+        #: computes of the two alone (see _Record)
+        self._records: dict[tuple[int, frozenset[NodeDesc]], _Record] = {}
+        #: (see _locals) local states of every slot -> (their one instance, their
+        #: slot keys, their incarnations); a local state -> its one instance
+        self._local_keys: dict[
+            tuple[Local, ...],
+            tuple[tuple[Local, ...], tuple[tuple[object, ...], ...], tuple[int, ...]],
+        ] = {}
+        self._one_local: dict[Local, Local] = {}
         #: id of a state -> (the state, the nodes it names); (state, renames) -> renamed
         self._names: dict[int, tuple[RendezvousState, frozenset[NodeDesc]]] = {}
         self._renames: dict[tuple[object, ...], RendezvousState] = {}
-        #: a successor as a step made it -> (its normal form's relabelling, fingerprint)
-        self._places: dict[Global, tuple[Global, tuple[int, ...], int]] = {}
-        #: (shared state, local states, intent log) -> their normal forms
+        #: id of a shared state -> (the state, the rest of a successor with that
+        #: shared state, as a step made it -> (its normal form, the relabelling to
+        #: the representative, the fingerprint)); the number of successors kept
+        self._places: dict[int, tuple[RendezvousState, dict[tuple[object, ...], _Placed]]] = {}
+        self._placed = 0
+        #: (id of a shared state, local states, intent log) -> (the state, their
+        #: normal forms)
         self._normal_local_forms: dict[
-            tuple[object, ...],
-            tuple[RendezvousState, tuple[Local, ...], frozenset[NodeDesc]],
+            tuple[int, tuple[Local, ...], frozenset[NodeDesc]],
+            tuple[
+                RendezvousState,
+                tuple[RendezvousState, tuple[Local, ...], frozenset[NodeDesc]],
+            ],
         ] = {}
 
     def normalize(self, g: Global, shift_rounds: bool = True) -> Global:
@@ -139,6 +182,9 @@ class Symmetry:
             if loc.incarnation or loc.phase in TERMINAL_PHASES:
                 shared, locals_, intents = self._normal_locals(shared, locals_, intents)
                 break
+        locals_ = self._locals(locals_)[0]
+        if shared is g.shared and locals_ is g.locals and intents is g.intents:
+            return g
         return Global(shared, locals_, g.crashes, intents, g.failures, g.exclusions)
 
     def _normal_locals(
@@ -156,31 +202,47 @@ class Symmetry:
           state and the intent log: the renaming keeps every order the core
           compares (within the slot's address only one node is named).
         """
-        key = (shared, locals_, intents)
+        key = (id(shared), locals_, intents)
         known = self._normal_local_forms.get(key)
-        if known is not None:
-            return known
-        named = self._named(shared) | intents
+        if known is not None and known[0] is shared:
+            return known[1]
+        named = self._named(shared)
         renames: dict[NodeDesc, NodeDesc] = {}
-        normal = list(locals_)
+        normal: list[Local] | None = None
         for slot, loc in enumerate(locals_):
-            if loc.phase in TERMINAL_PHASES and (loc.phase is not _FINISHED or loc.op):
-                loc = normal[slot] = Local(loc.incarnation, _FINISHED, None, None)
+            phase = loc.phase
+            if phase in TERMINAL_PHASES and (phase is not _FINISHED or loc.op):
+                loc = Local(loc.incarnation, _FINISHED, None, None)
+                if normal is None:
+                    normal = list(locals_)
+                normal[slot] = loc
             incarnation = loc.incarnation
-            if not incarnation or any(node_of(slot, k) in named for k in range(incarnation)):
+            if not incarnation:
                 continue
-            normal[slot] = loc._replace(incarnation=0)
-            node = node_of(slot, incarnation)
-            if node in named:
-                renames[node] = node_of(slot, 0)
-        normal_shared, normal_intents = shared, intents
+            for k in range(incarnation):
+                earlier = _node(slot, k)
+                if earlier in named or earlier in intents:
+                    break
+            else:
+                if normal is None:
+                    normal = list(locals_)
+                normal[slot] = Local(0, loc.phase, loc.op, loc.deadline, loc.round_ended)
+                node = _node(slot, incarnation)
+                if node in named or node in intents:
+                    renames[node] = _node(slot, 0)
+        forms = (shared, locals_, intents)
         if renames:
-            normal_shared = self._renamed(shared, tuple(sorted(renames.items())))
-            normal_intents = frozenset(renames.get(n, n) for n in intents)
+            forms = (
+                self._renamed(shared, tuple(sorted(renames.items()))),
+                locals_,
+                frozenset(renames.get(n, n) for n in intents),
+            )
+        if normal is not None:
+            forms = (forms[0], tuple(normal), forms[2])
         if len(self._normal_local_forms) >= CACHE_LIMIT:
             self._normal_local_forms.clear()
-        known = self._normal_local_forms[key] = (normal_shared, tuple(normal), normal_intents)
-        return known
+        self._normal_local_forms[key] = (shared, forms)
+        return forms
 
     def _named(self, state: RendezvousState) -> frozenset[NodeDesc]:
         """Every node ``state`` names (members, heartbeats, ranks, exclusions)."""
@@ -271,14 +333,27 @@ class Symmetry:
         Memoized on ``g`` itself: a state's successors are made from memoized steps,
         so most of them were made before, as equal copies (in the 3-node space, 2.55
         million successors are 578 thousand distinct ones), and one lookup replaces
-        a lookup in each memo of the normal forms and of the fingerprints."""
-        known = self._places.get(g)
+        a lookup in each memo of the normal forms and of the fingerprints. The memo
+        is kept per shared state, by its id (shared states are interned): a lookup
+        hashes the rest of ``g`` only, in a table of the successors with that shared
+        state."""
+        s = g.shared
+        by_shared = self._places.get(id(s))
+        if by_shared is None or by_shared[0] is not s:
+            by_shared = self._places[id(s)] = (s, {})
+        table = by_shared[1]
+        rest = g[1:]
+        known = table.get(rest)
         if known is None:
             normal = self.normalize(g)
             perm, fp = self.fingerprint(normal)
-            if len(self._places) >= CACHE_LIMIT:
+            if self._placed >= CACHE_LIMIT:
                 self._places.clear()
-            known = self._places[g] = (normal, perm, fp)
+                self._placed = 0
+                by_shared = self._places[id(s)] = (s, {})
+                table = by_shared[1]
+            known = table[rest] = (normal, perm, fp)
+            self._placed += 1
         return known
 
     def canonical(self, g: Global) -> tuple[Global, tuple[int, ...], int]:
@@ -287,10 +362,30 @@ class Symmetry:
         return relabel(g, perm), perm, fp
 
     def _least(self, g: Global) -> tuple[tuple[int, ...], int]:
+        """The relabelling among :meth:`_permutations` whose :meth:`_key` is least,
+        and the hash of that key (the first such relabelling, if several)."""
+        slots, incarnations = self._slot_keys(g.locals)
+        record = self._record(g.shared, g.intents)
+        n = len(slots)
+        if not self.config.symmetry:
+            perm = tuple(range(n))
+            return perm, hash(self._key(g, perm, slots, record))
+        sigs = self._signatures(g, slots, incarnations, record)
+        order = sorted(range(n), key=sigs.__getitem__)
+        previous = sigs[order[0]]
+        for i in order[1:]:
+            sig = sigs[i]
+            if sig == previous:
+                break  # slots the signatures do not tell apart: try every order of them
+            previous = sig
+        else:
+            # the usual case: one order, hence one relabelling and one key
+            perm = tuple(sorted(range(n), key=order.__getitem__))
+            return perm, hash(self._key(g, perm, slots, record))
         best_key: tuple[object, ...] | None = None
-        best_perm: tuple[int, ...] = tuple(range(len(g.locals)))
-        for perm in self._permutations(g):
-            key = self._key(g, perm)
+        best_perm: tuple[int, ...] = tuple(range(n))
+        for perm in _orders(order, sigs):
+            key = self._key(g, perm, slots, record)
             if best_key is None or key < best_key:
                 best_key, best_perm = key, perm
         return best_perm, hash(best_key)
@@ -302,57 +397,130 @@ class Symmetry:
         if not self.config.symmetry:
             yield tuple(range(n))
             return
-        sigs = [self._signature(g, i) for i in range(n)]
-        order = sorted(range(n), key=lambda i: sigs[i])
-        groups = [list(grp) for _, grp in itertools.groupby(order, key=lambda i: sigs[i])]
-        for choice in itertools.product(*(itertools.permutations(grp) for grp in groups)):
-            ordered = [i for grp in choice for i in grp]
-            perm = [0] * n
-            for new, old in enumerate(ordered):
-                perm[old] = new
-            yield tuple(perm)
+        slots, incarnations = self._slot_keys(g.locals)
+        sigs = self._signatures(g, slots, incarnations, self._record(g.shared, g.intents))
+        yield from _orders(sorted(range(n), key=sigs.__getitem__), sigs)
+
+    def _slot_keys(
+        self, locals_: tuple[Local, ...]
+    ) -> tuple[tuple[tuple[object, ...], ...], tuple[int, ...]]:
+        """Each slot's :func:`_slot_key`, and each slot's incarnation."""
+        _, slots, incarnations = self._locals(locals_)
+        return slots, incarnations
+
+    def _locals(
+        self, locals_: tuple[Local, ...]
+    ) -> tuple[tuple[Local, ...], tuple[tuple[object, ...], ...], tuple[int, ...]]:
+        """The one instance of ``locals_`` and of each of its local states, each
+        slot's :func:`_slot_key`, and each slot's incarnation (memoized: a search's
+        states hold a few thousand different tuples of a few dozen local states).
+
+        Normal forms hold these instances, and so do the states stored and the
+        successors made of them: memo lookups keyed on them compare local states
+        by identity, without reading them."""
+        known = self._local_keys.get(locals_)
+        if known is None:
+            if len(self._local_keys) >= CACHE_LIMIT:
+                self._local_keys.clear()
+                self._one_local.clear()
+            one = self._one_local
+            instance = tuple(one.setdefault(loc, loc) for loc in locals_)
+            known = self._local_keys[locals_] = (
+                instance,
+                tuple(map(_slot_key, locals_)),
+                tuple(loc.incarnation for loc in locals_),
+            )
+        return known
+
+    def _record(self, s: RendezvousState, intents: frozenset[NodeDesc]) -> _Record:
+        """The memo of what :meth:`_signatures` and :meth:`_key` compute of ``s``
+        and ``intents`` alone."""
+        memo = (id(s), intents)
+        record = self._records.get(memo)
+        if record is None or record[0] is not s:
+            if len(self._records) >= CACHE_LIMIT:
+                self._records.clear()
+            record = self._records[memo] = (s, {}, {})
+        return record
 
     @staticmethod
-    def _signature(g: Global, slot: int) -> tuple[object, ...]:
-        """Label-free facts about a slot, to order slots before breaking ties."""
-        loc = g.locals[slot]
-        node = node_of(slot, loc.incarnation)
-        s = g.shared
-        role = (
-            ("p", s.participants[node])
-            if node in s.participants
-            else ("w", 0)
-            if node in s.wait_list
-            else ("r", 0)
-            if node in s.redundancy_list
-            else ("-", 0)
-        )
-        return (
-            *_slot_key(loc),
-            role,
-            s.last_ranks.get(node, -1),
-            s.heartbeats.get(node, 0),
-            node in g.intents,
-            s.excluded.get(node, 0),
-        )
+    def _signatures(
+        g: Global,
+        slots: tuple[tuple[object, ...], ...],
+        incarnations: tuple[int, ...],
+        record: _Record,
+    ) -> list[tuple[object, ...]]:
+        """Label-free facts about each slot, to order slots before breaking ties:
+        its local state (``slots``) and what the shared state and the intent log
+        say of its node (``incarnations``: each slot's; memoized in ``record``).
+        A signature is the pair of both; it orders as their concatenation would
+        (slot keys have one length)."""
+        by_incarnations = record[1]
+        facts = by_incarnations.get(incarnations)
+        if facts is None:
+            s, intents = g.shared, g.intents
+            facts = by_incarnations[incarnations] = tuple(
+                _node_facts(s, intents, _node(slot, k)) for slot, k in enumerate(incarnations)
+            )
+        return list(zip(slots, facts, strict=True))
 
-    def _key(self, g: Global, perm: tuple[int, ...]) -> tuple[object, ...]:
-        """The state as sortable primitives, slots relabelled by ``perm``."""
-
-        def lab(n: NodeDesc) -> tuple[int, int]:
-            return (perm[int(n.addr[1:])], n.pid)
-
-        s = g.shared
-        memo = (s, g.intents, perm)
-        shared = self._shared_keys.get(memo)
+    @staticmethod
+    def _key(
+        g: Global,
+        perm: tuple[int, ...],
+        slots: tuple[tuple[object, ...], ...],
+        record: _Record,
+    ) -> tuple[object, ...]:
+        """The state as sortable primitives, slots relabelled by ``perm``
+        (``slots``: each slot's :func:`_slot_key`; the shared part is memoized
+        in ``record``, the memo of ``g``'s shared state and intent log)."""
+        by_perm = record[2]
+        shared = by_perm.get(perm)
         if shared is None:
-            if len(self._shared_keys) >= CACHE_LIMIT:
-                self._shared_keys.clear()
-            shared = self._shared_keys[memo] = _shared_key(s, g.intents, lab)
-        slots: list[tuple[object, ...]] = [()] * len(g.locals)
-        for i, loc in enumerate(g.locals):
-            slots[perm[i]] = _slot_key(loc)
-        return (shared, tuple(slots), g.crashes, g.failures, g.exclusions)
+
+            def lab(n: NodeDesc) -> tuple[int, int]:
+                return (perm[int(n.addr[1:])], n.pid)
+
+            shared = by_perm[perm] = _shared_key(g.shared, g.intents, lab)
+        relabelled: list[tuple[object, ...]] = [()] * len(slots)
+        for i, slot in enumerate(slots):
+            relabelled[perm[i]] = slot
+        return (shared, tuple(relabelled), g.crashes, g.failures, g.exclusions)
+
+
+def _orders(order: list[int], sigs: list[tuple[object, ...]]) -> Iterator[tuple[int, ...]]:
+    """The relabellings that put slots in ``order`` (sorted by ``sigs``), in
+    every order of the slots of equal signatures."""
+    n = len(order)
+    groups = [list(grp) for _, grp in itertools.groupby(order, key=sigs.__getitem__)]
+    for choice in itertools.product(*(itertools.permutations(grp) for grp in groups)):
+        ordered = [i for grp in choice for i in grp]
+        perm = [0] * n
+        for new, old in enumerate(ordered):
+            perm[old] = new
+        yield tuple(perm)
+
+
+def _node_facts(
+    s: RendezvousState, intents: frozenset[NodeDesc], node: NodeDesc
+) -> tuple[object, ...]:
+    """Label-free facts ``s`` and ``intents`` tell about ``node``."""
+    role = (
+        ("p", s.participants[node])
+        if node in s.participants
+        else ("w", 0)
+        if node in s.wait_list
+        else ("r", 0)
+        if node in s.redundancy_list
+        else ("-", 0)
+    )
+    return (
+        role,
+        s.last_ranks.get(node, -1),
+        s.heartbeats.get(node, 0),
+        node in intents,
+        s.excluded.get(node, 0),
+    )
 
 
 def _shared_key(
