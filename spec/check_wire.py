@@ -110,6 +110,9 @@ class Wire:
         #: wire form -> the one state (or local state) decoded from it
         self._received: dict[WireTuple, RendezvousState] = {}
         self._received_locals: dict[WireTuple, Local] = {}
+        #: event -> its wire form (a worker hands back the same timer choices in
+        #: state after state)
+        self._sent_events: dict[Event, WireTuple] = {}
 
     def state(self, g: Global) -> WireTuple:
         """``g`` on the wire."""
@@ -144,18 +147,23 @@ class Wire:
         nodes = frozenset(NodeDesc(*n) for n in intents)
         return Global(shared, tuple(locals_), crashes, nodes, failures, exclusions)
 
-    @staticmethod
-    def event(event: Event) -> WireTuple:
+    def event(self, event: Event) -> WireTuple:
         """``event`` on the wire."""
+        known = self._sent_events.get(event)
+        if known is not None:
+            return known
         timers = event.timers
-        if timers is None:
-            return (event.kind.value, event.slot, None)
-        deadline = None if timers.deadline is None else int(timers.deadline)
-        wire_timers = (
-            _nodes(timers.expired),
-            timers.own.value,
-            timers.last_call_over,
-            deadline,
-            timers.contended,
-        )
-        return (event.kind.value, event.slot, wire_timers)
+        wire_timers = None
+        if timers is not None:
+            deadline = None if timers.deadline is None else int(timers.deadline)
+            wire_timers = (
+                _nodes(timers.expired),
+                timers.own.value,
+                timers.last_call_over,
+                deadline,
+                timers.contended,
+            )
+        if len(self._sent_events) >= CACHE_LIMIT:
+            self._sent_events.clear()
+        known = self._sent_events[event] = (event.kind.value, event.slot, wire_timers)
+        return known

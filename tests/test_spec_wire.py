@@ -57,7 +57,7 @@ def test_every_state_and_event_of_a_search_crosses_the_wire_unchanged() -> None:
             continue  # (the events of every 4th state: each kind occurs many times)
         for abstract in checker.events(g):
             for event in checker.expand(g, abstract):
-                back = event_of(pickle.loads(pickle.dumps(Wire.event(event))))
+                back = event_of(pickle.loads(pickle.dumps(sender.event(event))))
                 assert back == event and isinstance(back, Event)
                 events += 1
     assert events > 5_000
