@@ -560,6 +560,25 @@ def test_after_write_wait_and_beat_build_the_views_replace_would(
     # Sightings are taken on a monotonic clock: none is later than now. (Otherwise
     # a renewal's "recorded by a later renewal" rule compares against the future.)
     assume(all(seen.since <= now for seen in view.observations.heartbeats.values()))
+    assert after_write(view, node, won, stored, now) == _reference_after_write(
+        view, node, won, stored, now
+    )
+
+    assert after_wait(view) == view._replace(stale=True, contended=False)
+
+    beaten = view._replace(counters=view.counters.set(node, beat))
+    own = beaten.state.heartbeats.get(node)
+    pair = None if own is None else heartbeat_of(own, beat)
+    if pair is None:
+        renewed = observe_own(beaten.observations, node, None, now)
+    else:
+        renewed = _reference_renewal(beaten.observations, node, pair, now)
+    beaten = beaten._replace(observations=renewed)
+    assert after_beat(view, node, beat, now) == beaten
+
+
+def _reference_after_write(view, node, won, stored, now):
+    """The view after a write, built with ``_replace`` from the plain definitions."""
     state = RendezvousState() if stored is None else stored
     obs = observe(view.observations, state, now, counters=False)
     expected = view._replace(
@@ -577,19 +596,7 @@ def test_after_write_wait_and_beat_build_the_views_replace_would(
         expected = expected._replace(
             observations=_reference_renewal(expected.observations, node, pair, now)
         )
-    assert after_write(view, node, won, stored, now) == expected
-
-    assert after_wait(view) == view._replace(stale=True, contended=False)
-
-    beaten = view._replace(counters=view.counters.set(node, beat))
-    own = beaten.state.heartbeats.get(node)
-    pair = None if own is None else heartbeat_of(own, beat)
-    if pair is None:
-        renewed = observe_own(beaten.observations, node, None, now)
-    else:
-        renewed = _reference_renewal(beaten.observations, node, pair, now)
-    beaten = beaten._replace(observations=renewed)
-    assert after_beat(view, node, beat, now) == beaten
+    return expected
 
 
 # -- decisions made without a Context ---------------------------------------------------
@@ -733,17 +740,9 @@ def test_after_write_of_a_state_sharing_the_views_heartbeats(view, node, won, na
     other = {"round": 7, "complete": True, "closed": True, "last_call": 9}[name]
     stored = view.state.evolve(**{name: other})
     assert stored.heartbeats is view.state.heartbeats
-    obs = observe(view.observations, stored, now, counters=False)
-    expected = view._replace(
-        state=stored,
-        observations=obs,
-        stale=False,
-        intents=None,
-        intents_round=-1,
-        contended=view.contended or not won,
+    assert after_write(view, node, won, stored, now) == _reference_after_write(
+        view, node, won, stored, now
     )
-    expected = expected._replace(observations=_reference_own(expected, node, stored, now))
-    assert after_write(view, node, won, stored, now) == expected
 
 
 def test_only_leaving_the_redundancy_list_resets_the_deadline():
