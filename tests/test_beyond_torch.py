@@ -212,8 +212,14 @@ def test_a_preempted_agent_leaves_at_once_while_its_workers_checkpoint(
     first_round = int(first[0]["RALLYPOINT_ROUND"])
     signalled = time.time()
     cluster.stop("c", signal.SIGTERM)
+    # c exits once its worker has checkpointed (a second): on a loaded machine that
+    # can come before the survivors' new workers have started; its status is
+    # checked below.
     second = cluster.wait_for(
-        lambda: _full_round(read_jsonl(records), 2, after=first_round), "a round of 2", WAIT
+        lambda: _full_round(read_jsonl(records), 2, after=first_round),
+        "a round of 2",
+        WAIT,
+        allowed_exits=["c"],
     )
     regrouped_after = max(float(r["time"]) for r in second) - signalled
     assert regrouped_after < 10.0, (regrouped_after, cluster.logs())
