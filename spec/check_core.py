@@ -99,6 +99,8 @@ class CoreSteps:
         self._steps: dict[tuple[object, ...], CoreStep] = {}
         #: (state, node, timers, deadline) -> a join's decision (see decide)
         self._decisions: dict[tuple[object, ...], Decision] = {}
+        #: what a step's safety checks read -> their problems (see _step_problems)
+        self._problems: dict[tuple[object, ...], list[str]] = {}
         #: how many times the memo of steps was dropped (the ids of the steps it
         #: held may then be reused: see StepProperties.missed_wakeups)
         self.generation = 0
@@ -247,9 +249,9 @@ class CoreSteps:
         view = self.view(state, node, timers, pending)
         view, decision, read_log = self._decide(view, node, op, self.limit(deadline), log)
         effect = _carry_out(state, node, decision, pending, log, read_log)
-        problems = effect.problems + _step_problems(
-            state, node, timers, decision, effect.written, log, self.settings
-        )
+        decision, written = self._one_instances(state, decision, effect.written)
+        checked = self._step_problems(state, node, timers, decision, written, log)
+        problems = effect.problems + checked
         if problems:
             found = Found(problems, decision)
             found.read_log = read_log
@@ -262,11 +264,35 @@ class CoreSteps:
         if len(self._steps) >= CACHE_LIMIT:
             self._steps.clear()
             self.generation += 1
-        decision, written = self._one_instances(state, decision, effect.written)
         step = self._steps[key] = CoreStep(
             decision, effect.performed, written, guards, effect.intents, read_log
         )
         return step
+
+    def _step_problems(
+        self,
+        state: RendezvousState,
+        node: NodeDesc,
+        timers: Timers,
+        decision: Decision,
+        written: RendezvousState,
+        log: tuple[NodeDesc, ...],
+    ) -> list[str]:
+        """:func:`_step_problems`, memoized on what it reads. Most steps missing the
+        memo of steps differ from a step made before only in timers that changed
+        nothing it checks (the 3-node space: 600,620 steps, 4,308 distinct written
+        states); the states are the one instances, so the key compares by identity."""
+        instruction = decision.instruction
+        admitted = instruction.admitted if isinstance(instruction, Write) else None
+        key = (state, node, timers.expired, decision.dead, decision.state, written, admitted, log)
+        known = self._problems.get(key)
+        if known is None:
+            if len(self._problems) >= CACHE_LIMIT:
+                self._problems.clear()
+            known = self._problems[key] = _step_problems(
+                state, node, timers, decision, written, log, self.settings
+            )
+        return known
 
     def _one_instances(
         self, state: RendezvousState, decision: Decision, written: RendezvousState
