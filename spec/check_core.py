@@ -278,21 +278,37 @@ class CoreSteps:
         written: RendezvousState,
         log: tuple[NodeDesc, ...],
     ) -> list[str]:
-        """:func:`_step_problems`, memoized on what it reads. Most steps missing the
-        memo of steps differ from a step made before only in timers that changed
-        nothing it checks (the 3-node space: 600,620 steps, 4,308 distinct written
-        states); the states are the one instances, so the key compares by identity."""
-        instruction = decision.instruction
+        """Safety: a node that finds members silent publishes their removal at once;
+        the written state and both halves of the step (read -> the operator's view ->
+        written; nothing is written but by a Write); batched admissions.
+
+        A node never finds itself dead (it is alive: it beats now); its peers judge it
+        by their own sightings. So only the expired peers count.
+
+        Memoized on what it reads: most steps that miss the memo of steps differ
+        from one made before only in timers that change nothing checked here (the
+        3-node space: 600,620 steps, 4,308 distinct written states); the states are
+        the one instances, so the key compares by identity.
+        """
+        instruction, sanitized = decision.instruction, decision.state
         admitted = instruction.admitted if isinstance(instruction, Write) else None
-        key = (state, node, timers.expired, decision.dead, decision.state, written, admitted, log)
+        key = (state, node, timers.expired, decision.dead, sanitized, written, admitted, log)
         known = self._problems.get(key)
-        if known is None:
-            if len(self._problems) >= CACHE_LIMIT:
-                self._problems.clear()
-            known = self._problems[key] = _step_problems(
-                state, node, timers, decision, written, log, self.settings
-            )
-        return known
+        if known is not None:
+            return known
+        problems = check_removal_published(node, state, timers.expired, decision.dead, written)
+        if written is not state:
+            # (a state the step does not write was checked when it was written)
+            problems += check_state(written, self.settings)
+        if sanitized is not state:
+            problems += check_transition(state, sanitized)
+        if admitted is not None:  # a Write
+            problems += check_transition(sanitized, written)
+            problems += check_admissions(node, state, sanitized, written, admitted, log)
+        if len(self._problems) >= CACHE_LIMIT:
+            self._problems.clear()
+        self._problems[key] = problems
+        return problems
 
     def _one_instances(
         self, state: RendezvousState, decision: Decision, written: RendezvousState
@@ -408,32 +424,3 @@ def _endless_read(instruction: Read, decision: Decision, read_log: bool) -> Foun
     )
     found.read_log = read_log
     return found
-
-
-def _step_problems(
-    state: RendezvousState,
-    node: NodeDesc,
-    timers: Timers,
-    decision: Decision,
-    written: RendezvousState,
-    log: tuple[NodeDesc, ...],
-    settings: Settings,
-) -> list[str]:
-    """Safety: a node that finds members silent publishes their removal at once;
-    the written state and both halves of the step (read -> the operator's view ->
-    written; nothing is written but by a Write); batched admissions.
-
-    A node never finds itself dead (it is alive: it beats now); its peers judge it
-    by their own sightings. So only the expired peers count.
-    """
-    instruction, sanitized = decision.instruction, decision.state
-    problems = check_removal_published(node, state, timers.expired, decision.dead, written)
-    if written is not state:
-        # (a state the step does not write was checked when it was written)
-        problems += check_state(written, settings)
-    if sanitized is not state:
-        problems += check_transition(state, sanitized)
-    if isinstance(instruction, Write):
-        problems += check_transition(sanitized, written)
-        problems += check_admissions(node, state, sanitized, written, instruction.admitted, log)
-    return problems
