@@ -87,19 +87,6 @@ def _slot_key(loc: Local) -> tuple[object, ...]:
     return (loc.incarnation, loc.phase, loc.op or "", loc.deadline or 0, loc.round_ended)
 
 
-#: (slot, incarnation) -> its node (node_of makes a new one on every call)
-_NODES: dict[tuple[int, int], NodeDesc] = {}
-
-
-def _node(slot: int, incarnation: int) -> NodeDesc:
-    """:func:`node_of`, one instance per node."""
-    key = (slot, incarnation)
-    node = _NODES.get(key)
-    if node is None:
-        node = _NODES[key] = node_of(slot, incarnation)
-    return node
-
-
 #: A successor's normal form, the relabelling to its representative, its fingerprint.
 _Placed = tuple[Global, tuple[int, ...], int]
 #: What a fingerprint computes of a shared state and an intent log alone: (the
@@ -220,16 +207,16 @@ class Symmetry:
             if not incarnation:
                 continue
             for k in range(incarnation):
-                earlier = _node(slot, k)
+                earlier = node_of(slot, k)
                 if earlier in named or earlier in intents:
                     break
             else:
                 if normal is None:
                     normal = list(locals_)
                 normal[slot] = Local(0, loc.phase, loc.op, loc.deadline, loc.round_ended)
-                node = _node(slot, incarnation)
+                node = node_of(slot, incarnation)
                 if node in named or node in intents:
-                    renames[node] = _node(slot, 0)
+                    renames[node] = node_of(slot, 0)
         forms = (shared, locals_, intents)
         if renames:
             forms = (
@@ -362,9 +349,11 @@ class Symmetry:
         return relabel(g, perm), perm, fp
 
     def _least(self, g: Global) -> tuple[tuple[int, ...], int]:
-        """The relabelling among :meth:`_permutations` whose :meth:`_key` is least,
-        and the hash of that key (the first such relabelling, if several)."""
-        slots, incarnations = self._slot_keys(g.locals)
+        """The relabelling whose :meth:`_key` is least, and the hash of that key,
+        among those that order slots by their label-free facts (every order of the
+        slots those facts do not tell apart; the first such relabelling, if
+        several keys tie)."""
+        _, slots, incarnations = self._locals(g.locals)
         record = self._record(g.shared, g.intents)
         n = len(slots)
         if not self.config.symmetry:
@@ -389,24 +378,6 @@ class Symmetry:
             if best_key is None or key < best_key:
                 best_key, best_perm = key, perm
         return best_perm, hash(best_key)
-
-    def _permutations(self, g: Global) -> Iterator[tuple[int, ...]]:
-        """The relabellings that order slots by their label-free facts (every
-        order of the slots those facts do not tell apart)."""
-        n = len(g.locals)
-        if not self.config.symmetry:
-            yield tuple(range(n))
-            return
-        slots, incarnations = self._slot_keys(g.locals)
-        sigs = self._signatures(g, slots, incarnations, self._record(g.shared, g.intents))
-        yield from _orders(sorted(range(n), key=sigs.__getitem__), sigs)
-
-    def _slot_keys(
-        self, locals_: tuple[Local, ...]
-    ) -> tuple[tuple[tuple[object, ...], ...], tuple[int, ...]]:
-        """Each slot's :func:`_slot_key`, and each slot's incarnation."""
-        _, slots, incarnations = self._locals(locals_)
-        return slots, incarnations
 
     def _locals(
         self, locals_: tuple[Local, ...]
@@ -460,7 +431,7 @@ class Symmetry:
         if facts is None:
             s, intents = g.shared, g.intents
             facts = by_incarnations[incarnations] = tuple(
-                _node_facts(s, intents, _node(slot, k)) for slot, k in enumerate(incarnations)
+                _node_facts(s, intents, node_of(slot, k)) for slot, k in enumerate(incarnations)
             )
         return list(zip(slots, facts, strict=True))
 
