@@ -253,7 +253,14 @@ class RendezvousState:
         fields = self.__dict__
         cached = fields.get("_hash")
         if cached is None:
-            cached = fields["_hash"] = hash(_field_values(fields))
+            values = list(_field_values(fields))
+            for at in _MAP_POSITIONS:
+                # A map's own hash folds each key and value in apart (two maps
+                # that swap two values hash alike: ranks, heartbeat counters);
+                # a frozenset of its pairs hashes each pair as a whole.
+                if values[at]:
+                    values[at] = frozenset(values[at].items())
+            cached = fields["_hash"] = hash(tuple(values))
         return cached
 
     def __eq__(self, other: object) -> bool:
@@ -263,9 +270,13 @@ class RendezvousState:
             return True
         if other.__class__ is not RendezvousState:
             return NotImplemented
-        if hash(self) != hash(other):
+        mine, theirs = self.__dict__, other.__dict__
+        # (hashes compared as cached: a dictionary lookup compares keys only
+        # once their hashes matched, and an unhashed state is compared directly)
+        hashed, other_hashed = mine.get("_hash"), theirs.get("_hash")
+        if hashed is not None and other_hashed is not None and hashed != other_hashed:
             return False
-        return bool(_field_values(self.__dict__) == _field_values(other.__dict__))
+        return bool(_field_values(mine) == _field_values(theirs))
 
     def __getstate__(self) -> dict[str, object]:
         # String hashes differ between processes: a copy made in another process
@@ -339,6 +350,7 @@ _field_values = operator.itemgetter(*_FIELD_NAMES)
 _FIELD_SET = frozenset(_FIELD_NAMES)
 _FIELD_COUNT = len(_FIELD_NAMES)
 _MAP_FIELDS = frozenset({"participants", "heartbeats", "last_ranks", "excluded"})
+_MAP_POSITIONS = tuple(i for i, name in enumerate(_FIELD_NAMES) if name in _MAP_FIELDS)
 _SET_FIELDS = frozenset({"wait_list", "redundancy_list"})
 
 

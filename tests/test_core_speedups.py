@@ -426,6 +426,23 @@ def test_evolve_converts_checks_and_drops_the_cached_hash():
         state.evolve(rounds=1)
 
 
+def test_states_that_swap_two_nodes_values_hash_apart():
+    """A map's own hash folds keys and values in apart, so two ranks (or two
+    heartbeat counters) swapped between nodes gave equal hashes: the model
+    checker's memos, keyed on states, then compared such states field by field
+    on every lookup."""
+    a, b = POOL[0], POOL[1]
+    ranked = RendezvousState(complete=True, world_size=2, participants={a: 0, b: 1})
+    swapped = ranked.evolve(participants={a: 1, b: 0})
+    assert ranked != swapped and hash(ranked) != hash(swapped)
+    beating = RendezvousState(heartbeats={a: 1, b: 2})
+    assert hash(beating) != hash(beating.evolve(heartbeats={a: 2, b: 1}))
+    # equal states still hash alike, however their maps were built
+    assert hash(ranked) == hash(
+        RendezvousState(complete=True, world_size=2, participants=[(b, 1), (a, 0)])
+    )
+
+
 # -- values --------------------------------------------------------------------------
 
 
