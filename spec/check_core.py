@@ -45,7 +45,7 @@ from .invariants import (
     check_state,
     check_transition,
 )
-from .model import Guards, View
+from .model import Guards, View, built
 
 __all__ = ["CoreStep", "CoreSteps"]
 
@@ -96,18 +96,28 @@ class CoreSteps:
         self._call_over = -(settings.last_call_timeout + 1.0)
         #: each deadline's time relative to now
         self.times = {d: d.relative(settings) for d in Deadline}
-        self._steps: dict[tuple[object, ...], CoreStep] = {}
-        #: (state, node, timers, deadline) -> a join's decision (see decide)
-        self._decisions: dict[tuple[object, ...], Decision] = {}
-        #: what a step's safety checks read -> their problems (see _step_problems)
-        self._problems: dict[tuple[object, ...], list[str]] = {}
+        # The memos below are keyed on the ids of the (one instances of) states,
+        # and each entry holds the states its key names: an id is not reused while
+        # its object lives, so a hit is the state of the key. A state's hash is a
+        # Python-level call; the ids hash in C (these memos are looked up millions
+        # of times in a 3-node search).
+        #: (id of the state, node, operator type, timers, deadline, intent log) ->
+        #: (the state, the step) (see step)
+        self._steps: dict[tuple[object, ...], tuple[RendezvousState, CoreStep]] = {}
+        #: (id of a state, node, timers, deadline) -> (the state, a join's
+        #: decision) (see decide)
+        self._decisions: dict[tuple[object, ...], tuple[RendezvousState, Decision]] = {}
+        #: what a step's safety checks read, states by id -> (those states, their
+        #: problems) (see _step_problems)
+        self._problems: dict[tuple[object, ...], tuple[object, list[str]]] = {}
         #: how many times the memo of steps was dropped (the ids of the steps it
         #: held may then be reused: see StepProperties.missed_wakeups)
         self.generation = 0
-        #: (state, node) -> the view a read of it gives; (state, node, timers but
-        #: the deadline) -> the sightings a step chooses (see view)
-        self._reads: dict[tuple[RendezvousState, NodeDesc], NodeView] = {}
-        self._sightings: dict[tuple[object, ...], Observations] = {}
+        #: (id of a state, node) -> the view a read of it gives (which holds the
+        #: state); (id of a state, node, timers but the deadline) -> (the state,
+        #: the sightings a step chooses) (see view)
+        self._reads: dict[tuple[int, NodeDesc], NodeView] = {}
+        self._sightings: dict[tuple[object, ...], tuple[RendezvousState, Observations]] = {}
 
     def limit(self, deadline: Deadline | None) -> float:
         """The deadline the driver is given (relative to now = 0)."""
@@ -130,23 +140,24 @@ class CoreSteps:
         The side counters are all 0: only whether a sighting equals the counter
         matters, and every step chooses the sightings' ages afresh.
         """
-        read = self._reads.get((state, node))
+        read = self._reads.get((id(state), node))
         if read is None:
             if len(self._reads) >= CACHE_LIMIT:
                 self._reads.clear()
             counters = _counters(state)
             read = core_driver.after_read(NodeView(), node, state, counters, 0.0)
-            self._reads[state, node] = read
+            self._reads[id(state), node] = read
         # (observations, contended, announced) are fields 4, 8 and 9: one
         # construction instead of _replace's Python-level loop (a view per step).
-        return NodeView._make(
+        return built(
+            NodeView,
             (
                 *read[:4],
                 self._aged(state, node, timers),
                 *read[5:8],
                 timers.contended,
                 state.round if node in pending else -1,
-            )
+            ),
         )
 
     def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
@@ -157,10 +168,10 @@ class CoreSteps:
         shows, and a re-read within the step keeps its age.
         """
         expired, mine, lc = timers.expired, timers.own, timers.last_call_over
-        key = (state, node, expired, mine, lc)
-        known = self._sightings.get(key)
-        if known is not None:
-            return known
+        key = (id(state), node, expired, mine, lc)
+        hit = self._sightings.get(key)
+        if hit is not None:
+            return hit[1]
         own = self._own_ages[mine]
         beats = {
             n: HeartbeatSighting(
@@ -174,7 +185,8 @@ class CoreSteps:
             call = LastCallSighting(state.round, state.last_call, since)
         if len(self._sightings) >= CACHE_LIMIT:
             self._sightings.clear()
-        known = self._sightings[key] = make_observations(beats, call)
+        known = make_observations(beats, call)
+        self._sightings[key] = (state, known)
         return known
 
     # -- decisions --------------------------------------------------------------
@@ -184,10 +196,10 @@ class CoreSteps:
     ) -> Decision:
         """The decision of a join of ``node`` on ``state`` (not carried out;
         memoized: the waiters of every write from one state decide on it)."""
-        key = (state, node, timers, deadline)
-        known = self._decisions.get(key)
-        if known is not None:
-            return known
+        key = (id(state), node, timers, deadline)
+        hit = self._decisions.get(key)
+        if hit is not None:
+            return hit[1]
         view = self.view(state, node, timers)
         try:
             known = core_driver.decide(
@@ -197,7 +209,7 @@ class CoreSteps:
             raise Found([f"the core chose an action it then rejected: {exc}"]) from None
         if len(self._decisions) >= CACHE_LIMIT:
             self._decisions.clear()
-        self._decisions[key] = known
+        self._decisions[key] = (state, known)
         return known
 
     def contention_matters(self, g: Global, node: NodeDesc, timers: Timers) -> bool:
@@ -241,10 +253,10 @@ class CoreSteps:
             Found: the step breaks a safety property, or the driver asked for
                 something an atomic step cannot carry out.
         """
-        key = (state, node, type(op), timers, deadline, pending)
+        key = (id(state), node, type(op), timers, deadline, pending)
         hit = self._steps.get(key)
         if hit is not None:
-            return hit
+            return hit[1]
         log = tuple(sorted(pending))
         view = self.view(state, node, timers, pending)
         view, decision, read_log = self._decide(view, node, op, self.limit(deadline), log)
@@ -264,9 +276,8 @@ class CoreSteps:
         if len(self._steps) >= CACHE_LIMIT:
             self._steps.clear()
             self.generation += 1
-        step = self._steps[key] = CoreStep(
-            decision, effect.performed, written, guards, effect.intents, read_log
-        )
+        step = CoreStep(decision, effect.performed, written, guards, effect.intents, read_log)
+        self._steps[key] = (state, step)
         return step
 
     def _step_problems(
@@ -292,10 +303,11 @@ class CoreSteps:
         """
         instruction, sanitized = decision.instruction, decision.state
         admitted = instruction.admitted if isinstance(instruction, Write) else None
-        key = (state, node, timers.expired, decision.dead, sanitized, written, admitted, log)
-        known = self._problems.get(key)
-        if known is not None:
-            return known
+        states = (state, sanitized, written)
+        key = (*map(id, states), node, timers.expired, decision.dead, admitted, log)
+        hit = self._problems.get(key)
+        if hit is not None:
+            return hit[1]
         problems = check_removal_published(node, state, timers.expired, decision.dead, written)
         if written is not state:
             # (a state the step does not write was checked when it was written)
@@ -307,7 +319,7 @@ class CoreSteps:
             problems += check_admissions(node, state, sanitized, written, admitted, log)
         if len(self._problems) >= CACHE_LIMIT:
             self._problems.clear()
-        self._problems[key] = problems
+        self._problems[key] = (states, problems)
         return problems
 
     def _one_instances(
@@ -325,11 +337,13 @@ class CoreSteps:
         if sanitized is not state:
             sanitized = one(sanitized)
         instruction = decision.instruction
+        # (one construction each: no _replace loop)
         if isinstance(instruction, Write):
-            instruction = instruction._replace(state=written)
+            instruction = built(Write, (written, *instruction[1:]))
         elif isinstance(instruction, Done) and instruction.state is decision.state:
-            instruction = instruction._replace(state=sanitized)  # it ends on the view
-        return decision._replace(instruction=instruction, state=sanitized), written
+            # it ends on the view
+            instruction = built(Done, (instruction.action, sanitized, *instruction[2:]))
+        return built(Decision, (instruction, decision.action, sanitized, decision.dead)), written
 
     def _decide(
         self, view: NodeView, node: NodeDesc, op: Operator, limit: float, log: tuple[NodeDesc, ...]

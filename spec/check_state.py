@@ -27,6 +27,7 @@ from ..core import (
     Settings,
 )
 from .lifecycle import Name, Phase
+from .model import built
 from .options import Rule, check_ranges, check_settings
 
 __all__ = [
@@ -397,11 +398,14 @@ def with_local(
     """``g`` with slot ``slot``'s local state replaced (and what else is given)."""
     locals_ = list(g.locals)
     locals_[slot] = loc
-    return Global(
-        g.shared if shared is None else shared,
-        tuple(locals_),
-        g.crashes if crashes is None else crashes,
-        g.intents if intents is None else intents,
-        g.failures,
-        g.exclusions,
+    return built(
+        Global,
+        (
+            g.shared if shared is None else shared,
+            tuple(locals_),
+            g.crashes if crashes is None else crashes,
+            g.intents if intents is None else intents,
+            g.failures,
+            g.exclusions,
+        ),
     )

@@ -13,6 +13,7 @@ step's properties and conformance.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -56,6 +57,7 @@ from .check_state import (
 from .check_symmetry import CACHE_LIMIT, Instances
 from .check_trace import narrate
 from .lifecycle import TERMINAL_PHASES, Lifecycle, Phase
+from .model import built
 
 __all__ = ["Plan", "Steps", "Template"]
 
@@ -126,6 +128,13 @@ _MEMBER_AGES = (Age.FRESH, Age.DUE, Age.EXPIRED)
 _OTHER_AGES = (Age.FRESH,)
 
 
+@functools.cache
+def _event(kind: EventKind, slot: int) -> Event:
+    """The event ``kind`` of ``slot``, without timers: one instance of each (the
+    search asks every state for its events)."""
+    return Event(kind, slot)
+
+
 class Steps:
     """The events of one search and their successors (memoized where a pure
     function of fewer things than the whole state)."""
@@ -143,14 +152,15 @@ class Steps:
         self._charging = config.max_failures > 0
         #: (shared state, intent log, event kind, slot, local) -> events (see choices)
         self._choices: dict[tuple[object, ...], tuple[list[Event], list[Event]]] = {}
-        #: (shared state, intent log, event kind, slot, local) -> the event's plan
-        #: (see plan)
-        self._plans: dict[tuple[object, ...], Plan] = {}
+        #: (id of the shared state, intent log, event kind, slot, local) -> (the
+        #: shared state, the event's plan) (see plan; an entry holds the state its
+        #: key names by id, so the id is not reused while the entry is there)
+        self._plans: dict[tuple[object, ...], tuple[RendezvousState, Plan]] = {}
         #: what a step's conformance reads, beyond every node's phase -> a number
         #: (see _template); numbers are never reused, so that a number conformed
         #: before the table was dropped still means what it meant
         self._conform_ids: dict[tuple[object, ...], int] = {}
-        self._conform_numbers = itertools.count()
+        self._next_conform_number = 0
         #: steps conformed already: (conformance number, every node's phase and
         #: incarnation), or the number alone when the conformance reads no other
         #: node (see _conformance_key)
@@ -167,31 +177,31 @@ class Steps:
             if loc.phase in TERMINAL_PHASES:
                 continue
             if g.crashes < cfg.max_crashes:
-                yield Event(EventKind.CRASH, i)
+                yield _event(EventKind.CRASH, i)
             if loc.op is not None:
-                yield Event(EventKind.STEP, i)
+                yield _event(EventKind.STEP, i)
                 continue
             training = loc.phase is Phase.TRAINING
             if loc.phase in (Phase.IDLE, Phase.EXITED) or (training and not _member(g, i)):
-                yield Event(EventKind.JOIN, i)
+                yield _event(EventKind.JOIN, i)
             if training:
-                yield Event(EventKind.HEARTBEAT, i)
-                yield Event(EventKind.EXIT, i)
+                yield _event(EventKind.HEARTBEAT, i)
+                yield _event(EventKind.EXIT, i)
             if cfg.allow_close and not g.shared.closed:
-                yield Event(EventKind.CLOSE, i)
+                yield _event(EventKind.CLOSE, i)
             if g.shared.closed:
                 continue  # a charge or an exclusion of a closed rendezvous is done at once
             if training and g.failures < cfg.max_failures and not loc.round_ended:
                 # A failure of an ended round is free (ChargeRestartOp finishes at
                 # once): nothing shared changes, and its exit and join are the
                 # node's events anyway.
-                yield Event(EventKind.FAIL, i)
+                yield _event(EventKind.FAIL, i)
             if (
                 g.exclusions < cfg.max_exclusions
                 and loc.phase in _EXCLUDING_PHASES
                 and g.shared.excluded.get(node_of(i, loc.incarnation), 0) <= g.shared.round
             ):
-                yield Event(EventKind.EXCLUDE, i)
+                yield _event(EventKind.EXCLUDE, i)
 
     def expand(self, g: Global, event: Event) -> Iterator[Event]:
         """The concrete events of ``event``: a step, for every way the node's timers
@@ -300,18 +310,20 @@ class Steps:
                 continue
             instruction = step.decision.instruction
             check = (step.decision, step.performed, step.guards, step.intents)
+            # (a tuple's hash is not kept: a new check is told by the set's size,
+            # hashing it once)
+            known_checks = len(checks)
             if isinstance(instruction, (Wait, Beat)):
-                if check not in checks:
-                    checks.add(check)
+                checks.add(check)
+                if len(checks) != known_checks:
                     checked.append(concrete)
                 continue
             # (a Write's state is the written one: one instance of it, see CoreSteps)
             written = instruction[1:] if isinstance(instruction, Write) else instruction
             outcome = (written, step.performed, step.written, step.intents)
-            if stored.setdefault(outcome, concrete) is concrete:
-                checks.add(check)
-            elif check not in checks:
-                checks.add(check)
+            first = stored.setdefault(outcome, concrete) is concrete
+            checks.add(check)
+            if not first and len(checks) != known_checks:
                 checked.append(concrete)
         return [*violations, *stored.values()], checked
 
@@ -339,10 +351,10 @@ class Steps:
             Found: a stored event's core step breaks a property (its event set).
         """
         loc = g.locals[event.slot]
-        key = (g.shared, g.intents, event.kind, event.slot, loc)
-        known = self._plans.get(key)
-        if known is not None:
-            return known
+        key = (id(g.shared), g.intents, event.kind, event.slot, loc)
+        hit = self._plans.get(key)
+        if hit is not None:
+            return hit[1]
         stored, checked = self.choices(g, event)
         templates = []
         for concrete in stored:
@@ -353,7 +365,7 @@ class Steps:
                 raise
         if len(self._plans) >= CACHE_LIMIT:
             self._plans.clear()
-        self._plans[key] = Plan(templates, [], len(checked))
+        self._plans[key] = (g.shared, Plan(templates, [], len(checked)))
         return Plan(templates, checked, len(checked))
 
     def _template(self, g: Global, event: Event) -> Template:
@@ -386,11 +398,13 @@ class Steps:
         local state ``started``) reads besides the nodes' phases, and whether it
         reads the other nodes' phases at all."""
         what = (shared, step.decision, step.performed, step.guards, slot, started)
-        number = self._conform_ids.get(what)
-        if number is None:
-            if len(self._conform_ids) >= CACHE_LIMIT:
-                self._conform_ids.clear()  # numbers are never reused: see __init__
-            number = self._conform_ids[what] = next(self._conform_numbers)
+        if len(self._conform_ids) >= CACHE_LIMIT:
+            self._conform_ids.clear()  # numbers are never reused: see __init__
+        fresh = self._next_conform_number
+        # (one lookup, which hashes the states in ``what`` once)
+        number = self._conform_ids.setdefault(what, fresh)
+        if number == fresh:
+            self._next_conform_number += 1
         decision = step.decision
         instruction = decision.instruction
         admitted = instruction.admitted if isinstance(instruction, Write) else ()
@@ -410,13 +424,16 @@ class Steps:
         crashes, failures, exclusions = template.counts
         locals_ = list(g.locals)
         locals_[slot] = template.after
-        after = Global(
-            template.written,
-            tuple(locals_),
-            g.crashes + crashes,
-            template.intents,
-            g.failures + failures,
-            g.exclusions + exclusions,
+        after = built(
+            Global,
+            (
+                template.written,
+                tuple(locals_),
+                g.crashes + crashes,
+                template.intents,
+                g.failures + failures,
+                g.exclusions + exclusions,
+            ),
         )
         step = template.core_step
         if step is None:
@@ -690,7 +707,7 @@ def _next_local(loc: Local, instruction: Instruction, deadline: Deadline | None)
             if loc.op in _ON_THEIR_OWN and ended is loc.phase:
                 # the node goes on as it was (a training node in the same round)
                 return loc._replace(op=None, deadline=None)
-            return Local(loc.incarnation, ended, None, None)
+            return built(Local, (loc.incarnation, ended, None, None, False))
     # The time that passed stays passed: the chosen deadline value is kept.
     new_deadline = loc.deadline if loc.op is None else deadline
     phase = loc.phase
@@ -703,6 +720,5 @@ def _next_local(loc: Local, instruction: Instruction, deadline: Deadline | None)
         if instruction.deadline is not None:
             # a fresh deadline, as far from now as the one an operation starts with
             new_deadline = Deadline.BEFORE
-    return Local(
-        loc.incarnation, phase, loc.op, new_deadline, loc.round_ended and phase is Phase.TRAINING
-    )
+    round_ended = loc.round_ended and phase is Phase.TRAINING
+    return built(Local, (loc.incarnation, phase, loc.op, new_deadline, round_ended))

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from ..core import NodeDesc, RendezvousState
 from .check_state import CheckConfig, Global, Local, node_of
 from .lifecycle import TERMINAL_PHASES, Phase
+from .model import built
 
 __all__ = ["CACHE_LIMIT", "Instances", "Symmetry", "relabel"]
 
@@ -59,7 +60,7 @@ def relabel(g: Global, perm: tuple[int, ...]) -> Global:
     for i, loc in enumerate(g.locals):
         locals_[perm[i]] = loc
     intents = frozenset(map(lab, g.intents))
-    return Global(shared, tuple(locals_), g.crashes, intents, g.failures, g.exclusions)
+    return built(Global, (shared, tuple(locals_), g.crashes, intents, g.failures, g.exclusions))
 
 
 def _rename_nodes(
@@ -172,7 +173,7 @@ class Symmetry:
         locals_ = self._locals(locals_)[0]
         if shared is g.shared and locals_ is g.locals and intents is g.intents:
             return g
-        return Global(shared, locals_, g.crashes, intents, g.failures, g.exclusions)
+        return built(Global, (shared, locals_, g.crashes, intents, g.failures, g.exclusions))
 
     def _normal_locals(
         self, shared: RendezvousState, locals_: tuple[Local, ...], intents: frozenset[NodeDesc]

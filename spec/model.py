@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
 
@@ -43,6 +42,11 @@ from transitions import Machine, MachineError
 
 from ..core import NodeDesc, Observations, RendezvousState, Settings
 from .lifecycle import LOCAL_PHASES, TERMINAL_PHASES, Lifecycle, Phase
+
+#: ``built(Cls, (every field, in order))``: a named tuple made without the
+#: Python-level ``__new__`` that calling the class runs. The model checker's inner
+#: loop makes millions of states, local states and guards; its paths build them so.
+built = tuple.__new__
 
 __all__ = [
     "LIVE_STATES",
@@ -283,8 +287,7 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class View:
+class View(NamedTuple):
     """One node's view before a step: what the model's guards may look at.
 
     ``now`` and ``deadline`` are on the node's own clock; ``deadline`` is None when
@@ -342,22 +345,27 @@ class Guards(NamedTuple):
             and sighting.arming == state.last_call
             and now - sighting.since > s.last_call_timeout
         )
-        timed_out = view.deadline is not None and now > view.deadline
-        return cls(
-            closed=state.closed,
-            round_complete=state.complete,
-            round_full=count >= s.max_nodes,
-            round_open=not state.closed and not state.complete and count < s.max_nodes,
-            fills_round=node not in state.participants and count + 1 == s.max_nodes,
-            quorum=s.min_nodes <= count <= s.max_nodes,
-            last_call_over=lc_over,
-            keep_alive_due=beat_due,
-            timed_out=timed_out,
-            within_rollback=(
-                view.deadline is not None and now <= view.deadline + s.rollback_period
+        deadline = view.deadline
+        closed, complete = state.closed, state.complete
+        round_full = count >= s.max_nodes
+        # (every field in order, one construction: the checker evaluates the
+        # guards of each new step)
+        return built(
+            cls,
+            (
+                closed,
+                complete,
+                round_full,
+                not closed and not complete and not round_full,  # round_open
+                node not in state.participants and count + 1 == s.max_nodes,  # fills_round
+                s.min_nodes <= count <= s.max_nodes,  # quorum
+                lc_over,
+                beat_due,  # keep_alive_due
+                deadline is not None and now > deadline,  # timed_out
+                deadline is not None and now <= deadline + s.rollback_period,  # within_rollback
+                node in view.pending,  # announced
+                bool(state.excluded) and state.excluded.get(node, 0) > state.round,  # excluded
             ),
-            announced=node in view.pending,
-            excluded=bool(state.excluded) and state.excluded.get(node, 0) > state.round,
         )
 
 
