@@ -271,12 +271,16 @@ class CoreSteps:
         # The stepping node's own action is judged on its view before the action.
         limit = None if deadline is None else self.times[deadline]
         guards = Guards.of(
-            View(node, decision.state, self.settings, 0.0, view.observations, limit, pending)
+            built(
+                View, (node, decision.state, self.settings, 0.0, view.observations, limit, pending)
+            )
         )
         if len(self._steps) >= CACHE_LIMIT:
             self._steps.clear()
             self.generation += 1
-        step = CoreStep(decision, effect.performed, written, guards, effect.intents, read_log)
+        step = built(
+            CoreStep, (decision, effect.performed, written, guards, effect.intents, read_log)
+        )
         self._steps[key] = (state, step)
         return step
 

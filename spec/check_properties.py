@@ -42,6 +42,9 @@ class StepProperties:
         self._generation = core.generation
         #: node -> whether its lease has run out a liveness window after its renewal
         self._fences: dict[NodeDesc, bool] = {}
+        #: the nodes judged so far, and those of them whose lease had not run out
+        self._judged: set[NodeDesc] = set()
+        self._unfenced: set[NodeDesc] = set()
 
     def peer_problems(self, g: Global, slot: int, step: CoreStep) -> list[str]:
         """The checks of ``slot``'s ``step`` in ``g`` that read the other nodes'
@@ -63,6 +66,11 @@ class StepProperties:
         it, which is no earlier than the renewal that set it was sent. So at that
         moment the node's own lease (its sighting of itself, timed from that send)
         is at least a window old, and the core's ``must_fence`` must say so."""
+        if not dead <= self._judged:
+            for node in dead:
+                self._fenced(node)
+        if self._unfenced.isdisjoint(dead):
+            return []  # (every step that declares nodes dead asks: two set operations)
         window = self.settings.liveness_window
         problems = []
         training = Phase.TRAINING
@@ -87,6 +95,9 @@ class StepProperties:
             lapsed = make_observations({node: HeartbeatSighting(0, -window)}, None)
             view = NodeView(observations=lapsed)
             known = self._fences[node] = core_driver.must_fence(view, node, self.settings, 0.0)
+            self._judged.add(node)
+            if not known:
+                self._unfenced.add(node)
         return known
 
     def missed_wakeups(self, g: Global, slot: int, core_step: CoreStep) -> list[str]:

@@ -247,7 +247,7 @@ class Steps:
             deadlines = self.deadlines[self.deadlines.index(loc.deadline) :]
         joins = kind is EventKind.JOIN or (kind is EventKind.STEP and loc.op is Op.JOIN)
         for expired, mine, lc, dl in itertools.product(list(subsets), own, over, deadlines):
-            timers = Timers(frozenset(expired), mine, lc, dl)
+            timers = built(Timers, (frozenset(expired), mine, lc, dl, False))
             yield Event(kind, slot, timers)
             if joins and self.core.contention_matters(g, node, timers):
                 yield Event(kind, slot, timers._replace(contended=True))
