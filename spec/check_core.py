@@ -225,7 +225,7 @@ class CoreSteps:
         instruction = step.decision.instruction
         if not isinstance(instruction, Write) or instruction.action is None:
             return False
-        contended = timers._replace(contended=True)
+        contended = built(Timers, (*timers[:4], True))  # (contended is the last field)
         try:
             other = self.step(state, node, JoinOp(), contended, deadline, intents)
         except Found:

@@ -250,7 +250,7 @@ class Steps:
             timers = built(Timers, (frozenset(expired), mine, lc, dl, False))
             yield Event(kind, slot, timers)
             if joins and self.core.contention_matters(g, node, timers):
-                yield Event(kind, slot, timers._replace(contended=True))
+                yield Event(kind, slot, built(Timers, (*timers[:4], True)))
 
     def choices(self, g: Global, event: Event) -> tuple[list[Event], list[Event]]:
         """The concrete events of ``event`` (see :meth:`expand`), split in two: the

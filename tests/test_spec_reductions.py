@@ -210,3 +210,23 @@ def test_fingerprints_tell_states_apart_exactly_up_to_relabelling() -> None:
             assert fresh.fingerprint(moved)[1] == fp
             assert checker.symmetry.canonical(moved)[0] == g
             assert owner.setdefault(moved, index) == index
+
+
+def test_one_construction_paths_build_what_the_constructors_build() -> None:
+    """The inner loop builds named tuples from every field in order
+    (``model.built``); a field added or moved would shift them silently."""
+    from rallypoint.spec.check_state import Age, Deadline, Local, Op, Timers
+    from rallypoint.spec.lifecycle import Phase
+    from rallypoint.spec.model import Guards, View, built
+
+    timers = Timers(frozenset({NodeDesc("n1", 100, 0)}), Age.DUE, True, Deadline.PAST)
+    assert built(Timers, (*timers[:4], True)) == timers._replace(contended=True)
+    assert Timers._fields[-1] == "contended"
+    assert built(Local, (2, Phase.CLOSED, None, None, False)) == Local(2, Phase.CLOSED, None, None)
+    assert Local._fields == ("incarnation", "phase", "op", "deadline", "round_ended")
+    assert Local(0, Phase.JOINING, Op.JOIN, Deadline.BEFORE).round_ended is False
+    assert Global._fields == ("shared", "locals", "crashes", "intents", "failures", "exclusions")
+    assert View._fields == (
+        "node", "state", "settings", "now", "observations", "deadline", "pending"
+    )  # fmt: skip
+    assert len(Guards._fields) == 12 and Guards._fields[-2:] == ("announced", "excluded")
