@@ -40,9 +40,8 @@ class StepProperties:
         #: wake-ups, for the core steps' current generation
         self._wakeups: dict[tuple[object, ...], list[str]] = {}
         self._generation = core.generation
-        #: node -> whether its lease has run out a liveness window after its renewal
-        self._fences: dict[NodeDesc, bool] = {}
-        #: the nodes judged so far, and those of them whose lease had not run out
+        #: the nodes whose lease was judged a liveness window after its renewal,
+        #: and those of them whose lease had not run out then (see _fenced)
         self._judged: set[NodeDesc] = set()
         self._unfenced: set[NodeDesc] = set()
 
@@ -78,7 +77,7 @@ class StepProperties:
             if loc.phase is not training:
                 continue
             gone = node_of(i, loc.incarnation)
-            if gone in dead and not self._fenced(gone):
+            if gone in dead and gone in self._unfenced:  # (every dead node is judged)
                 problems.append(
                     f"lease: {gone} was declared dead while it trained, and its own lease "
                     f"(last renewed a liveness window of {window:g} s ago) had not run out: "
@@ -89,16 +88,14 @@ class StepProperties:
     def _fenced(self, node: NodeDesc) -> bool:
         """Whether the core tells ``node`` to stop its workers a liveness window
         after its last renewal (memoized: a function of the node and settings)."""
-        known = self._fences.get(node)
-        if known is None:
+        if node not in self._judged:
             window = self.settings.liveness_window
             lapsed = make_observations({node: HeartbeatSighting(0, -window)}, None)
             view = NodeView(observations=lapsed)
-            known = self._fences[node] = core_driver.must_fence(view, node, self.settings, 0.0)
-            self._judged.add(node)
-            if not known:
+            if not core_driver.must_fence(view, node, self.settings, 0.0):
                 self._unfenced.add(node)
-        return known
+            self._judged.add(node)
+        return node not in self._unfenced
 
     def missed_wakeups(self, g: Global, slot: int, core_step: CoreStep) -> list[str]:
         """Waiters the step ``core_step`` of ``slot`` leaves asleep although their
