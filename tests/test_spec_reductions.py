@@ -28,7 +28,10 @@ from rallypoint.core.actions import Action
 from rallypoint.spec import check_steps
 from rallypoint.spec.check import CheckConfig, Checker, CheckResult, Global, check
 from rallypoint.spec.check_search import Search
+from rallypoint.spec.check_state import Age, Deadline, Local, Op, Timers
 from rallypoint.spec.check_symmetry import Symmetry, relabel
+from rallypoint.spec.lifecycle import Phase
+from rallypoint.spec.model import Guards, View, built
 
 #: Two nodes, one crash, close: crashes, ghosts and finished nodes, in seconds.
 CRASHING = CheckConfig(nodes=2, max_crashes=1)
@@ -215,10 +218,6 @@ def test_fingerprints_tell_states_apart_exactly_up_to_relabelling() -> None:
 def test_one_construction_paths_build_what_the_constructors_build() -> None:
     """The inner loop builds named tuples from every field in order
     (``model.built``); a field added or moved would shift them silently."""
-    from rallypoint.spec.check_state import Age, Deadline, Local, Op, Timers
-    from rallypoint.spec.lifecycle import Phase
-    from rallypoint.spec.model import Guards, View, built
-
     timers = Timers(frozenset({NodeDesc("n1", 100, 0)}), Age.DUE, True, Deadline.PAST)
     assert built(Timers, (*timers[:4], True)) == timers._replace(contended=True)
     assert Timers._fields[-1] == "contended"
