@@ -19,12 +19,15 @@ import contextlib
 import gc
 import itertools
 import multiprocessing
+import os
 import time
 from collections.abc import Callable, Container, Iterable, Iterator
-from multiprocessing.pool import Pool
+from multiprocessing.pool import AsyncResult, Pool
 from typing import Any, TypeVar
 
-from .check_state import CheckResult, Event, Found, Global, Violation
+import psutil
+
+from .check_state import CheckerWorkerError, CheckResult, Event, Found, Global, Violation
 from .check_steps import Steps
 from .check_symmetry import Symmetry, relabel
 from .check_trace import replay
@@ -33,8 +36,13 @@ from .invariants import check_state
 
 __all__ = ["Search"]
 
-#: Seconds between two progress reports of a search.
+#: Seconds between two progress reports of a search, and between two looks at
+#: its memory (against ``max_memory``).
 _PROGRESS_INTERVAL = 0.5
+#: Seconds between two looks at the workers while waiting for one: a dead one's
+#: chunk never comes back, and waiting on would hang the search.
+_LIVENESS_INTERVAL = 0.5
+_GIB = 2**30
 _T = TypeVar("_T")
 #: States a worker steps in one go, at most.
 _CHUNK = 256
@@ -67,7 +75,10 @@ class Search:
         self._handed_out: set[int] = set()
         #: lifecycle edges a chunk reported already (see step_chunk)
         self._edges_reported: set[tuple[str, str, str]] = set()
-        self._start = self._reported = 0.0
+        self._start = self._reported = self._weighed = 0.0
+        #: the processes whose memory counts against ``max_memory``: this one,
+        #: and the workers (see _levels)
+        self._processes = [psutil.Process()]
         #: the state the search started from (a violation's trace starts there)
         self._initial: Global | None = None
         #: this process's end of the wire to and from the workers
@@ -87,7 +98,7 @@ class Search:
         state and its fingerprint.
         """
         with _without_collections():
-            self._start = self._reported = time.perf_counter()
+            self._start = self._reported = self._weighed = time.perf_counter()
             self._initial = initial
             result = CheckResult(self.config)
             init, _, init_fp = self.symmetry.canonical(initial)
@@ -131,16 +142,19 @@ class Search:
             _WORKER = self
             context = multiprocessing.get_context("fork")
             pools = [context.Pool(1) for _ in range(workers)]
+            self._processes[1:] = [psutil.Process(pool.apply(os.getpid)) for pool in pools]
             g, fp = level[0]
             level = [(self._wire.state(g), fp, hash(g.shared))]
         try:
             while level:
                 result.depth = depth
+                if self._out_of_memory(result):
+                    break
                 size = max(1, min(_CHUNK, len(level) // (workers * 4)))
                 # In process, each chunk is stepped after the previous one merged:
                 # it skips the successors already known.
                 outcomes: Iterable[_ChunkOutcome] = (
-                    _in_workers(pools, level, size, owners)
+                    _in_workers(pools, level, size, owners, self._processes[1:])
                     if pools
                     else (self.step_chunk(chunk, parents) for chunk in _chunks(level, size))
                 )
@@ -153,8 +167,27 @@ class Search:
             for pool in pools:
                 pool.terminate()
                 pool.join()
+            del self._processes[1:]
             _WORKER = None
         return depth
+
+    def _out_of_memory(self, result: CheckResult) -> bool:
+        """Whether the search's processes hold more than ``max_memory`` (then
+        ``result`` says so: the search stops there)."""
+        limit = self.config.max_memory
+        if limit is None:
+            return False
+        self._weighed = time.perf_counter()
+        held = 0
+        for process in self._processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                held += process.memory_info().rss
+        if held <= limit * _GIB:
+            return False
+        result.complete = False
+        result.stopped_by = "max_memory"
+        result.memory = held / _GIB
+        return True
 
     def _merge(
         self,
@@ -187,8 +220,11 @@ class Search:
                     on_state(stored, cfp)
                 if limit is not None and len(parents) >= limit:
                     result.complete = False
+                    result.stopped_by = "max_states"
                     return None
             now = time.perf_counter()
+            if now - self._weighed >= _PROGRESS_INTERVAL and self._out_of_memory(result):
+                return None
             if progress is not None and now - self._reported >= _PROGRESS_INTERVAL:
                 self._reported = now
                 result.states, result.seconds = len(parents), now - self._start
@@ -302,7 +338,11 @@ def _cut(items: list[_T], size: int) -> list[list[_T]]:
 
 
 def _in_workers(
-    pools: list[Pool], level: list[tuple[WireTuple, int, int]], size: int, owners: dict[int, int]
+    pools: list[Pool],
+    level: list[tuple[WireTuple, int, int]],
+    size: int,
+    owners: dict[int, int],
+    processes: list[psutil.Process],
 ) -> Iterator[_ChunkOutcome]:
     """The outcomes of ``level``'s chunks, each stepped by the worker its shared
     state belongs to (the same worker level after level, where that state's
@@ -331,7 +371,32 @@ def _in_workers(
     for turn in itertools.zip_longest(*queues):
         for outcome in turn:
             if outcome is not None:
-                yield outcome.get()
+                yield _outcome(outcome, processes)
+
+
+def _outcome(outcome: AsyncResult[_ChunkOutcome], processes: list[psutil.Process]) -> _ChunkOutcome:
+    """What a worker's chunk gave, once it is back.
+
+    Raises:
+        CheckerWorkerError: a worker died meanwhile. A pool replaces a dead
+            worker, but the chunk it held is lost, and its memo tables with it.
+    """
+    while not outcome.ready():
+        outcome.wait(_LIVENESS_INTERVAL)
+        for process in processes:
+            try:
+                alive = process.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                raise CheckerWorkerError(
+                    f"checker worker process {process.pid} died in the middle of the "
+                    "search (killed: by the out-of-memory killer, if the machine ran out "
+                    "of memory); its part of the search is lost. Set a lower max_memory "
+                    "(--max-memory), so that the search stops before the machine runs "
+                    "out, or bound it with max_states (--max-states)"
+                )
+    return outcome.get()
 
 
 def _path(parents: _Parents, fp: int) -> list[Event]:

@@ -35,6 +35,7 @@ __all__ = [
     "CheckConfig",
     "CheckResult",
     "CheckerConfigError",
+    "CheckerWorkerError",
     "Deadline",
     "Event",
     "EventKind",
@@ -54,6 +55,11 @@ class CheckerConfigError(ValueError):
     """The checker configuration is out of range (the message names the field)."""
 
 
+class CheckerWorkerError(RuntimeError):
+    """A worker process of the search died (killed, e.g. by the out-of-memory
+    killer): its part of a level is lost, so the search cannot go on."""
+
+
 @dataclass(frozen=True)
 class CheckConfig:
     """What to check.
@@ -69,6 +75,10 @@ class CheckConfig:
         stable_ranks: the settings' stable-ranks option (ranks kept across rounds).
         symmetry: store states modulo node permutations.
         max_states: stop after this many distinct states (None: explore all).
+        max_memory: stop once the search's processes hold more than this many
+            GiB of memory (their resident sets, summed; None: no limit). A space
+            too large for the machine then ends as a search stopped early, with
+            its figures, instead of in the out-of-memory killer.
         max_failures: times in one run that a training node's workers fail (it
             then charges the restart budget for its round, and may exit and join
             again). 0: never, and the search is the one without a budget.
@@ -87,6 +97,7 @@ class CheckConfig:
     stable_ranks: bool = False
     symmetry: bool = True
     max_states: int | None = None
+    max_memory: float | None = None
     max_failures: int = 0
     max_exclusions: int = 0
     restart_budget: int | None = None
@@ -96,6 +107,7 @@ class CheckConfig:
         rules = (
             Rule(("nodes", "max_states"), 1),
             Rule(("max_round", "max_crashes", "max_failures", "max_exclusions"), 0),
+            Rule(("max_memory",), 0, strict=True, finite=True),
         )
         check_ranges(self, CheckerConfigError, rules)
         check_settings(self, CheckerConfigError)
@@ -304,6 +316,10 @@ class CheckResult:
     depth: int = 0
     seconds: float = 0.0
     complete: bool = True
+    #: the limit that stopped an incomplete search: "max_states" or "max_memory"
+    stopped_by: str | None = None
+    #: the memory the search's processes held when ``max_memory`` stopped it (GiB)
+    memory: float = 0.0
     violation: Violation | None = None
     lifecycle_edges: set[tuple[str, str, str]] = field(default_factory=set)
 
@@ -318,6 +334,9 @@ class CheckResult:
             if self.violation is not None
             else "full state space"
             if self.complete
+            else f"stopped at the memory limit: {self.memory:.2f} GiB held, "
+            f"more than max_memory={c.max_memory:g} GiB"
+            if self.stopped_by == "max_memory"
             else f"stopped at {c.max_states} states"
         )
         lines = [

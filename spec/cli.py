@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import psutil
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -30,6 +32,13 @@ if TYPE_CHECKING:
     from .simulator import SimReport
 
 __all__ = ["simulate_main", "spec_main"]
+
+
+#: The share of the memory available at its start that a check may fill by default:
+#: the 4-node default space outgrows a 23 GiB machine, and a search the
+#: out-of-memory killer ends leaves nothing (it killed a worker: the search
+#: waited forever for that worker's chunk, until CheckerWorkerError).
+_DEFAULT_MEMORY_SHARE = 0.8
 
 
 def _spec_parser() -> argparse.ArgumentParser:
@@ -58,6 +67,14 @@ def _spec_parser() -> argparse.ArgumentParser:
     check.add_argument("--stable-ranks", action="store_true", help="check the stable-ranks option")
     check.add_argument("--no-symmetry", action="store_true", help="disable symmetry reduction")
     check.add_argument("--max-states", type=int, default=None, help="stop after this many")
+    check.add_argument(
+        "--max-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="stop once the checker's processes hold this much memory, in GiB "
+        "(default: 80%% of the memory available when the check starts)",
+    )
     check.add_argument(
         "--max-failures",
         type=int,
@@ -99,9 +116,11 @@ def spec_main(argv: list[str]) -> int:
     args = _spec_parser().parse_args(argv)
     if args.command == "diagram":
         return _diagram(Path(args.output), source_only=args.source)
-    from .check import CheckConfig, check
+    from .check import CheckConfig, CheckerWorkerError, check
 
     changes = {"allow_close": not args.no_close, "symmetry": not args.no_symmetry}
+    if args.max_memory is None:
+        changes["max_memory"] = _DEFAULT_MEMORY_SHARE * psutil.virtual_memory().available / 2**30
     config = _config("rallypoint spec check", CheckConfig, args, changes)
     if config is None:
         return 2
@@ -111,10 +130,14 @@ def spec_main(argv: list[str]) -> int:
             f"rallypoint spec check: --workers must be at least 1, got {workers}", file=sys.stderr
         )
         return 2
-    if args.quiet or not sys.stderr.isatty():
-        result = check(config, workers=workers)
-    else:
-        result = _check_with_progress(config, workers)
+    try:
+        if args.quiet or not sys.stderr.isatty():
+            result = check(config, workers=workers)
+        else:
+            result = _check_with_progress(config, workers)
+    except CheckerWorkerError as exc:
+        print(f"rallypoint spec check: {exc}", file=sys.stderr)
+        return 1
     print(result.summary())
     return 0 if result.ok else 1
 

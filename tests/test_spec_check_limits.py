@@ -1,0 +1,106 @@
+"""The checker's limits: a search too large for the machine stops with its figures
+(``max_memory``), and a worker that dies fails the search instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from rallypoint.core import driver
+from rallypoint.spec import cli
+from rallypoint.spec.check import CheckConfig, CheckerConfigError, CheckerWorkerError, check
+from rallypoint.spec.cli import spec_main
+
+#: Two nodes, every round, a crash and close: the full space in about a second.
+TWO = CheckConfig(nodes=2)
+#: Far below what any Python process holds.
+TINY_GIB = 0.001
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_memory_limit_stops_the_search_with_its_figures(workers: int) -> None:
+    result = check(CheckConfig(nodes=2, max_memory=TINY_GIB), workers=workers)
+    assert not result.complete and result.ok
+    assert result.stopped_by == "max_memory"
+    assert result.memory > TINY_GIB
+    assert result.states >= 1
+    assert "stopped at the memory limit" in result.summary()
+    assert f"more than max_memory={TINY_GIB:g} GiB" in result.summary()
+
+
+def test_a_memory_limit_not_reached_changes_nothing() -> None:
+    limited, unlimited = check(CheckConfig(nodes=2, max_memory=1000.0)), check(TWO)
+    assert limited.complete and limited.stopped_by is None
+    assert (limited.states, limited.transitions, limited.depth) == (
+        unlimited.states,
+        unlimited.transitions,
+        unlimited.depth,
+    )
+
+
+def test_the_state_limit_names_itself() -> None:
+    result = check(CheckConfig(nodes=2, max_states=50))
+    assert not result.complete and result.stopped_by == "max_states"
+    assert "stopped at 50 states" in result.summary()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf")])
+def test_a_memory_limit_out_of_range_is_refused(bad: float) -> None:
+    with pytest.raises(CheckerConfigError, match="max_memory must be a finite number > 0"):
+        CheckConfig(max_memory=bad)
+
+
+def test_the_cli_stops_at_the_memory_limit_it_is_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert spec_main(["check", "--nodes", "2", "--max-memory", str(TINY_GIB), "--quiet"]) == 0
+    assert "stopped at the memory limit" in capsys.readouterr().out
+    assert spec_main(["check", "--nodes", "2", "--max-memory", "0", "--quiet"]) == 2
+    assert "max_memory must be a finite number > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_the_cli_limits_memory_to_a_share_of_what_is_available(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A machine with about 1 MiB available: the default limit stops at once.
+    monkeypatch.setattr(cli.psutil, "virtual_memory", lambda: SimpleNamespace(available=2**20))
+    assert spec_main(["check", "--nodes", "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    limit = cli._DEFAULT_MEMORY_SHARE * 2**20 / 2**30
+    assert "stopped at the memory limit" in out and f"max_memory={limit:g} GiB" in out
+
+
+def _killed_in_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plant a decide that kills the process it runs in, unless that is this one:
+    a worker dies the way the out-of-memory killer ends it."""
+    main, real = os.getpid(), driver.decide
+
+    def decide(*args: object, **kwargs: object) -> driver.Decision:
+        if os.getpid() != main:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(driver, "decide", decide)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_fails_the_search_instead_of_hanging_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _killed_in_workers(monkeypatch)
+    with pytest.raises(CheckerWorkerError, match=r"checker worker process \d+ died"):
+        check(TWO, workers=2)
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_reports_a_dead_worker_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _killed_in_workers(monkeypatch)
+    assert spec_main(["check", "--nodes", "2", "--workers", "2", "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("rallypoint spec check: checker worker process")
+    assert "--max-memory" in err and "Traceback" not in err and out == ""
