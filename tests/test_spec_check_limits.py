@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from rallypoint.core import driver
-from rallypoint.spec import cli
+from rallypoint.spec import check_core, check_steps, check_symmetry, cli
 from rallypoint.spec.check import CheckConfig, CheckerConfigError, CheckerWorkerError, check
 from rallypoint.spec.cli import spec_main
 
@@ -104,3 +104,23 @@ def test_the_cli_reports_a_dead_worker_without_a_traceback(
     out, err = capsys.readouterr()
     assert err.startswith("rallypoint spec check: checker worker process")
     assert "--max-memory" in err and "Traceback" not in err and out == ""
+
+
+@pytest.mark.slow
+def test_memos_cleared_at_every_few_entries_search_the_same_space(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The memo tables are bounds on memory only: cleared whenever they hold 20
+    entries, they give the same states, transitions and depth."""
+    full = check(TWO)
+    for module in (check_core, check_steps, check_symmetry):
+        for name in ("CACHE_LIMIT", "LARGE_CACHE_LIMIT"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, 20)
+    cleared = check(TWO)
+    assert cleared.ok and cleared.complete
+    assert (cleared.states, cleared.transitions, cleared.depth) == (
+        full.states,
+        full.transitions,
+        full.depth,
+    )
