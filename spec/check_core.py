@@ -37,7 +37,7 @@ from ..core import driver as core_driver
 from ..core.actions import Action
 from ..core.errors import InvalidTransitionError
 from .check_state import Age, Deadline, Found, Global, Timers, make_observations
-from .check_symmetry import LARGE_CACHE_LIMIT, Instances
+from .check_symmetry import CACHE_LIMIT, Instances
 from .invariants import (
     check_admissions,
     check_removal_published,
@@ -142,7 +142,7 @@ class CoreSteps:
         """
         read = self._reads.get((id(state), node))
         if read is None:
-            if len(self._reads) >= LARGE_CACHE_LIMIT:
+            if len(self._reads) >= CACHE_LIMIT:
                 self._reads.clear()
             counters = _counters(state)
             read = core_driver.after_read(NodeView(), node, state, counters, 0.0)
@@ -183,7 +183,7 @@ class CoreSteps:
         if state.last_call is not None:
             since = self._call_over if lc else 0.0
             call = LastCallSighting(state.round, state.last_call, since)
-        if len(self._sightings) >= LARGE_CACHE_LIMIT:
+        if len(self._sightings) >= CACHE_LIMIT:
             self._sightings.clear()
         known = make_observations(beats, call)
         self._sightings[key] = (state, known)
@@ -207,7 +207,7 @@ class CoreSteps:
             )
         except InvalidTransitionError as exc:
             raise Found([f"the core chose an action it then rejected: {exc}"]) from None
-        if len(self._decisions) >= LARGE_CACHE_LIMIT:
+        if len(self._decisions) >= CACHE_LIMIT:
             self._decisions.clear()
         self._decisions[key] = (state, known)
         return known
@@ -275,7 +275,7 @@ class CoreSteps:
                 View, (node, decision.state, self.settings, 0.0, view.observations, limit, pending)
             )
         )
-        if len(self._steps) >= LARGE_CACHE_LIMIT:
+        if len(self._steps) >= CACHE_LIMIT:
             self._steps.clear()
             self.generation += 1
         step = built(
@@ -321,7 +321,7 @@ class CoreSteps:
         if admitted is not None:  # a Write
             problems += check_transition(sanitized, written)
             problems += check_admissions(node, state, sanitized, written, admitted, log)
-        if len(self._problems) >= LARGE_CACHE_LIMIT:
+        if len(self._problems) >= CACHE_LIMIT:
             self._problems.clear()
         self._problems[key] = (states, problems)
         return problems

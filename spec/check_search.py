@@ -173,7 +173,8 @@ class Search:
 
     def _out_of_memory(self, result: CheckResult) -> bool:
         """Whether the search's processes hold more than ``max_memory`` (then
-        ``result`` says so: the search stops there)."""
+        ``result`` says so: the search stops there). ``result.memory`` is what
+        they hold, for the progress line."""
         limit = self.config.max_memory
         if limit is None:
             return False
@@ -182,11 +183,11 @@ class Search:
         for process in self._processes:
             with contextlib.suppress(psutil.NoSuchProcess):
                 held += process.memory_info().rss
+        result.memory = held / _GIB
         if held <= limit * _GIB:
             return False
         result.complete = False
         result.stopped_by = "max_memory"
-        result.memory = held / _GIB
         return True
 
     def _merge(

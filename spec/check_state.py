@@ -318,7 +318,8 @@ class CheckResult:
     complete: bool = True
     #: the limit that stopped an incomplete search: "max_states" or "max_memory"
     stopped_by: str | None = None
-    #: the memory the search's processes held when ``max_memory`` stopped it (GiB)
+    #: the memory the search's processes held when last weighed against
+    #: ``max_memory`` (GiB; 0 without a limit)
     memory: float = 0.0
     violation: Violation | None = None
     lifecycle_edges: set[tuple[str, str, str]] = field(default_factory=set)

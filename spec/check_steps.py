@@ -54,7 +54,7 @@ from .check_state import (
     node_of,
     with_local,
 )
-from .check_symmetry import CACHE_LIMIT, LARGE_CACHE_LIMIT, Instances
+from .check_symmetry import CACHE_LIMIT, Instances
 from .check_trace import narrate
 from .lifecycle import TERMINAL_PHASES, Lifecycle, Phase
 from .model import built
@@ -281,7 +281,7 @@ class Steps:
         known = self._choices.get(key)
         if known is None:
             known = self._split(g, event)
-            if len(self._choices) >= LARGE_CACHE_LIMIT:
+            if len(self._choices) >= CACHE_LIMIT:
                 self._choices.clear()
             self._choices[key] = known
         return known
@@ -363,7 +363,7 @@ class Steps:
             except Found as found:
                 found.event = concrete
                 raise
-        if len(self._plans) >= LARGE_CACHE_LIMIT:
+        if len(self._plans) >= CACHE_LIMIT:
             self._plans.clear()
         self._plans[key] = (g.shared, Plan(templates, [], len(checked)))
         return Plan(templates, checked, len(checked))

@@ -20,15 +20,10 @@ from .check_state import CheckConfig, Global, Local, node_of
 from .lifecycle import TERMINAL_PHASES, Phase
 from .model import built
 
-__all__ = ["CACHE_LIMIT", "LARGE_CACHE_LIMIT", "Instances", "Symmetry", "relabel"]
+__all__ = ["CACHE_LIMIT", "Instances", "Symmetry", "relabel"]
 
 #: Entries a memo of the search keeps at most (a bound on memory, not on the search).
 CACHE_LIMIT = 500_000
-#: Entries a memo whose entries hold a core step or more keeps at most: those take
-#: 0.5 to 4 KB an entry at 4 nodes, and with CACHE_LIMIT the 4-node default space
-#: held about 8.7 GB in each worker at its end. Every such memo of the 3-node
-#: spaces stays below it (the largest, of core steps: 100,620 entries).
-LARGE_CACHE_LIMIT = 200_000
 #: The phase a node in any terminal phase is stored in (see Symmetry._normal_locals).
 _FINISHED = Phase.CLOSED
 

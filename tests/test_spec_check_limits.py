@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import signal
 from types import SimpleNamespace
 
 import pytest
+import rich.console
 
 from rallypoint.core import driver
 from rallypoint.spec import check_core, check_steps, check_symmetry, cli
@@ -114,9 +117,7 @@ def test_memos_cleared_at_every_few_entries_search_the_same_space(
     entries, they give the same states, transitions and depth."""
     full = check(TWO)
     for module in (check_core, check_steps, check_symmetry):
-        for name in ("CACHE_LIMIT", "LARGE_CACHE_LIMIT"):
-            if hasattr(module, name):
-                monkeypatch.setattr(module, name, 20)
+        monkeypatch.setattr(module, "CACHE_LIMIT", 20)
     cleared = check(TWO)
     assert cleared.ok and cleared.complete
     assert (cleared.states, cleared.transitions, cleared.depth) == (
@@ -124,3 +125,16 @@ def test_memos_cleared_at_every_few_entries_search_the_same_space(
         full.transitions,
         full.depth,
     )
+
+
+def test_the_live_line_shows_the_memory_the_search_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    screen = io.StringIO()
+    terminal = rich.console.Console(file=screen, force_terminal=True, width=200)
+    monkeypatch.setattr(rich.console, "Console", lambda **_: terminal)
+    config = CheckConfig(nodes=3, max_crashes=0, allow_close=False, max_memory=100.0)
+    result = cli._check_with_progress(config, 1)
+    assert result.complete and result.memory > 0
+    # a frame drawn after the first weighing shows what the search held
+    assert re.search(r"states/s, (?!0\.0 )\d+\.\d GiB", screen.getvalue())
