@@ -210,6 +210,10 @@ class Verdict(NamedTuple):
 
 Instruction = Read | Write | Beat | Announce | Wait | Done | Verdict
 
+#: The two plain reads a decision asks for (immutable: one instance each).
+_READ = Read(False)
+_READ_COUNTERS = Read(True)
+
 
 class Decision(NamedTuple):
     """One decision: the instruction, and what it was decided on (for tracing,
@@ -596,12 +600,13 @@ def decide(
 ) -> Decision:
     """The next instruction of ``node`` running ``op`` (with ``deadline``) at
     local time ``now``."""
-    state = view.state
-    if view.stale:
-        return _built(Decision, (Read(_counters_due(view, settings, now)), None, state, _NOBODY))
-    if _counters_due(view, settings, now):
-        return _built(Decision, (Read(True), None, state, _NOBODY))
-    observations = view.observations
+    state, _, counters_at, since, observations, stale, _, _, _, _ = view
+    # (_counters_due, inlined: asked before every decision)
+    last = since if counters_at is None else counters_at
+    if last is not None and now - last > settings.liveness_window / 2:
+        return _built(Decision, (_READ_COUNTERS, None, state, _NOBODY))
+    if stale:
+        return _built(Decision, (_READ, None, state, _NOBODY))
     oldest = observations.oldest
     if oldest is None or now - oldest <= settings.liveness_window:
         # sanitize's own first test, made here: no sighting is old enough for
