@@ -615,7 +615,7 @@ def decide(
     else:
         sanitized, dead = sanitize(state, observations, settings, now, node)
         if _must_reread(view, dead, settings, now):
-            return Decision(Read(True), None, sanitized, _NOBODY)
+            return Decision(_READ_COUNTERS, None, sanitized, _NOBODY)
     # The join and exit operators answer from the context's fields: no Context is
     # built for them (an operator of another type, a subclass included, gets one).
     kind = type(op)
@@ -731,10 +731,10 @@ def monitor(
     """
     due = _counters_due(view, settings, now)
     if view.stale or due:
-        return Decision(Read(due), None, view.state, frozenset())
+        return Decision(_READ_COUNTERS if due else _READ, None, view.state, frozenset())
     sanitized, dead = sanitize(view.state, view.observations, settings, now, node)
     if _must_reread(view, dead, settings, now):
-        return Decision(Read(True), None, sanitized, frozenset())
+        return Decision(_READ_COUNTERS, None, sanitized, frozenset())
     if dead:
         return Decision(_publish(view, sanitized, dead, settings), None, sanitized, dead)
     lost: frozenset[NodeDesc] = frozenset()
