@@ -41,7 +41,7 @@ class StepProperties:
         self._wakeups: dict[tuple[object, ...], list[str]] = {}
         self._generation = core.generation
         #: the nodes whose lease was judged a liveness window after its renewal,
-        #: and those of them whose lease had not run out then (see _fenced)
+        #: and those of them whose lease had not run out then (see _judge)
         self._judged: set[NodeDesc] = set()
         self._unfenced: set[NodeDesc] = set()
 
@@ -65,9 +65,9 @@ class StepProperties:
         it, which is no earlier than the renewal that set it was sent. So at that
         moment the node's own lease (its sighting of itself, timed from that send)
         is at least a window old, and the core's ``must_fence`` must say so."""
-        if not dead <= self._judged:
-            for node in dead:
-                self._fenced(node)
+        if not dead <= self._judged:  # (no new set on the usual path)
+            for node in dead - self._judged:
+                self._judge(node)
         if self._unfenced.isdisjoint(dead):
             return []  # (every step that declares nodes dead asks: two set operations)
         window = self.settings.liveness_window
@@ -85,17 +85,16 @@ class StepProperties:
                 )
         return problems
 
-    def _fenced(self, node: NodeDesc) -> bool:
-        """Whether the core tells ``node`` to stop its workers a liveness window
-        after its last renewal (memoized: a function of the node and settings)."""
-        if node not in self._judged:
-            window = self.settings.liveness_window
-            lapsed = make_observations({node: HeartbeatSighting(0, -window)}, None)
-            view = NodeView(observations=lapsed)
-            if not core_driver.must_fence(view, node, self.settings, 0.0):
-                self._unfenced.add(node)
-            self._judged.add(node)
-        return node not in self._unfenced
+    def _judge(self, node: NodeDesc) -> None:
+        """Ask the core whether it tells ``node`` to stop its workers a liveness
+        window after its last renewal, and keep the answer (a function of the node
+        and settings alone): ``node`` is judged, and unfenced if it is not told."""
+        window = self.settings.liveness_window
+        lapsed = make_observations({node: HeartbeatSighting(0, -window)}, None)
+        view = NodeView(observations=lapsed)
+        if not core_driver.must_fence(view, node, self.settings, 0.0):
+            self._unfenced.add(node)
+        self._judged.add(node)
 
     def missed_wakeups(self, g: Global, slot: int, core_step: CoreStep) -> list[str]:
         """Waiters the step ``core_step`` of ``slot`` leaves asleep although their
