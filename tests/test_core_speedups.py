@@ -31,6 +31,7 @@ from rallypoint.core import (
     NodeDesc,
     NodeView,
     Observations,
+    Read,
     RendezvousState,
     Settings,
     Write,
@@ -661,6 +662,24 @@ def test_decide_without_a_context_decides_what_the_operators_as_defined_decide(
     for limit in (deadline, float("inf"), now - s.rollback_period):
         expected = _outcome(view, node, s, plain, limit, now)
         assert _outcome(view, node, s, fast, limit, now) == expected
+
+
+@settings(max_examples=1000)
+@given(any_views(), nodes, any_settings(), times, st.booleans())
+def test_decide_reads_first_exactly_when_the_counters_are_due_or_the_view_is_stale(
+    view, node, s, now, leaving
+):
+    """decide makes _counters_due's test inline: it asks for the same reads."""
+    op = ExitOp() if leaving else JoinOp()
+    due = driver._counters_due(view, s, now)
+    outcome = _outcome(view, node, s, op, float("inf"), now)
+    if due or view.stale:
+        assert outcome.instruction == Read(due)
+    elif isinstance(outcome, Decision) and isinstance(outcome.instruction, Read):
+        # the intent log's read of a contended joiner, or the re-read before a
+        # death is declared: counters, on a view with the dead removed
+        read = outcome.instruction
+        assert read.intents or (read == Read(True) and outcome.state != view.state)
 
 
 _PHASE_FIELDS = ("round", "complete", "closed", "last_call", "participants", "wait_list")
