@@ -13,7 +13,7 @@ from ..core import CloseOp, NodeDesc, Observations, Operator, RendezvousState, S
 from ..core import driver as core_driver
 from ..core.actions import Action
 from ..core.errors import InvalidTransitionError
-from .check_state import Found, Global, node_of
+from .check_state import Found, Global, node_of, slot_of
 from .lifecycle import Lifecycle
 from .model import Guards, LifecycleModel, View, lifecycle_state
 
@@ -62,16 +62,24 @@ class Conformance:
         self.expect(self.model_state(g, slot), trigger, dst, guards, node)
 
     @staticmethod
-    def reads_peers(
+    def slots_read(
+        shared: RendezvousState,
         sanitized: RendezvousState,
         dead: frozenset[NodeDesc],
         written: RendezvousState,
         admitted: tuple[NodeDesc, ...],
-    ) -> bool:
-        """Whether :meth:`conform` of such a step reads the other nodes' local
-        states: those declared dead or admitted, and everybody's when the round
-        completes or advances. Otherwise it reads the stepping node's alone."""
-        return bool(dead) or bool(admitted) or _round_moved(sanitized, written)
+        nodes: int,
+    ) -> tuple[int, ...]:
+        """The slots whose phase and pid :meth:`conform` of such a step (from
+        ``shared``) reads besides the stepping node's: every slot when a batch
+        admits nodes or the round completes or advances; otherwise, when it
+        declares nodes dead, the slots of the members its sanitize dropped (only
+        their lifecycle changes); none otherwise."""
+        if admitted or _round_moved(sanitized, written):
+            return tuple(range(nodes))
+        if not dead:
+            return ()
+        return tuple(sorted({slot_of(node) for node in shared.members() - sanitized.members()}))
 
     def conform(
         self,

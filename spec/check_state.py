@@ -47,6 +47,7 @@ __all__ = [
     "Violation",
     "make_observations",
     "node_of",
+    "slot_of",
     "with_local",
 ]
 
@@ -405,6 +406,11 @@ def make_observations(
 def node_of(slot: int, incarnation: int) -> NodeDesc:
     """The node of a slot's incarnation (a restart is a new process: a new pid)."""
     return NodeDesc(f"n{slot}", 100 + incarnation, 0)
+
+
+def slot_of(node: NodeDesc) -> int:
+    """The slot whose incarnation ``node`` is (see :func:`node_of`)."""
+    return int(node.addr[1:])
 
 
 def with_local(

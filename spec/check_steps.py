@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterator
+from operator import itemgetter
 from typing import NamedTuple
 
 from ..core import (
@@ -80,10 +81,12 @@ class Template(NamedTuple):
     intents: frozenset[NodeDesc]
     #: crashes, failures and exclusions the step adds
     counts: tuple[int, int, int]
-    #: the number of what the step's conformance reads besides every node's phase
+    #: the number of what the step's conformance reads besides the other nodes'
+    #: phases and pids
     conform: int
-    #: whether the step's conformance reads the other nodes' phases at all
-    reads_peers: bool = False
+    #: every node's (phase, incarnation) -> those the step's conformance reads
+    #: (None: it reads no other node's; see Steps._conformance)
+    peers_read: Callable[[tuple[object, ...]], object] | None = None
 
 
 class Plan(NamedTuple):
@@ -126,6 +129,13 @@ _EXCLUDING_PHASES = frozenset({Phase.IDLE, Phase.EXITED, Phase.TRAINING})
 #: The values of a node's own sighting, when it is a member and when it is not.
 _MEMBER_AGES = (Age.FRESH, Age.DUE, Age.EXPIRED)
 _OTHER_AGES = (Age.FRESH,)
+
+
+@functools.cache
+def _phases_at(slots: tuple[int, ...]) -> Callable[[tuple[object, ...]], object]:
+    """Every node's (phase, incarnation) -> those of ``slots`` (in C; one
+    function per set of slots)."""
+    return itemgetter(*slots)
 
 
 @functools.cache
@@ -385,19 +395,40 @@ class Steps:
         node = node_of(slot, loc.incarnation)
         step = self.core.step(g.shared, node, op, timers, deadline, g.intents)
         after = _next_local(started, step.decision.instruction, deadline)
-        number, reads_peers = self._conformance(g.shared, step, slot, started)
+        number, peers_read = self._conformance(g.shared, step, slot, started)
         written, intents = step.written, step.intents
         return Template(
-            event, op, started, step, after, written, intents, counts, number, reads_peers
+            event, op, started, step, after, written, intents, counts, number, peers_read
         )
 
     def _conformance(
         self, shared: RendezvousState, step: CoreStep, slot: int, started: Local
-    ) -> tuple[int, bool]:
+    ) -> tuple[int, Callable[[tuple[object, ...]], object] | None]:
         """The number of what the conformance of ``slot``'s ``step`` (run from its
-        local state ``started``) reads besides the nodes' phases, and whether it
-        reads the other nodes' phases at all."""
-        what = (shared, step.decision, step.performed, step.guards, slot, started)
+        local state ``started``) reads besides the other nodes' phases and pids,
+        and what it reads of those: a function of every node's (phase,
+        incarnation) (None: nothing).
+
+        A step is conformed once per number and what it reads of the others
+        (docs/spec.md, "Templates"). Most steps that read other nodes declare
+        peers dead, and their conformance reads only the dead nodes' phases and
+        pids: keying them on every node's would conform them again for every
+        phase the bystanders are in."""
+        # Of the node's own local state, conformance reads the pid, the phase and
+        # the operation (its operator's trigger; the phase after the step follows
+        # from them and the instruction). The deadline it ran with is in the
+        # guards; the one it had before, and whether its round ended, are not
+        # read: steps that differ only there are conformed once.
+        what = (
+            shared,
+            step.decision,
+            step.performed,
+            step.guards,
+            slot,
+            started.incarnation,
+            started.phase,
+            started.op,
+        )
         if len(self._conform_ids) >= CACHE_LIMIT:
             self._conform_ids.clear()  # numbers are never reused: see __init__
         fresh = self._next_conform_number
@@ -408,9 +439,10 @@ class Steps:
         decision = step.decision
         instruction = decision.instruction
         admitted = instruction.admitted if isinstance(instruction, Write) else ()
-        return number, self.conformance.reads_peers(
-            decision.state, decision.dead, step.written, admitted
+        slots = self.conformance.slots_read(
+            shared, decision.state, decision.dead, step.written, admitted, self.config.nodes
         )
+        return number, _phases_at(slots) if slots else None
 
     def follow(self, g: Global, template: Template, phases: tuple[object, ...]) -> Global:
         """The successor of ``g`` that ``template`` (of :meth:`plan`) makes, after
@@ -443,7 +475,8 @@ class Steps:
             raise Found(problems, step.decision)
         if self._charging and template.written.round != g.shared.round:
             after = _round_advanced(after)
-        conformed = (template.conform, phases) if template.reads_peers else template.conform
+        read = template.peers_read
+        conformed = template.conform if read is None else (template.conform, read(phases))
         if conformed not in self._conformed:
             assert template.op is not None  # a stepping event's template has its operator
             started = with_local(g, slot, template.started)._replace(
@@ -548,9 +581,9 @@ class Steps:
         # its guards, the node's local state and (when it reads them) every node's
         # phase and pid; many steps share all of them (timer choices that differ in
         # nothing the check reads), so each combination is checked once.
-        number, reads_peers = self._conformance(g.shared, core_step, slot, loc)
+        number, read = self._conformance(g.shared, core_step, slot, loc)
         phases = tuple((o.phase, o.incarnation) for o in g.locals)
-        conformed = (number, phases) if reads_peers else number
+        conformed = number if read is None else (number, read(phases))
         if check_only and conformed in self._conformed:
             return g, lines
         new_loc = _next_local(loc, decision.instruction, deadline)

@@ -12,7 +12,10 @@ space small enough to search both ways in seconds:
   node (``Steps.plan``): the same states, transitions and lifecycle edges as
   checking it in every state, and the same planted bugs found;
 * stored successors made from templates (``Steps.plan`` / ``Steps.follow``): the
-  successors the step rules make (``Steps.successor``), event for event.
+  successors the step rules make (``Steps.successor``), event for event;
+* a step conformed once per what its conformance reads (``Steps._conformance``):
+  the same states, transitions and lifecycle edges as conforming every step, and
+  a model disagreement that shows only for some phases of a dead node is found.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from rallypoint.spec.check import CheckConfig, Checker, CheckResult, Global, che
 from rallypoint.spec.check_search import Search
 from rallypoint.spec.check_state import Age, Deadline, Local, Op, Timers
 from rallypoint.spec.check_symmetry import Symmetry, relabel
-from rallypoint.spec.lifecycle import Phase
-from rallypoint.spec.model import Guards, View, built
+from rallypoint.spec.lifecycle import Lifecycle, Phase
+from rallypoint.spec.model import Guards, LifecycleModel, View, built
 
 #: Two nodes, one crash, close: crashes, ghosts and finished nodes, in seconds.
 CRASHING = CheckConfig(nodes=2, max_crashes=1)
@@ -173,6 +176,95 @@ def test_checking_once_finds_the_bugs_checking_every_time_finds(
     assert once.violation is not None and every.violation is not None
     assert any(expected in p for p in once.violation.problems)
     assert any(expected in p for p in every.violation.problems)
+
+
+class _NothingConformed(set[object]):
+    """A memo of conformed steps that keeps none: every step is conformed."""
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+
+def _conforming_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    init = check_steps.Steps.__init__
+
+    def forgetful(self: check_steps.Steps, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        self._conformed = _NothingConformed()
+
+    monkeypatch.setattr(check_steps.Steps, "__init__", forgetful)
+
+
+def _changes_judged(monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, ...]]:
+    """Every (conformance number, lifecycle change) a search judges, filled as it
+    runs. The numbers name what a step's conformance reads of the step and the
+    stepping node, in the order the search makes them, which does not depend on
+    which steps are conformed: they match between two searches of one space."""
+    judged: set[tuple[object, ...]] = set()
+    conform = check_steps.Steps._conform
+
+    def recording(self: check_steps.Steps, *args: object) -> None:
+        conformed = args[-1]
+        number = conformed[0] if isinstance(conformed, tuple) else conformed
+        expect = self.conformance.expect
+
+        def noted(src: str, trigger: str, dst: str, guards: Guards, who: NodeDesc) -> None:
+            judged.add((number, src, trigger, dst, who))
+            expect(src, trigger, dst, guards, who)
+
+        self.conformance.expect = noted  # type: ignore[method-assign]
+        try:
+            conform(self, *args)  # type: ignore[arg-type]
+        finally:
+            del self.conformance.expect
+
+    monkeypatch.setattr(check_steps.Steps, "_conform", recording)
+    return judged
+
+
+@pytest.mark.parametrize("config", [CRASHING, SMALL], ids=["crashing", "small"])
+def test_conforming_once_judges_every_change_conforming_every_step_does(
+    monkeypatch: pytest.MonkeyPatch, config: CheckConfig
+) -> None:
+    """A step is conformed once per what its conformance reads: its own local
+    state's pid, phase and operation (not its deadline before the step), and the
+    phases and pids of only the nodes it removes, admits or moves on. Every
+    lifecycle change of every step is judged as if each were conformed."""
+    with monkeypatch.context() as patch:
+        once_judged = _changes_judged(patch)
+        once = check(config)
+    with monkeypatch.context() as patch:
+        every_judged = _changes_judged(patch)
+        _conforming_every_step(patch)
+        every = check(config)
+    assert once.ok and every.ok
+    assert_same_space(once, every)
+    assert once_judged == every_judged and len(once_judged) > 1_000
+
+
+def test_a_declared_dead_change_the_model_refuses_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model that refuses one change the core makes of a dead node only (a
+    trained member evicted), in steps whose conformance reads the dead nodes'
+    phases alone: found when conformed once as when conformed every step."""
+    allows = LifecycleModel.allows
+
+    def refusing(
+        self: LifecycleModel, source: object, trigger: str, dest: object, guards: Guards
+    ) -> bool:
+        if trigger == "declared_dead" and source == Lifecycle.TRAINING:
+            return False
+        return allows(self, source, trigger, dest, guards)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LifecycleModel, "allows", refusing)
+    once = check(SMALL)
+    with monkeypatch.context() as patch:
+        _conforming_every_step(patch)
+        every = check(SMALL)
+    for result in (once, every):
+        assert result.violation is not None
+        assert any("training --declared_dead-->" in p for p in result.violation.problems)
 
 
 def test_plans_make_the_successors_the_step_rules_make() -> None:
