@@ -110,9 +110,6 @@ class CoreSteps:
         #: what a step's safety checks read, states by id -> (those states, their
         #: problems) (see _step_problems)
         self._problems: dict[tuple[object, ...], tuple[object, list[str]]] = {}
-        #: how many times the memo of steps was dropped (the ids of the steps it
-        #: held may then be reused: see StepProperties.missed_wakeups)
-        self.generation = 0
         #: (id of a state, node) -> the view a read of it gives (which holds the
         #: state); (id of a state, node, timers but the deadline) -> (the state,
         #: the sightings a step chooses) (see view)
@@ -277,7 +274,6 @@ class CoreSteps:
         )
         if len(self._steps) >= CACHE_LIMIT:
             self._steps.clear()
-            self.generation += 1
         step = built(
             CoreStep, (decision, effect.performed, written, guards, effect.intents, read_log)
         )
