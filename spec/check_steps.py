@@ -171,9 +171,9 @@ class Steps:
         #: before the table was dropped still means what it meant
         self._conform_ids: dict[tuple[object, ...], int] = {}
         self._next_conform_number = 0
-        #: steps conformed already: (conformance number, every node's phase and
-        #: incarnation), or the number alone when the conformance reads no other
-        #: node (see _conformance_key)
+        #: steps conformed already: (conformance number, the phases and
+        #: incarnations of the other nodes it reads), or the number alone when
+        #: the conformance reads no other node (see _conformance)
         self._conformed: set[object] = set()
         #: whether steps describe themselves (only a trace needs it)
         self.narrate = False
@@ -410,10 +410,10 @@ class Steps:
         incarnation) (None: nothing).
 
         A step is conformed once per number and what it reads of the others
-        (docs/spec.md, "Templates"). Most steps that read other nodes declare
-        peers dead, and their conformance reads only the dead nodes' phases and
-        pids: keying them on every node's would conform them again for every
-        phase the bystanders are in."""
+        (docs/spec.md, "Conformed once per what conformance reads"). Most steps
+        that read other nodes declare peers dead, and their conformance reads
+        only the dead nodes' phases and pids: keying them on every node's would
+        conform them again for every phase the bystanders are in."""
         # Of the node's own local state, conformance reads the pid, the phase and
         # the operation (its operator's trigger; the phase after the step follows
         # from them and the instruction). The deadline it ran with is in the
@@ -578,9 +578,10 @@ class Steps:
         core_step, lines = self._core_step(g, slot, op, timers, deadline)
         decision = core_step.decision
         # Conformance depends on the shared state, what the step decided and did,
-        # its guards, the node's local state and (when it reads them) every node's
-        # phase and pid; many steps share all of them (timer choices that differ in
-        # nothing the check reads), so each combination is checked once.
+        # its guards, the node's pid, phase and operation and (when it reads
+        # them) some other nodes' phases and pids; many steps share all of them
+        # (timer choices that differ in nothing the check reads), so each
+        # combination is checked once.
         number, read = self._conformance(g.shared, core_step, slot, loc)
         phases = tuple((o.phase, o.incarnation) for o in g.locals)
         conformed = number if read is None else (number, read(phases))
