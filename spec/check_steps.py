@@ -166,10 +166,13 @@ class Steps:
         #: shared state, the event's plan) (see plan; an entry holds the state its
         #: key names by id, so the id is not reused while the entry is there)
         self._plans: dict[tuple[object, ...], tuple[RendezvousState, Plan]] = {}
-        #: what a step's conformance reads, beyond every node's phase -> a number
-        #: (see _template); numbers are never reused, so that a number conformed
-        #: before the table was dropped still means what it meant
-        self._conform_ids: dict[tuple[object, ...], int] = {}
+        #: what a step's conformance reads, beyond the other nodes' phases -> (a
+        #: number, what it reads of those) (see _conformance); numbers are never
+        #: reused, so that a number conformed before the table was dropped still
+        #: means what it meant
+        self._conform_ids: dict[
+            tuple[object, ...], tuple[int, Callable[[tuple[object, ...]], object] | None]
+        ] = {}
         self._next_conform_number = 0
         #: steps conformed already: (conformance number, the phases and
         #: incarnations of the other nodes it reads), or the number alone when
@@ -429,20 +432,23 @@ class Steps:
             started.phase,
             started.op,
         )
-        if len(self._conform_ids) >= CACHE_LIMIT:
-            self._conform_ids.clear()  # numbers are never reused: see __init__
-        fresh = self._next_conform_number
-        # (one lookup, which hashes the states in ``what`` once)
-        number = self._conform_ids.setdefault(what, fresh)
-        if number == fresh:
-            self._next_conform_number += 1
+        known = self._conform_ids.get(what)
+        if known is not None:
+            return known
+        # (what it reads of the others is a function of ``what``: the written
+        # state is the decision's or ``shared``)
         decision = step.decision
         instruction = decision.instruction
         admitted = instruction.admitted if isinstance(instruction, Write) else ()
         slots = self.conformance.slots_read(
             shared, decision.state, decision.dead, step.written, admitted, self.config.nodes
         )
-        return number, _phases_at(slots) if slots else None
+        if len(self._conform_ids) >= CACHE_LIMIT:
+            self._conform_ids.clear()  # numbers are never reused: see __init__
+        known = (self._next_conform_number, _phases_at(slots) if slots else None)
+        self._next_conform_number += 1
+        self._conform_ids[what] = known
+        return known
 
     def follow(self, g: Global, template: Template, phases: tuple[object, ...]) -> Global:
         """The successor of ``g`` that ``template`` (of :meth:`plan`) makes, after
@@ -583,8 +589,10 @@ class Steps:
         # (timer choices that differ in nothing the check reads), so each
         # combination is checked once.
         number, read = self._conformance(g.shared, core_step, slot, loc)
-        phases = tuple((o.phase, o.incarnation) for o in g.locals)
-        conformed = number if read is None else (number, read(phases))
+        if read is None:
+            conformed: object = number
+        else:
+            conformed = (number, read(tuple((o.phase, o.incarnation) for o in g.locals)))
         if check_only and conformed in self._conformed:
             return g, lines
         new_loc = _next_local(loc, decision.instruction, deadline)

@@ -14,8 +14,9 @@ space small enough to search both ways in seconds:
 * stored successors made from templates (``Steps.plan`` / ``Steps.follow``): the
   successors the step rules make (``Steps.successor``), event for event;
 * a step conformed once per what its conformance reads (``Steps._conformance``):
-  the same states, transitions and lifecycle edges as conforming every step, and
-  a model disagreement that shows only for some phases of a dead node is found.
+  the same states, transitions and lifecycle edges as conforming every step, the
+  same (step, lifecycle change) pairs judged, and a declared-dead change the
+  model refuses found either way.
 """
 
 from __future__ import annotations
