@@ -200,6 +200,16 @@ class Checker:
         """The relabelling to ``g``'s representative and its 64-bit fingerprint."""
         return self.symmetry.fingerprint(g)
 
+    def stand_ins(self, g: Global) -> set[int]:
+        """The fingerprints of the states that stand for ``g`` in this search:
+        its representative's and, with subsumption, those of the states that
+        are ``g`` with some deadlines earlier (which simulate it, see
+        :meth:`Symmetry.earlier_twins`). A reachable state has one of them
+        stored."""
+        normal = self.normalize(g)
+        deadlines = self.steps.deadlines if self.config.subsumption else ()
+        return {self.fingerprint(normal)[1], *self.symmetry.earlier_twins(normal, deadlines)}
+
     def canonical(self, g: Global) -> tuple[Global, tuple[int, ...], int]:
         """The stored representative of ``g``, the permutation used, its fingerprint."""
         return self.symmetry.canonical(g)

@@ -27,7 +27,15 @@ from typing import Any, TypeVar
 
 import psutil
 
-from .check_state import CheckerWorkerError, CheckResult, Event, Found, Global, Violation
+from .check_state import (
+    CheckerWorkerError,
+    CheckResult,
+    Deadline,
+    Event,
+    Found,
+    Global,
+    Violation,
+)
 from .check_steps import Steps
 from .check_symmetry import Symmetry, relabel
 from .check_trace import replay
@@ -50,12 +58,17 @@ _CHUNK = 256
 #: A state of a level: (the state, its fingerprint) in process; from a worker, (the
 #: state on the wire, its fingerprint, the hash of its shared state).
 _Item = tuple[Any, ...]
-#: One successor a chunk hands back: (parent fingerprint, event, its level item);
-#: from a worker, the event is on the wire.
-_Successor = tuple[int, Event | WireTuple, _Item]
+#: One successor a chunk hands back: (parent fingerprint, event, its level item,
+#: the fingerprints of the states that simulate it by earlier deadlines, see
+#: Symmetry.earlier_twins); from a worker, the event is on the wire.
+_Successor = tuple[int, Event | WireTuple, _Item, tuple[int, ...]]
 #: What stepping a chunk gives (see Search.step_chunk).
 _ChunkOutcome = tuple[
-    list[_Successor], int, set[tuple[str, str, str]], tuple[int, Event, list[str]] | None
+    list[_Successor],
+    list[int],
+    int,
+    set[tuple[str, str, str]],
+    tuple[int, Event, list[str]] | None,
 ]
 #: Fingerprint -> (its parent's fingerprint, the event from the parent, maybe on
 #: the wire; None for the initial state, its own parent).
@@ -79,6 +92,9 @@ class Search:
         #: the processes whose memory counts against ``max_memory``: this one,
         #: and the workers (see _levels)
         self._processes = [psutil.Process()]
+        #: fingerprints of the states reached and not stepped: a state reached by
+        #: then simulates each (see _merge)
+        self._subsumed: set[int] = set()
         #: the state the search started from (a violation's trace starts there)
         self._initial: Global | None = None
         #: this process's end of the wire to and from the workers
@@ -100,6 +116,7 @@ class Search:
         with _without_collections():
             self._start = self._reported = self._weighed = time.perf_counter()
             self._initial = initial
+            self._subsumed = set()
             result = CheckResult(self.config)
             init, _, init_fp = self.symmetry.canonical(initial)
             problems = check_state(init.shared, self.steps.settings)
@@ -112,7 +129,7 @@ class Search:
             result.depth = self._levels(
                 result, parents, [(init, init_fp)], progress, on_state, workers
             )
-            result.states = len(parents)
+            result.states, result.subsumed = len(parents), len(self._subsumed)
             result.seconds = time.perf_counter() - self._start
             result.lifecycle_edges = set(self.steps.conformance.edges)
             return result
@@ -202,35 +219,65 @@ class Search:
         the search stops here (a violation, or the state limit)."""
         limit = self.config.max_states
         following: list[_Item] = []
-        for successors, stepped, edges, violation in outcomes:
+        #: fingerprint of a state of ``following`` -> the states that simulate it
+        twins_of: dict[int, tuple[int, ...]] = {}
+        subsumed = self._subsumed
+        for successors, simulated, stepped, edges, violation in outcomes:
             result.transitions += stepped
             self.steps.conformance.edges |= edges
             if violation is not None:
                 result.violation = self._violation(parents, *violation)
                 return None
-            for parent, event, item in successors:
+            # (a worker that did not hand a state out does not know it was
+            # stored: it was stored before a state that simulates it was reached)
+            subsumed.update(fp for fp in simulated if fp not in parents)
+            for parent, event, item, twins in successors:
                 cfp = item[1]
-                if cfp in parents:
+                if cfp in parents or cfp in subsumed:
                     continue
+                if twins:
+                    if not parents.keys().isdisjoint(twins):
+                        subsumed.add(cfp)
+                        continue
+                    twins_of[cfp] = twins
                 parents[cfp] = (parent, event)
                 following.append(item)
-                if on_state is not None:
-                    stored = item[0]
-                    if not isinstance(stored, Global):
-                        stored = self._wire.global_of(stored)
-                    on_state(stored, cfp)
                 if limit is not None and len(parents) >= limit:
                     result.complete = False
                     result.stopped_by = "max_states"
+                    self._stored(following, on_state)
                     return None
             now = time.perf_counter()
             if now - self._weighed >= _PROGRESS_INTERVAL and self._out_of_memory(result):
                 return None
             if progress is not None and now - self._reported >= _PROGRESS_INTERVAL:
                 self._reported = now
-                result.states, result.seconds = len(parents), now - self._start
+                result.states, result.subsumed = len(parents), len(subsumed)
+                result.seconds = now - self._start
                 progress(result)
+        if twins_of:
+            # States simulated by one reached later in this level: the level is
+            # the same set in whatever order its chunks merge.
+            kept = []
+            for item in following:
+                if parents.keys().isdisjoint(twins_of.get(item[1], ())):
+                    kept.append(item)
+                else:
+                    del parents[item[1]]  # (nothing was stepped from it yet)
+                    subsumed.add(item[1])
+            following = kept
+        self._stored(following, on_state)
         return following
+
+    def _stored(self, level: list[_Item], on_state: Callable[[Global, int], None] | None) -> None:
+        """Hand ``on_state`` the states of ``level``, newly stored."""
+        if on_state is None:
+            return
+        for item in level:
+            stored = item[0]
+            if not isinstance(stored, Global):
+                stored = self._wire.global_of(stored)
+            on_state(stored, item[1])
 
     def _violation(
         self, parents: _Parents, parent: int, event: Event, problems: list[str]
@@ -275,15 +322,19 @@ class Search:
         handed_out: set[int] | None = None,
     ) -> _ChunkOutcome:
         """Step the states of ``chunk``: their successors whose fingerprints are
-        not in ``known`` (each added to ``handed_out``, if given), the transitions
-        stepped, the lifecycle edges first exercised since the last chunk, and the
-        first violation as (parent fingerprint, event, problems)."""
+        not in ``known`` (each added to ``handed_out``, if given) and that no
+        state in ``known`` simulates by earlier deadlines, each with the
+        fingerprints of the states that would (see :meth:`_merge`); the
+        transitions stepped, the lifecycle edges first exercised since the last
+        chunk, and the first violation as (parent fingerprint, event, problems)."""
         successors: list[_Successor] = []
+        simulated: list[int] = []
         checked_before = self.checked_transitions
         stepped = 0
         violation = None
         symmetry = self.symmetry
         max_round = self.config.max_round
+        deadlines = self.steps.deadlines if self.config.subsumption else ()
         for g, fp in chunk:
             if max_round is not None and g.shared.round > max_round:
                 continue  # stored, not stepped: the rounds are bounded
@@ -295,10 +346,14 @@ class Search:
                     succ, perm, cfp = symmetry.place(succ)
                     if cfp in seen or cfp in known:
                         continue
+                    twins = self._twins(succ, deadlines, seen, known)
+                    if twins is None:
+                        simulated.append(cfp)  # the merge would drop it (see _merge)
+                        continue
                     seen.add(cfp)
                     if handed_out is not None:
                         handed_out.add(cfp)
-                    successors.append((fp, event, (relabel(succ, perm), cfp)))
+                    successors.append((fp, event, (relabel(succ, perm), cfp), twins))
             except Found as problem:
                 assert problem.event is not None
                 violation = (fp, problem.event, problem.problems)
@@ -306,7 +361,24 @@ class Search:
         edges = self.steps.conformance.edges - self._edges_reported
         self._edges_reported |= edges
         stepped += self.checked_transitions - checked_before
-        return successors, stepped, edges, violation
+        return successors, simulated, stepped, edges, violation
+
+    def _twins(
+        self,
+        succ: Global,
+        deadlines: tuple[Deadline, ...],
+        seen: set[int],
+        known: Container[int],
+    ) -> tuple[int, ...] | None:
+        """The fingerprints of ``succ``'s earlier twins (the states that simulate
+        it, see :meth:`Symmetry.earlier_twins`), or None once one of them is in
+        ``seen`` or ``known``: reached already."""
+        twins = []
+        for twin in self.symmetry.earlier_twins(succ, deadlines):
+            if twin in seen or twin in known:
+                return None
+            twins.append(twin)
+        return tuple(twins)
 
 
 def _by_shared_state(level: list[tuple[Global, int]]) -> dict[object, list[tuple[Global, int]]]:
@@ -424,14 +496,14 @@ def _step_chunk_in_worker(chunk: list[tuple[WireTuple, int]]) -> _ChunkOutcome:
     assert search is not None, "a worker runs only in a fork of Search.run"
     wire = search._wire
     states = [(wire.global_of(state), fp) for state, fp in chunk]
-    successors, stepped, edges, violation = search.step_chunk(
+    successors, simulated, stepped, edges, violation = search.step_chunk(
         states, search._handed_out, search._handed_out
     )
     sent: list[_Successor] = []
-    for parent, event, (g, fp) in successors:
+    for parent, event, (g, fp), twins in successors:
         assert isinstance(event, Event)  # stepped in this process: not on the wire
-        sent.append((parent, wire.event(event), (wire.state(g), fp, hash(g.shared))))
-    return sent, stepped, edges, violation
+        sent.append((parent, wire.event(event), (wire.state(g), fp, hash(g.shared)), twins))
+    return sent, simulated, stepped, edges, violation
 
 
 @contextlib.contextmanager

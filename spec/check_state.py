@@ -75,6 +75,10 @@ class CheckConfig:
         allow_close: whether nodes may close the rendezvous.
         stable_ranks: the settings' stable-ranks option (ranks kept across rounds).
         symmetry: store states modulo node permutations.
+        subsumption: step no state that another state reached by then
+            simulates: the same but for the deadlines of some running
+            operations, which are earlier there (docs/spec.md, "Subsumed
+            states"). Such states are counted as subsumed, not as states.
         max_states: stop after this many distinct states (None: explore all).
         max_memory: stop once the search's processes hold more than this many
             GiB of memory (their resident sets, summed; None: no limit). A space
@@ -97,6 +101,7 @@ class CheckConfig:
     allow_close: bool = True
     stable_ranks: bool = False
     symmetry: bool = True
+    subsumption: bool = True
     max_states: int | None = None
     max_memory: float | None = None
     max_failures: int = 0
@@ -324,6 +329,9 @@ class CheckResult:
     memory: float = 0.0
     violation: Violation | None = None
     lifecycle_edges: set[tuple[str, str, str]] = field(default_factory=set)
+    #: states reached and not stepped: another state reached by then simulates
+    #: each (see CheckConfig.subsumption); not counted in ``states``
+    subsumed: int = 0
 
     @property
     def ok(self) -> bool:
@@ -345,7 +353,7 @@ class CheckResult:
             f"config: nodes={c.nodes} min={c.min_nodes} max={c.max_nodes} "
             f"max_round={'all' if c.max_round is None else c.max_round} "
             f"max_crashes={c.max_crashes} close={c.allow_close} "
-            f"stable_ranks={c.stable_ranks} symmetry={c.symmetry}"
+            f"stable_ranks={c.stable_ranks} symmetry={c.symmetry} subsumption={c.subsumption}"
             + (
                 f" max_failures={c.max_failures} max_exclusions={c.max_exclusions} "
                 f"restart_budget={c.restart_budget} exclusion_rounds={c.exclusion_rounds}"
@@ -353,6 +361,7 @@ class CheckResult:
                 else ""
             ),
             f"states explored: {self.states} ({scope})",
+            *([f"states subsumed: {self.subsumed}"] if c.subsumption else []),
             f"transitions: {self.transitions}",
             f"depth: {self.depth}",
             f"seconds: {self.seconds:.2f}",

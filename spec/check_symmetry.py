@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from ..core import NodeDesc, RendezvousState
-from .check_state import CheckConfig, Global, Local, node_of
+from .check_state import CheckConfig, Deadline, Global, Local, node_of
 from .lifecycle import TERMINAL_PHASES, Phase
 from .model import built
 
@@ -343,6 +343,32 @@ class Symmetry:
             known = table[rest] = (normal, perm, fp)
             self._placed += 1
         return known
+
+    def earlier_twins(self, g: Global, deadlines: tuple[Deadline, ...]) -> Iterator[int]:
+        """The fingerprints of every other state that is ``g`` (a normal form,
+        see :meth:`place`) with some deadlines earlier: each deadline later than
+        the first of ``deadlines`` (its values in the order time moves them) at
+        any value from that first one to its own. None without ``deadlines``.
+        Made one at a time, the one with every such deadline at the first value
+        first.
+
+        Each such state simulates ``g`` (docs/spec.md, "Subsumed states"). The
+        set is the same for every relabelling of ``g``: it does not depend on
+        which of its copies a step made."""
+        if not deadlines:
+            return
+        locals_ = g.locals
+        late = [i for i, loc in enumerate(locals_) if loc.deadline not in (None, deadlines[0])]
+        if not late:
+            return
+        earlier = [deadlines[: deadlines.index(locals_[i].deadline) + 1] for i in late]
+        for chosen in itertools.product(*earlier):
+            if all(d is locals_[i].deadline for d, i in zip(chosen, late, strict=True)):
+                continue  # g itself
+            moved = list(locals_)
+            for d, i in zip(chosen, late, strict=True):
+                moved[i] = moved[i]._replace(deadline=d)
+            yield self.place(g._replace(locals=tuple(moved)))[2]
 
     def canonical(self, g: Global) -> tuple[Global, tuple[int, ...], int]:
         """The stored representative of ``g``, the permutation used, its fingerprint."""

@@ -68,6 +68,11 @@ def _spec_parser() -> argparse.ArgumentParser:
     check.add_argument("--no-close", action="store_true", help="nodes never close")
     check.add_argument("--stable-ranks", action="store_true", help="check the stable-ranks option")
     check.add_argument("--no-symmetry", action="store_true", help="disable symmetry reduction")
+    check.add_argument(
+        "--no-subsumption",
+        action="store_true",
+        help="step every state, also those a state with earlier deadlines simulates",
+    )
     check.add_argument("--max-states", type=int, default=None, help="stop after this many")
     check.add_argument(
         "--max-memory",
@@ -120,7 +125,11 @@ def spec_main(argv: list[str]) -> int:
         return _diagram(Path(args.output), source_only=args.source)
     from .check import CheckConfig, CheckerWorkerError, check
 
-    changes = {"allow_close": not args.no_close, "symmetry": not args.no_symmetry}
+    changes = {
+        "allow_close": not args.no_close,
+        "symmetry": not args.no_symmetry,
+        "subsumption": not args.no_subsumption,
+    }
     if args.max_memory is None:
         changes["max_memory"] = _DEFAULT_MEMORY_SHARE * psutil.virtual_memory().available / 2**30
     config = _config("rallypoint spec check", CheckConfig, args, changes)

@@ -16,7 +16,11 @@ space small enough to search both ways in seconds:
 * a step conformed once per what its conformance reads (``Steps._conformance``):
   the same states, transitions and lifecycle edges as conforming every step, the
   same (step, lifecycle change) pairs judged, and a declared-dead change the
-  model refuses found either way.
+  model refuses found either way;
+* a state not stepped when a state reached by then is the same but for earlier
+  deadlines of running operations (subsumption, ``Search._merge``): every state
+  of the full search has such a stand-in stored, the same lifecycle edges are
+  exercised, and the same planted bugs found.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import itertools
 import pytest
 from checker_plants import assert_same_space, phase_without_the_last_call, skip_the_last_call
 
-from rallypoint.core import NodeDesc, RendezvousState, actions
+from rallypoint.core import NodeDesc, RendezvousState, actions, operators
 from rallypoint.core.actions import Action
 from rallypoint.spec import check_steps
 from rallypoint.spec.check import CheckConfig, Checker, CheckResult, Global, check
@@ -322,3 +326,50 @@ def test_one_construction_paths_build_what_the_constructors_build() -> None:
         "node", "state", "settings", "now", "observations", "deadline", "pending"
     )  # fmt: skip
     assert len(Guards._fields) == 12 and Guards._fields[-2:] == ("announced", "excluded")
+
+
+@pytest.mark.parametrize("config", [CRASHING, SMALL], ids=["crashing", "small"])
+def test_subsumption_steps_fewer_states_and_loses_none(config: CheckConfig) -> None:
+    """Every state the search without subsumption steps has a stand-in (itself,
+    or itself with some deadlines earlier) that the search with it stored, and
+    both exercise the same lifecycle edges; the subsuming search steps fewer
+    states, and counts the others as subsumed."""
+    reducing, reduced, stored = _search(config)
+    _, full, every = _search(dataclasses.replace(config, subsumption=False))
+    assert reduced.ok and full.ok and reduced.complete and full.complete
+    fingerprints = {reducing.fingerprint(g)[1] for g in stored}
+    assert len(fingerprints) == reduced.states == len(stored)
+    lost = [g for g in every if fingerprints.isdisjoint(reducing.stand_ins(g))]
+    assert not lost, lost[0]
+    assert reduced.lifecycle_edges == full.lifecycle_edges
+    assert reduced.states < full.states and reduced.subsumed > 0
+    assert full.subsumed == 0
+
+
+def _timeout_reported_as_closed(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A join whose deadline passed (past the rollback period too) ends as if
+    the rendezvous were closed: found only on paths where a deadline runs out,
+    the paths whose later states subsumption leaves out."""
+    rows = tuple(
+        dataclasses.replace(row, action=Action.ERROR_CLOSED)
+        if row.action is Action.ERROR_TIMEOUT
+        else row
+        for row in operators.JOIN_TABLE
+    )
+    monkeypatch.setattr(operators, "JOIN_TABLE", rows)
+    return "closed"
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [_skip_the_last_call, _phase_without_the_last_call, _timeout_reported_as_closed],
+)
+def test_subsumption_finds_the_bugs_the_full_search_finds(
+    monkeypatch: pytest.MonkeyPatch, plant: object
+) -> None:
+    expected = plant(monkeypatch)  # type: ignore[operator]
+    reduced = check(SMALL)
+    full = check(dataclasses.replace(SMALL, subsumption=False))
+    for result in (reduced, full):
+        assert result.violation is not None
+        assert any(expected in p for p in result.violation.problems)
