@@ -93,7 +93,7 @@ class Search:
         #: and the workers (see _levels)
         self._processes = [psutil.Process()]
         #: fingerprints of the states reached and not stepped: a state reached by
-        #: then simulates each (see _merge)
+        #: then simulates each (see _merge; in a worker, those it left out)
         self._subsumed: set[int] = set()
         #: the state the search started from (a violation's trace starts there)
         self._initial: Global | None = None
@@ -335,6 +335,7 @@ class Search:
         symmetry = self.symmetry
         max_round = self.config.max_round
         deadlines = self.steps.deadlines if self.config.subsumption else ()
+        subsumed = self._subsumed
         for g, fp in chunk:
             if max_round is not None and g.shared.round > max_round:
                 continue  # stored, not stepped: the rounds are bounded
@@ -344,11 +345,14 @@ class Search:
                 for event, succ in self.successors(g):
                     stepped += 1
                     succ, perm, cfp = symmetry.place(succ)
-                    if cfp in seen or cfp in known:
+                    if cfp in seen or cfp in known or cfp in subsumed:
                         continue
                     twins = self._twins(succ, deadlines, seen, known)
                     if twins is None:
-                        simulated.append(cfp)  # the merge would drop it (see _merge)
+                        # The merge would drop it (see _merge); and once a state
+                        # is subsumed it stays so.
+                        simulated.append(cfp)
+                        subsumed.add(cfp)
                         continue
                     seen.add(cfp)
                     if handed_out is not None:

@@ -367,8 +367,12 @@ class Symmetry:
                 continue  # g itself
             moved = list(locals_)
             for d, i in zip(chosen, late, strict=True):
-                moved[i] = moved[i]._replace(deadline=d)
-            yield self.place(g._replace(locals=tuple(moved)))[2]
+                loc = moved[i]
+                moved[i] = built(Local, (loc.incarnation, loc.phase, loc.op, d, loc.round_ended))
+            twin = (g.shared, tuple(moved), g.crashes, g.intents, g.failures, g.exclusions)
+            # (not memoized: most twins are never reached, and they would crowd
+            # the successors out of the memo of places)
+            yield self._least(self.normalize(built(Global, twin)))[1]
 
     def canonical(self, g: Global) -> tuple[Global, tuple[int, ...], int]:
         """The stored representative of ``g``, the permutation used, its fingerprint."""
