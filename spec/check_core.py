@@ -115,6 +115,9 @@ class CoreSteps:
         #: the sightings a step chooses) (see view)
         self._reads: dict[tuple[int, NodeDesc], NodeView] = {}
         self._sightings: dict[tuple[object, ...], tuple[RendezvousState, Observations]] = {}
+        #: how a step made a state from another (the other by id) -> (the other,
+        #: the one instance of the state it made) (see _one_made)
+        self._made: dict[tuple[object, ...], tuple[RendezvousState, RendezvousState]] = {}
 
     def limit(self, deadline: Deadline | None) -> float:
         """The deadline the driver is given (relative to now = 0)."""
@@ -258,7 +261,7 @@ class CoreSteps:
         view = self.view(state, node, timers, pending)
         view, decision, read_log = self._decide(view, node, op, self.limit(deadline), log)
         effect = _carry_out(state, node, decision, pending, log, read_log)
-        decision, written = self._one_instances(state, decision, effect.written)
+        decision, written = self._one_instances(state, node, decision, effect.written, log)
         checked = self._step_problems(state, node, timers, decision, written, log)
         problems = effect.problems + checked
         if problems:
@@ -323,20 +326,26 @@ class CoreSteps:
         return problems
 
     def _one_instances(
-        self, state: RendezvousState, decision: Decision, written: RendezvousState
+        self,
+        state: RendezvousState,
+        node: NodeDesc,
+        decision: Decision,
+        written: RendezvousState,
+        log: tuple[NodeDesc, ...],
     ) -> tuple[Decision, RendezvousState]:
         """``decision`` and ``written`` with each state the step made (the written
         one, the view with the dead removed) replaced by the one instance of it the
         steps hand out. Many steps make equal states (the same write under other
         timers); the successors and memo keys made of them then compare by identity
         instead of field by field (see :class:`Instances`)."""
-        one = self.instances.one
-        if written is not state:
-            written = one(written)
+        instruction = decision.instruction
         sanitized = decision.state
         if sanitized is not state:
-            sanitized = one(sanitized)
-        instruction = decision.instruction
+            sanitized = self._one_made(sanitized, (id(state), decision.dead), state)
+        if written is not state:
+            admitted = instruction.admitted if isinstance(instruction, Write) else None
+            made = (id(state), node, decision.action, decision.dead, admitted, log)
+            written = self._one_made(written, made, state)
         # (one construction each: no _replace loop)
         if isinstance(instruction, Write):
             instruction = built(Write, (written, *instruction[1:]))
@@ -344,6 +353,27 @@ class CoreSteps:
             # it ends on the view
             instruction = built(Done, (instruction.action, sanitized, *instruction[2:]))
         return built(Decision, (instruction, decision.action, sanitized, decision.dead)), written
+
+    def _one_made(
+        self, new: RendezvousState, made: tuple[object, ...], state: RendezvousState
+    ) -> RendezvousState:
+        """The one instance of ``new``, a state a step made from ``state`` the
+        way ``made`` says (the ids in it are of ``state``, which the entry holds).
+
+        The instance last made the same way is the first guess: a correct driver
+        makes the same state under every timer choice that leads to the same
+        action, dead nodes and admissions, and a guess confirmed field by field
+        saves hashing ``new`` (a new object, whose hash is computed afresh). A
+        wrong guess (a driver whose writes depend on more) falls back to the
+        table of instances."""
+        guess = self._made.get(made)
+        if guess is not None and guess[0] is state and guess[1] == new:
+            return guess[1]
+        one = self.instances.one(new)
+        if len(self._made) >= CACHE_LIMIT:
+            self._made.clear()
+        self._made[made] = (state, one)
+        return one
 
     def _decide(
         self, view: NodeView, node: NodeDesc, op: Operator, limit: float, log: tuple[NodeDesc, ...]

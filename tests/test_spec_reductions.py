@@ -373,3 +373,20 @@ def test_subsumption_finds_the_bugs_the_full_search_finds(
     for result in (reduced, full):
         assert result.violation is not None
         assert any(expected in p for p in result.violation.problems)
+
+
+def test_a_state_made_the_way_another_was_is_its_instance_only_when_equal() -> None:
+    """CoreSteps._one_made guesses a made state's one instance from how it was
+    made, and takes the guess only when it is equal: a driver whose writes
+    depend on more than the guess's key gets the instance of what it wrote."""
+    core = Checker(SMALL).steps.core
+    base = RendezvousState()
+    node = NodeDesc("n0", 100, 0)
+    made = (id(base), node, Action.ADD_TO_PARTICIPANTS, frozenset(), (), ())
+    first = base.evolve(participants={node: 0}, heartbeats={node: 1})
+    assert core._one_made(first, made, base) is first
+    copy = base.evolve(participants={node: 0}, heartbeats={node: 1})
+    assert core._one_made(copy, made, base) is first
+    other = base.evolve(participants={node: 0}, heartbeats={node: 2})
+    taken = core._one_made(other, made, base)
+    assert taken == other and taken != first
