@@ -66,10 +66,12 @@ if rank == 0:
     while step < total and time.monotonic() < deadline:
         time.sleep(step_time)
         step += 1
+        # Logged before it is checkpointed: a worker stopped between the two
+        # makes the step again (logged twice), never checkpoints it unlogged.
+        log("step", step=step)
         with open(ckpt + ".tmp", "w") as fp:
             fp.write(str(step))
         os.replace(ckpt + ".tmp", ckpt)
-        log("step", step=step)
     assert load() == total, f"checkpoint {load()} != {total}"
 else:
     while load() < total and time.monotonic() < deadline:
