@@ -207,8 +207,7 @@ class Checker:
         :meth:`Symmetry.earlier_twins`). A reachable state has one of them
         stored."""
         normal = self.normalize(g)
-        deadlines = self.steps.deadlines if self.config.subsumption else ()
-        return {self.fingerprint(normal)[1], *self.symmetry.earlier_twins(normal, deadlines)}
+        return {self.fingerprint(normal)[1], *self.symmetry.earlier_twins(normal)}
 
     def canonical(self, g: Global) -> tuple[Global, tuple[int, ...], int]:
         """The stored representative of ``g``, the permutation used, its fingerprint."""

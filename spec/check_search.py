@@ -27,15 +27,7 @@ from typing import Any, TypeVar
 
 import psutil
 
-from .check_state import (
-    CheckerWorkerError,
-    CheckResult,
-    Deadline,
-    Event,
-    Found,
-    Global,
-    Violation,
-)
+from .check_state import CheckerWorkerError, CheckResult, Event, Found, Global, Violation
 from .check_steps import Steps
 from .check_symmetry import Symmetry, relabel
 from .check_trace import replay
@@ -334,7 +326,6 @@ class Search:
         violation = None
         symmetry = self.symmetry
         max_round = self.config.max_round
-        deadlines = self.steps.deadlines if self.config.subsumption else ()
         subsumed = self._subsumed
         for g, fp in chunk:
             if max_round is not None and g.shared.round > max_round:
@@ -347,7 +338,7 @@ class Search:
                     succ, perm, cfp = symmetry.place(succ)
                     if cfp in seen or cfp in known or cfp in subsumed:
                         continue
-                    twins = self._twins(succ, deadlines, seen, known)
+                    twins = self._twins(succ, seen, known)
                     if twins is None:
                         # The merge would drop it (see _merge); and once a state
                         # is subsumed it stays so.
@@ -367,18 +358,12 @@ class Search:
         stepped += self.checked_transitions - checked_before
         return successors, simulated, stepped, edges, violation
 
-    def _twins(
-        self,
-        succ: Global,
-        deadlines: tuple[Deadline, ...],
-        seen: set[int],
-        known: Container[int],
-    ) -> tuple[int, ...] | None:
+    def _twins(self, succ: Global, seen: set[int], known: Container[int]) -> tuple[int, ...] | None:
         """The fingerprints of ``succ``'s earlier twins (the states that simulate
         it, see :meth:`Symmetry.earlier_twins`), or None once one of them is in
         ``seen`` or ``known``: reached already."""
         twins = []
-        for twin in self.symmetry.earlier_twins(succ, deadlines):
+        for twin in self.symmetry.earlier_twins(succ):
             if twin in seen or twin in known:
                 return None
             twins.append(twin)

@@ -109,6 +109,9 @@ class Symmetry:
         self.config = config
         #: the one instance of each shared state (shared with the steps' own)
         self.instances = Instances() if instances is None else instances
+        #: the deadline's values in the order time moves them, when states with
+        #: earlier ones subsume (see earlier_twins); none otherwise
+        self._deadlines = Deadline.in_time_order(config.settings()) if config.subsumption else ()
         #: id of a written state -> (the state, the round shift, its normal form)
         self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
         #: state -> (relabelling, fingerprint)
@@ -344,17 +347,17 @@ class Symmetry:
             self._placed += 1
         return known
 
-    def earlier_twins(self, g: Global, deadlines: tuple[Deadline, ...]) -> Iterator[int]:
+    def earlier_twins(self, g: Global) -> Iterator[int]:
         """The fingerprints of every other state that is ``g`` (a normal form,
         see :meth:`place`) with some deadlines earlier: each deadline later than
-        the first of ``deadlines`` (its values in the order time moves them) at
-        any value from that first one to its own. None without ``deadlines``.
-        Made one at a time, the one with every such deadline at the first value
-        first.
+        the earliest value at any value from the earliest to its own (none
+        without ``CheckConfig.subsumption``). Made one at a time, the one with
+        every such deadline at the earliest value first.
 
         Each such state simulates ``g`` (docs/spec.md, "Subsumed states"). The
         set is the same for every relabelling of ``g``: it does not depend on
         which of its copies a step made."""
+        deadlines = self._deadlines
         if not deadlines:
             return
         locals_ = g.locals
