@@ -118,8 +118,11 @@ class StateSync:
         self._poll_interval = poll_interval
         self._retry_window = retry_window
         self._on_instruction = on_instruction
+        # The view changes in place (see NodeView): every change, and every
+        # decision on it, is made under this lock, and each change bumps _version.
         self._lock = threading.Lock()
         self._view = NodeView()
+        self._version = 0
         self._token: Token | None = None
         self._read_at: float | None = None
         self._registered = False
@@ -136,14 +139,16 @@ class StateSync:
 
     @property
     def view(self) -> NodeView:
-        """What this node knows (blob, counters, observations)."""
+        """What this node knows (blob, counters, sightings), as a copy: the view
+        itself changes with every read and write."""
         with self._lock:
-            return self._view
+            return self._view.copy()
 
     @property
     def state(self) -> RendezvousState:
         """The last read or written state."""
-        return self.view.state
+        with self._lock:
+            return self._view.state
 
     @property
     def token(self) -> Token | None:
@@ -200,6 +205,7 @@ class StateSync:
             self._token = None if result is None else result[1]
             self._read_at = now
             self._view = driver.after_read(self._view, self.node, blob, side, now, log)
+            self._version += 1
 
     def _intents(self, round_: int) -> list[NodeDesc]:
         entries = []
@@ -214,9 +220,9 @@ class StateSync:
                 ) from exc
         return entries
 
-    def _write(self, write: Write, base: NodeView) -> bool:
+    def _write(self, write: Write, version: int) -> bool:
         with self._lock:
-            if self._view is not base:
+            if self._version != version:
                 return False  # another thread changed the view: decide again
             token = self._token
         blob = encode_state(write.state)
@@ -232,6 +238,7 @@ class StateSync:
             self._token = None if result is None else result[1]
             self._read_at = now
             self._view = driver.after_write(self._view, self.node, won, stored, now, started)
+            self._version += 1
         if not won:
             self.cas_losses += 1
         return won
@@ -259,19 +266,20 @@ class StateSync:
         with self._lock:
             self._registered = True
             self._view = driver.after_beat(self._view, self.node, value, now, started)
+            self._version += 1
 
     def _announce(self, round_: int) -> None:
         self.backend.announce(round_, str(self.node).encode("ascii"))
         with self._lock:
             self._view = driver.after_announce(self._view, round_)
+            self._version += 1
 
     def _wait(self, until: float | None, phase: int) -> None:
         timeout = self._poll_interval
         if until is not None:
             timeout = min(timeout, max(0.0, until - self._clock()) + _WAKE_EPSILON)
         self.backend.wait_for_phase(phase, timeout)
-        with self._lock:
-            self._view = driver.after_wait(self._view)
+        self.invalidate()
 
     def _after_outage(self) -> None:
         """Drop the sightings of the peers if the backend was unreachable since the
@@ -284,14 +292,14 @@ class StateSync:
                 return
             self._outages_seen = outages
             self._view = driver.after_outage(self._view, self.node)
+            self._version += 1
         log.info("%s: the backend was unreachable; timing the peers' heartbeats afresh", self.node)
 
     def must_fence(self) -> bool:
         """Whether this node must stop its workers now: its lease ran out (see
         :func:`rallypoint.core.driver.must_fence`). Reads nothing."""
         with self._lock:
-            view = self._view
-        return driver.must_fence(view, self.node, self.settings, self._clock())
+            return driver.must_fence(self._view, self.node, self.settings, self._clock())
 
     def _execute(self, decide: Callable[[NodeView, float], Decision]) -> tuple[Instruction, bool]:
         """Decide on the current view and carry the instruction out.
@@ -301,14 +309,14 @@ class StateSync:
         """
         self._after_outage()
         with self._lock:
-            view = self._view
-        instruction = decide(view, self._clock()).instruction
+            instruction = decide(self._view, self._clock()).instruction
+            version = self._version
         if self._on_instruction is not None:
             self._on_instruction(instruction)
         if isinstance(instruction, Read):
             self._read(instruction.counters, instruction.intents, instruction.state)
         elif isinstance(instruction, Write):
-            return instruction, self._write(instruction, view)
+            return instruction, self._write(instruction, version)
         elif isinstance(instruction, Beat):
             self.beat()
         elif isinstance(instruction, Announce):
@@ -345,8 +353,7 @@ class StateSync:
                 ):
                     raise
                 log.warning("%s: backend unreachable, retrying: %s", self.node, exc)
-                with self._lock:
-                    self._view = driver.after_wait(self._view)
+                self.invalidate()
                 time.sleep(min(0.5, 0.05 + self._rng.uniform(0, 0.1)))
                 continue
             if isinstance(instruction, (Done, Verdict)):
@@ -417,15 +424,16 @@ class StateSync:
         """Make the next decision read the state first."""
         with self._lock:
             self._view = driver.after_wait(self._view)
+            self._version += 1
 
     def refresh(self, max_age: float = 0.0, counters: bool = False) -> RendezvousState:
         """Re-read the state unless the view is at most ``max_age`` seconds old
         (and, with ``counters``, its counters were read with it); return it merged."""
-        with self._lock:
-            view, read_at = self._view, self._read_at
         now = self._clock()
-        fresh = not view.stale and read_at is not None and now - read_at <= max_age
-        counters_fresh = view.counters_at is not None and now - view.counters_at <= max_age
+        with self._lock:
+            read_at, stale, counters_at = self._read_at, self._view.stale, self._view.counters_at
+        fresh = not stale and read_at is not None and now - read_at <= max_age
+        counters_fresh = counters_at is not None and now - counters_at <= max_age
         if not fresh or (counters and not counters_fresh):
             self._read(counters)
         return self.state
@@ -434,6 +442,6 @@ class StateSync:
         """Block until a phase above the view's is published (anything a waiting or
         monitoring node decides on changed) or ``timeout`` passes; the next
         decision reads afresh."""
-        changed = self.backend.wait_for_phase(self.view.state.phase, timeout)
+        changed = self.backend.wait_for_phase(self.state.phase, timeout)
         self.invalidate()
         return changed

@@ -48,19 +48,21 @@ The rules that make the loop safe and cheap, decided here and nowhere else:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from immutables import Map
 
+from . import actions as _actions
 from .actions import _RESETTING_DEADLINE, _TERMINAL, Action, _apply, apply
 from .liveness import (
-    _observe_own_entry,
-    fence_due,
+    _SIDE_MASK,
+    SIDE_BITS,
+    _fence_due,
+    _observe_sightings,
+    _oldest,
+    _own_renewed,
     heartbeat_of,
-    keep_own_since,
-    observe,
-    observe_renewal,
-    renew_own,
     sanitize,
 )
 from .operators import (
@@ -70,9 +72,17 @@ from .operators import (
     _beat_due,
     _exit_answer,
     _join_answer,
-    wake_at,
+    _wake_at,
 )
-from .state import Context, NodeDesc, Observations, RendezvousState, Settings
+from .state import (
+    Context,
+    HeartbeatSighting,
+    LastCallSighting,
+    NodeDesc,
+    Observations,
+    RendezvousState,
+    Settings,
+)
 
 __all__ = [
     "Announce",
@@ -231,20 +241,39 @@ class Decision(NamedTuple):
 # -- the view ----------------------------------------------------------------------
 
 
-class NodeView(NamedTuple):
+@dataclass(slots=True)
+class NodeView:
     """Everything one node knows: the state and counters it last read, and what
-    its own clock saw of them. Immutable; the ``after_*`` functions return new
-    views."""
+    its own clock saw of them.
+
+    A view belongs to the one node it is driven for, and changes in place: the
+    ``after_*`` functions update it and return it, while :func:`decide`,
+    :func:`monitor` and :func:`must_fence` only read it. (Views change on every
+    read and write of every node: setting the few fields that moved costs a
+    fraction of building a new record each time.) :meth:`copy` keeps one as it is.
+
+    The node's sightings are kept in three parts, because they change at different
+    rates: its own (``own``, its lease: on nearly every write), the last call's
+    (``last_call``: once per arming) and its peers' (``peers``: only when the side
+    counters are read). :meth:`observations` puts them together.
+    """
 
     #: the state as last read or written
-    state: RendezvousState = RendezvousState()
+    state: RendezvousState = field(default_factory=RendezvousState)
     #: side heartbeat counters as last read (or bumped, for this node)
-    counters: Map[NodeDesc, int] = Map()
+    counters: Map[NodeDesc, int] = field(default_factory=Map)
     #: local time of the last side-counter read (None: never)
     counters_at: float | None = None
     #: local time of the view's first read (None: never read)
     since: float | None = None
-    observations: Observations = Observations()
+    #: the node's sighting of its own counter pair; its ``since`` is the start of
+    #: its lease (None: it holds no heartbeat entry)
+    own: HeartbeatSighting | None = None
+    #: the sighting of the state's last call (None: none armed)
+    last_call: LastCallSighting | None = None
+    #: the sightings of the other members' counters, taken when the side counters
+    #: are read
+    peers: Map[NodeDesc, HeartbeatSighting] = field(default_factory=Map)
     #: the state must be read before the next decision (nothing read yet, or a
     #: wait ended, or a new operation starts)
     stale: bool = True
@@ -257,10 +286,51 @@ class NodeView(NamedTuple):
     contended: bool = False
     #: the round whose intent log this node is in (-1: none)
     announced: int = -1
+    #: the earliest ``since`` of ``peers`` (None: no peer sighted), so that "is
+    #: anybody dead?" is one comparison
+    peers_oldest: float | None = field(default=None, init=False, repr=False)
+    #: the state counters and side counters ``peers`` were last taken from:
+    #: observing them again costs one identity comparison
+    _source: object = field(default=None, init=False, repr=False, compare=False)
+    _source_side: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.peers_oldest = _oldest(self.peers)
+
+    def copy(self) -> NodeView:
+        """A view that changes apart from this one."""
+        twin = _blank_view(NodeView)
+        for name in _VIEW_SLOTS:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
+    def observations(self, node: NodeDesc) -> Observations:
+        """``node``'s sightings as one record (``node`` being the view's own): its
+        own, its peers' and the last call's."""
+        peers, own = self.peers, self.own
+        oldest = self.peers_oldest
+        if own is not None:
+            peers = peers.set(node, own)
+            if oldest is None or own.since < oldest:
+                oldest = own.since
+        return _observations(peers, self.last_call, None, None, oldest)
 
 
-# The after_* functions run once per read or write of every node: each builds its
-# new view in one construction (NamedTuple._replace is a Python-level loop).
+_blank_view = object.__new__
+_VIEW_SLOTS = NodeView.__slots__
+#: Observations made of parts already of the stored types (see Observations._derived).
+_observations = Observations._derived
+
+
+def _peer_observations(view: NodeView) -> Observations:
+    """The view's sightings of its peers as one record (what :func:`sanitize`
+    judges the peers on: the node itself is never declared dead)."""
+    return _observations(view.peers, None, None, None, view.peers_oldest)
+
+
+# The after_* functions run once per read or write of every node: they set the
+# fields that moved, and make the two sightings' rules inline (tests/test_core_speedups.py
+# checks them against liveness's _own_read and _last_call_seen).
 
 
 def after_read(
@@ -276,24 +346,39 @@ def after_read(
     of the state's round if it was read."""
     if state is None:
         state = RendezvousState()
-    _, side, counters_at, since, seen, _, _, _, contended, announced = view
-    if since is None:
-        since = now
-    if counters is None:
-        # observe_read, given the own entry. (An empty map still hashes the key: a
-        # node that never read counters skips it.)
-        own_side = side.get(node, 0) if side else 0
-        obs = _observe_own_entry(seen, state, node, state.heartbeats.get(node), own_side, now)
+    if view.since is None:
+        view.since = now
+    if counters is not None:
+        _read_counters(view, node, state, counters, now)
+    # (_own_read, inlined)
+    counter = state.heartbeats.get(node)
+    own = view.own
+    if counter is None:
+        view.own = None
     else:
-        side, obs = _read_counters(view, node, state, counters, now)
-        counters_at = now
-    log: tuple[NodeDesc, ...] | None = None
-    log_round = -1
-    if intents is not None:
-        log = tuple(intents)
-        log_round = state.round
-    fresh = (state, side, counters_at, since, obs, False, log, log_round, contended, announced)
-    return _built(NodeView, fresh)
+        side = view.counters
+        pair = (counter << SIDE_BITS) | ((side.get(node, 0) if side else 0) & _SIDE_MASK)
+        if own is None:
+            view.own = _built(HeartbeatSighting, (pair, now))
+        elif own.counter != pair:
+            view.own = _built(HeartbeatSighting, (pair, own.since))
+    # (_last_call_seen, inlined)
+    arming = state.last_call
+    if arming is None:
+        view.last_call = None
+    else:
+        seen = view.last_call
+        if seen is None or seen.arming != arming or seen.round != state.round:
+            view.last_call = _built(LastCallSighting, (state.round, arming, now))
+    view.state = state
+    view.stale = False
+    if intents is None:
+        view.intents = None
+        view.intents_round = -1
+    else:
+        view.intents = tuple(intents)
+        view.intents_round = state.round
+    return view
 
 
 def _read_counters(
@@ -302,20 +387,21 @@ def _read_counters(
     state: RendezvousState,
     counters: Mapping[NodeDesc, int],
     now: float,
-) -> tuple[Map[NodeDesc, int], Observations]:
-    """The side counters and observations of :func:`after_read` for a read with
-    the side counters."""
+) -> None:
+    """The side counters and the peers' sightings of :func:`after_read` for a read
+    with the side counters (the own sighting follows from the new counters)."""
     side = Map(counters)
-    if node in view.counters and node not in side:
-        side = side.set(node, view.counters[node])  # never forget the own beats
-    obs = observe(view.observations, state, now, side)
-    before = view.observations.heartbeats.get(node)
-    if before is not None:
-        mine = obs.heartbeats.get(node)
-        if mine is not None and mine.since != before.since:
-            # A read is no renewal of this node's own lease (see renew_own).
-            obs = keep_own_since(obs, node, mine.counter, before.since)
-    return side, obs
+    mine = view.counters.get(node)
+    if mine is not None and node not in side:
+        side = side.set(node, mine)  # never forget the own beats
+    counts = state.heartbeats
+    if view._source is not counts or view._source_side is not side:
+        view.peers, view.peers_oldest = _observe_sightings(
+            view.peers, view.peers_oldest, counts, side, now, node
+        )
+        view._source, view._source_side = counts, side
+    view.counters = side
+    view.counters_at = now
 
 
 def after_write(
@@ -336,24 +422,40 @@ def after_write(
     """
     if stored is None:
         stored = RendezvousState()
-    old, counters, counters_at, since, seen, _, _, _, contended, announced = view
-    side = counters.get(node, 0) if counters else 0
+    old = view.state.heartbeats
     beats = stored.heartbeats
     mine = beats.get(node)
-    if (
-        won
-        and mine is not None
-        # (the view's own heartbeats: the own counter did not move)
-        and beats is not old.heartbeats
-        and mine != old.heartbeats.get(node)
-    ):
-        at = now if started is None else started
-        obs = observe_renewal(seen, stored, node, heartbeat_of(mine, side), now, at)
+    own = view.own
+    if mine is None:
+        view.own = None
     else:
-        obs = _observe_own_entry(seen, stored, node, mine, side, now)  # observe_read
-    contended = contended or not won
-    fresh = (stored, counters, counters_at, since, obs, False, None, -1, contended, announced)
-    return _built(NodeView, fresh)
+        side = view.counters
+        pair = (mine << SIDE_BITS) | ((side.get(node, 0) if side else 0) & _SIDE_MASK)
+        # (the view's own heartbeats: the own counter did not move)
+        if won and beats is not old and mine != old.get(node):
+            # (_own_renewed, inlined)
+            at = now if started is None else started
+            if own is not None and own.since > at and own.counter == pair:
+                at = own.since  # already recorded by a later renewal
+            view.own = _built(HeartbeatSighting, (pair, at))
+        elif own is None:  # (_own_read, inlined)
+            view.own = _built(HeartbeatSighting, (pair, now))
+        elif own.counter != pair:
+            view.own = _built(HeartbeatSighting, (pair, own.since))
+    arming = stored.last_call
+    if arming is None:
+        view.last_call = None
+    else:
+        seen = view.last_call
+        if seen is None or seen.arming != arming or seen.round != stored.round:
+            view.last_call = _built(LastCallSighting, (stored.round, arming, now))
+    view.state = stored
+    view.stale = False
+    view.intents = None
+    view.intents_round = -1
+    if not won:
+        view.contended = True
+    return view
 
 
 def after_beat(
@@ -363,12 +465,14 @@ def after_beat(
 
     ``started``: the local time the beat was sent (None: ``now``); the beat renews
     this node's lease from then (see :func:`after_write`)."""
-    counters = view.counters.set(node, counter)
-    state = view.state
-    own = state.heartbeats.get(node)
-    pair = None if own is None else heartbeat_of(own, counter)
-    observations = renew_own(view.observations, node, pair, now if started is None else started)
-    return view._replace(counters=counters, observations=observations)
+    view.counters = view.counters.set(node, counter)
+    own = view.state.heartbeats.get(node)
+    if own is None:
+        view.own = None
+    else:
+        at = now if started is None else started
+        view.own = _own_renewed(view.own, heartbeat_of(own, counter), at)
+    return view
 
 
 def after_outage(view: NodeView, node: NodeDesc) -> NodeView:
@@ -379,12 +483,12 @@ def after_outage(view: NodeView, node: NodeDesc) -> NodeView:
     reach the backend. The own sighting (the lease, see :func:`must_fence`) is
     kept: the outage did not renew it. The next decision reads, with the counters.
     """
-    seen = view.observations
-    own = seen.heartbeats.get(node)
-    kept = Observations(
-        heartbeats=Map() if own is None else Map({node: own}), last_call=seen.last_call
-    )
-    return view._replace(observations=kept, counters_at=None, stale=True)
+    view.peers = Map()
+    view.peers_oldest = None
+    view._source = view._source_side = None
+    view.counters_at = None
+    view.stale = True
+    return view
 
 
 def must_fence(view: NodeView, node: NodeDesc, settings: Settings, now: float) -> bool:
@@ -393,20 +497,23 @@ def must_fence(view: NodeView, node: NodeDesc, settings: Settings, now: float) -
     :func:`rallypoint.core.liveness.fence_after`, so its peers may soon declare it
     dead and regroup without it. Nothing is read: a node cut off from the store
     decides this alone, on its own clock (docs/design.md, decision 7)."""
-    return fence_due(view.observations, node, settings, now)
+    return _fence_due(view.own, settings, now)
 
 
 def after_announce(view: NodeView, round_: int) -> NodeView:
     """The view after this node appended itself to the intent log of ``round_``."""
-    return view._replace(announced=round_, intents=None, intents_round=-1)
+    view.announced = round_
+    view.intents = None
+    view.intents_round = -1
+    return view
 
 
 def after_wait(view: NodeView) -> NodeView:
     """The view after a wait ended (or a new operation starts): read before
     deciding again."""
-    state, counters, counters_at, since, seen, _, log, log_round, _, announced = view
-    stale = (state, counters, counters_at, since, seen, True, log, log_round, False, announced)
-    return _built(NodeView, stale)
+    view.stale = True
+    view.contended = False
+    return view
 
 
 # -- phases --------------------------------------------------------------------------
@@ -438,6 +545,7 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
 
 
 _PHASE_OF_AS_DEFINED = phase_of
+_EFFECTS_AS_DEFINED = _actions._EFFECTS
 
 
 def _same_phase(a: RendezvousState, b: RendezvousState, max_nodes: int) -> bool:
@@ -464,8 +572,13 @@ def _phased(
     dead: frozenset[NodeDesc] = _NOBODY,
     deadline: float | None = None,
     admitted: tuple[NodeDesc, ...] = (),
+    made: bool = False,
 ) -> Write:
-    """A write of ``new`` over ``base`` (set its phase; say whether to publish it)."""
+    """A write of ``new`` over ``base`` (set its phase; say whether to publish it).
+
+    ``made``: ``new`` was made for this write by the effects as defined, and
+    nobody else has seen it yet, so a new phase is set in it instead of in a copy.
+    """
     if (
         _same_phase(new, base, settings.max_nodes)
         if phase_of is _PHASE_OF_AS_DEFINED
@@ -474,9 +587,13 @@ def _phased(
     ):
         return _built(Write, (new, action, dead, None, deadline, admitted))
     phase = base.phase + 1
-    fields = new._fields()
-    fields["phase"] = phase
-    return _built(Write, (RendezvousState._of(fields), action, dead, phase, deadline, admitted))
+    if made:
+        new.__dict__["phase"] = phase  # (no hash is cached in a state just made)
+    else:
+        fields = new._fields()
+        fields["phase"] = phase
+        new = RendezvousState._of(fields)
+    return _built(Write, (new, action, dead, phase, deadline, admitted))
 
 
 # -- decisions ---------------------------------------------------------------------
@@ -542,7 +659,7 @@ def _admit_batch(
     if not state.complete:
         pending.update(n for n in state.wait_list if n != node)
     admitted = []
-    obs = view.observations
+    obs = view.observations(node)
     for other in sorted(pending):
         if other in state.redundancy_list:
             continue
@@ -600,36 +717,38 @@ def decide(
 ) -> Decision:
     """The next instruction of ``node`` running ``op`` (with ``deadline``) at
     local time ``now``."""
-    state, _, counters_at, since, observations, stale, _, _, _, _ = view
+    state = view.state
     # (_counters_due, inlined: asked before every decision)
-    last = since if counters_at is None else counters_at
+    counters_at = view.counters_at
+    last = view.since if counters_at is None else counters_at
     if last is not None and now - last > settings.liveness_window / 2:
         return _built(Decision, (_READ_COUNTERS, None, state, _NOBODY))
-    if stale:
+    if view.stale:
         return _built(Decision, (_READ, None, state, _NOBODY))
-    oldest = observations.oldest
+    oldest = view.peers_oldest
     if oldest is None or now - oldest <= settings.liveness_window:
-        # sanitize's own first test, made here: no sighting is old enough for
-        # anybody to be dead (nearly every decision).
+        # sanitize's own first test, made here: no peer's sighting is old enough
+        # for it to be dead (nearly every decision; a node never declares itself).
         sanitized, dead = state, _NOBODY
     else:
-        sanitized, dead = sanitize(state, observations, settings, now, node)
+        sanitized, dead = sanitize(state, _peer_observations(view), settings, now, node)
         if _must_reread(view, dead, settings, now):
             return Decision(_READ_COUNTERS, None, sanitized, _NOBODY)
     # The join and exit operators answer from the context's fields: no Context is
     # built for them (an operator of another type, a subclass included, gets one).
+    own = view.own
     kind = type(op)
     if kind is JoinOp:
-        action = _join_answer(node, sanitized, settings, now, observations, deadline)
+        action = _join_answer(node, sanitized, settings, now, own, view.last_call, deadline)
     elif kind is ExitOp:
         action = _exit_answer(node, sanitized, now, deadline)
     else:
-        action = op(Context(node, sanitized, settings, now, observations), deadline)
+        action = op(Context(node, sanitized, settings, now, view.observations(node)), deadline)
     if action is _SYNC or action in _TERMINAL:
         return _no_write(view, node, settings, op, action, sanitized, dead, deadline, now)
     if not dead and (
         (action is _KEEP_ALIVE and node in state.heartbeats)
-        or _beat_due(node, state, settings, now, observations)
+        or _beat_due(node, state, settings, now, own)
     ):
         # A member beats when its keep-alive is due, also before another write: a
         # node that keeps losing compare-and-sets must not look dead meanwhile.
@@ -668,7 +787,9 @@ def _write(
             return Decision(read, action, sanitized, dead)
         new, admitted = _admit_batch(view, node, settings, op, new, now)
     reset = now + settings.join_timeout if action in _RESETTING_DEADLINE else None
-    write = _phased(new, state, settings, action, dead, reset, admitted)
+    # (An effect swapped in by a test may hand back a state others hold.)
+    made = _actions._EFFECTS is _EFFECTS_AS_DEFINED
+    write = _phased(new, state, settings, action, dead, reset, admitted, made)
     return _built(Decision, (write, action, sanitized, dead))
 
 
@@ -689,13 +810,19 @@ def _no_write(
     if dead:
         return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
     state = view.state
+    own = view.own
     if action is _SYNC:
-        ctx = Context(node, sanitized, settings, now, view.observations)
-        return Decision(Wait(wake_at(ctx, deadline), state.phase), action, sanitized, dead)
+        oldest = view.peers_oldest
+        if own is not None and (oldest is None or own.since < oldest):
+            oldest = own.since
+        until = _wake_at(
+            node, sanitized, settings, now, own, view.last_call, view.peers, oldest, deadline
+        )
+        return Decision(Wait(until, state.phase), action, sanitized, dead)
     if (
         action is _FINISH
         and isinstance(op, JoinOp)
-        and fence_due(view.observations, node, settings, now)
+        and _fence_due(own, settings, now)
         and node in state.heartbeats
     ):
         # Never hand workers a lease that is running out (a node admitted by
@@ -732,7 +859,7 @@ def monitor(
     due = _counters_due(view, settings, now)
     if view.stale or due:
         return Decision(_READ_COUNTERS if due else _READ, None, view.state, frozenset())
-    sanitized, dead = sanitize(view.state, view.observations, settings, now, node)
+    sanitized, dead = sanitize(view.state, _peer_observations(view), settings, now, node)
     if _must_reread(view, dead, settings, now):
         return Decision(_READ_COUNTERS, None, sanitized, frozenset())
     if dead:

@@ -70,6 +70,14 @@ def _oldest(sightings: Map[NodeDesc, HeartbeatSighting]) -> float | None:
     return min(map(_since, sightings.values()))
 
 
+# -- the rules, on one sighting at a time ------------------------------------------------
+#
+# A node keeps its own sighting (its lease) and the last-call sighting apart from
+# its sightings of the others (see rallypoint.core.driver.NodeView): they change on
+# nearly every read and write, the others only when the side counters are read.
+# The functions on whole Observations further down apply these same rules.
+
+
 def _last_call_seen(
     seen: LastCallSighting | None, state: RendezvousState, now: float
 ) -> LastCallSighting | None:
@@ -81,6 +89,85 @@ def _last_call_seen(
     if seen is not None and seen.arming == arming and seen.round == state.round:
         return seen
     return _built(LastCallSighting, (state.round, arming, now))
+
+
+def _own_read(
+    own: HeartbeatSighting | None, counter: int | None, side_counter: int, now: float
+) -> HeartbeatSighting | None:
+    """A node's own sighting after it read (or wrote without renewing) a state in
+    which its counter is ``counter`` (None: it has no entry), its side counter
+    being ``side_counter``: gone with the entry; a new entry first seen now; a
+    counter that another node's write moved (a batch admitted it) keeps the
+    lease's start, since a read is no renewal (see :func:`renew_own`)."""
+    if counter is None:
+        return None
+    pair = (counter << SIDE_BITS) | (side_counter & _SIDE_MASK)  # heartbeat_of, inlined
+    if own is None:
+        return _built(HeartbeatSighting, (pair, now))
+    if own.counter == pair:
+        return own
+    return _built(HeartbeatSighting, (pair, own.since))
+
+
+def _own_renewed(own: HeartbeatSighting | None, pair: int, started: float) -> HeartbeatSighting:
+    """A node's own sighting after a renewal of its lease (a keep-alive, or a won
+    write of its own) that moved its counter pair to ``pair``, sent at local time
+    ``started`` (see :func:`renew_own`)."""
+    if own is not None and own.since > started and own.counter == pair:
+        started = own.since  # already recorded by a later renewal
+    return _built(HeartbeatSighting, (pair, started))
+
+
+def _observe_sightings(
+    seen: Map[NodeDesc, HeartbeatSighting],
+    oldest: float | None,
+    counts: Map[NodeDesc, int],
+    side: Mapping[NodeDesc, int] | None,
+    now: float,
+    observer: NodeDesc | None,
+) -> tuple[Map[NodeDesc, HeartbeatSighting], float | None]:
+    """The sightings ``seen`` (the earliest of them ``oldest``) after the state
+    counters ``counts`` were read with the side counters ``side``: a member whose
+    counter pair differs from the one seen (or is new) restarts its timer, and
+    nodes no longer in the state are forgotten. ``observer``'s own entry is left
+    out (its sighting is kept apart)."""
+    mutable = seen.mutate()
+    restarted = False  # some sighting now starts at ``now``
+    lost_oldest = False  # the sighting ``oldest`` came from was replaced or dropped
+    for node, counter in counts.items():
+        if node == observer:
+            continue
+        value = heartbeat_of(counter, 0 if side is None else side.get(node, 0))
+        sighting = seen.get(node)
+        if sighting is None or sighting.counter != value:
+            if sighting is not None and sighting.since == oldest:
+                lost_oldest = True
+            mutable[node] = _built(HeartbeatSighting, (value, now))
+            restarted = True
+    dropped = False
+    watched = len(counts) - (observer is not None and observer in counts)
+    if len(mutable) != watched:  # some nodes left the state
+        for node, sighting in seen.items():
+            if node not in counts or node == observer:
+                if sighting.since == oldest:
+                    lost_oldest = True
+                del mutable[node]
+                dropped = True
+    updated = mutable.finish() if restarted or dropped else seen
+    if lost_oldest:
+        oldest = _oldest(updated)
+    elif restarted and (oldest is None or now < oldest):
+        # Every other sighting is unchanged, and the new ones all start at now.
+        oldest = now
+    return updated, oldest
+
+
+def _fence_due(own: HeartbeatSighting | None, settings: Settings, now: float) -> bool:
+    """:func:`fence_due` of the own sighting ``own``."""
+    return own is not None and now - own.since >= fence_after(settings)
+
+
+# -- the same rules on a node's whole Observations ----------------------------------------
 
 
 def observe(
@@ -101,120 +188,13 @@ def observe(
     newly armed last call starts this node's last-call timer.
     """
     counts = state.heartbeats
-    if counters and (observations.source is not counts or observations.source_side is not side):
-        return _observe_counters(observations, state, now, side)
-    # Most reads and writes: only the last call can have changed.
-    return _with_last_call(observations, _last_call_seen(observations.last_call, state, now))
-
-
-def _observe_counters(
-    observations: Observations,
-    state: RendezvousState,
-    now: float,
-    side: Mapping[NodeDesc, int] | None,
-) -> Observations:
-    """:func:`observe` of counters that are not the ones last observed."""
-    seen = observations.heartbeats
-    counts = state.heartbeats
-    oldest = observations.oldest
-    mutable = seen.mutate()
-    restarted = False  # some sighting now starts at ``now``
-    lost_oldest = False  # the sighting ``oldest`` came from was replaced or dropped
-    for node, counter in counts.items():
-        value = heartbeat_of(counter, 0 if side is None else side.get(node, 0))
-        sighting = seen.get(node)
-        if sighting is None or sighting.counter != value:
-            if sighting is not None and sighting.since == oldest:
-                lost_oldest = True
-            mutable[node] = _built(HeartbeatSighting, (value, now))
-            restarted = True
-    dropped = False
-    if len(mutable) != len(counts):  # some nodes left the state
-        for node, sighting in seen.items():
-            if node not in counts:
-                if sighting.since == oldest:
-                    lost_oldest = True
-                del mutable[node]
-                dropped = True
-    updated = mutable.finish() if restarted or dropped else seen
-    if lost_oldest:
-        oldest = _oldest(updated)
-    elif restarted and (oldest is None or now < oldest):
-        # Every other sighting is unchanged, and the new ones all start at now.
-        oldest = now
     last_call = _last_call_seen(observations.last_call, state, now)
-    return _observations(updated, last_call, counts, side, oldest)
-
-
-def observe_read(
-    observations: Observations,
-    state: RendezvousState,
-    node: NodeDesc,
-    side_counter: int,
-    now: float,
-) -> Observations:
-    """What ``node`` sees in a ``state`` read (or written) without the side
-    counters, its own side counter being ``side_counter``: exactly
-    ``observe_own(observe(observations, state, now, counters=False), node, pair,
-    now)`` for its own counter pair, in one call. Most reads change neither
-    sighting, and then cost no new object; a read that changes both builds one."""
-    return _observe_own_entry(
-        observations, state, node, state.heartbeats.get(node), side_counter, now
-    )
-
-
-def _observe_own_entry(
-    observations: Observations,
-    state: RendezvousState,
-    node: NodeDesc,
-    counter: int | None,
-    side_counter: int,
-    now: float,
-) -> Observations:
-    """:func:`observe_read`, given ``node``'s own entry in ``state``'s heartbeats
-    (``counter``; None: it has none), which the driver has looked up already."""
-    last_call = seen = observations.last_call
-    arming = state.last_call
-    # (_last_call_seen, inlined: this runs on every read and write of every node)
-    if arming is None:
-        last_call = None
-    elif last_call is None or last_call.arming != arming or last_call.round != state.round:
-        last_call = _built(LastCallSighting, (state.round, arming, now))
-    updated = sightings = observations.heartbeats
-    oldest = observations.oldest
-    sighting = sightings.get(node)
-    if counter is None:
-        if sighting is None:
-            if last_call is seen:
-                return observations
-        else:
-            # The own entry is gone (observe_own of None).
-            updated = sightings.delete(node)
-            if sighting.since == oldest or oldest is None:
-                oldest = _oldest(updated)
-    else:
-        own = (counter << SIDE_BITS) | (side_counter & _SIDE_MASK)  # heartbeat_of, inlined
-        if sighting is None:
-            # A new own entry, first seen now (observe_own).
-            updated = sightings.set(node, _built(HeartbeatSighting, (own, now)))
-            if oldest is None:
-                oldest = now if len(updated) == 1 else _oldest(updated)
-        elif sighting.counter == own:
-            if last_call is seen:
-                return observations
-        else:
-            # Another node's write moved this node's counter (a batch admitted it):
-            # a read is no renewal of this node's lease (keep_own_since, renew_own).
-            since = sighting.since
-            updated = sightings.set(node, _built(HeartbeatSighting, (own, since)))
-            if oldest is None or since < oldest:
-                oldest = since
-    return _observations(updated, last_call, observations.source, observations.source_side, oldest)
-
-
-def _with_last_call(observations: Observations, last_call: LastCallSighting | None) -> Observations:
-    """``observations`` with the last-call sighting ``last_call`` (itself when it
-    is the one they hold)."""
+    if counters and (observations.source is not counts or observations.source_side is not side):
+        seen, oldest = _observe_sightings(
+            observations.heartbeats, observations.oldest, counts, side, now, None
+        )
+        return _observations(seen, last_call, counts, side, oldest)
+    # Most reads and writes: only the last call can have changed.
     if last_call is observations.last_call:
         return observations
     return _observations(
@@ -226,18 +206,49 @@ def _with_last_call(observations: Observations, last_call: LastCallSighting | No
     )
 
 
-def keep_own_since(
-    observations: Observations, node: NodeDesc, counter: int, since: float
+def _with_own(
+    observations: Observations,
+    node: NodeDesc,
+    own: HeartbeatSighting | None,
+    last_call: LastCallSighting | None,
 ) -> Observations:
-    """``observations`` with this node's own sighting at ``counter`` and its
-    ``since`` (the last renewal) kept."""
-    updated = observations.heartbeats.set(node, _built(HeartbeatSighting, (counter, since)))
+    """``observations`` with ``node``'s sighting ``own`` (None: none) and the
+    last-call sighting ``last_call`` (itself when neither changed)."""
+    seen = observations.heartbeats
+    before = seen.get(node)
+    if own is before:
+        if last_call is observations.last_call:
+            return observations
+        updated = seen
+    elif own is None:
+        updated = seen.delete(node)
+    else:
+        updated = seen.set(node, own)
     oldest = observations.oldest
-    if oldest is None or since < oldest:
-        oldest = since
-    return _observations(
-        updated, observations.last_call, observations.source, observations.source_side, oldest
+    if before is not None and (oldest is None or before.since == oldest):
+        oldest = _oldest(updated)  # the earliest sighting may have gone
+    elif own is not None and (oldest is None or own.since < oldest):
+        oldest = own.since
+    return _observations(updated, last_call, observations.source, observations.source_side, oldest)
+
+
+def observe_read(
+    observations: Observations,
+    state: RendezvousState,
+    node: NodeDesc,
+    side_counter: int,
+    now: float,
+) -> Observations:
+    """What ``node`` sees in a ``state`` read (or written) without the side
+    counters, its own side counter being ``side_counter``: the last call (as
+    :func:`observe` without counters), and its own counter pair. A new own entry is
+    first seen now; an own counter that another node's write moved keeps the
+    lease's start (a read is no renewal, see :func:`renew_own`)."""
+    own = _own_read(
+        observations.heartbeats.get(node), state.heartbeats.get(node), side_counter, now
     )
+    last_call = _last_call_seen(observations.last_call, state, now)
+    return _with_own(observations, node, own, last_call)
 
 
 def renew_own(
@@ -255,44 +266,8 @@ def renew_own(
     """
     if counter is None:
         return observe_own(observations, node, None, started)
-    return _renewed(observations, node, counter, started, observations.last_call)
-
-
-def observe_renewal(
-    observations: Observations,
-    state: RendezvousState,
-    node: NodeDesc,
-    counter: int,
-    now: float,
-    started: float,
-) -> Observations:
-    """:func:`observe_read` of a ``state`` this node just wrote, with its own counter
-    pair (:func:`heartbeat_of`) moved by the write to ``counter``, then
-    :func:`renew_own` from ``started``: in one construction (a join's write)."""
-    return _renewed(
-        observations, node, counter, started, _last_call_seen(observations.last_call, state, now)
-    )
-
-
-def _renewed(
-    observations: Observations,
-    node: NodeDesc,
-    counter: int,
-    started: float,
-    last_call: LastCallSighting | None,
-) -> Observations:
-    seen = observations.heartbeats
-    sighting = seen.get(node)
-    if sighting is not None and sighting.since > started and sighting.counter == counter:
-        started = sighting.since  # already recorded by a later renewal
-    updated = seen.set(node, _built(HeartbeatSighting, (counter, started)))
-    oldest = observations.oldest
-    if oldest is None or (sighting is not None and sighting.since == oldest):
-        # (A node that reads no side counters holds its own sighting alone.)
-        oldest = started if len(updated) == 1 else _oldest(updated)
-    elif started < oldest:
-        oldest = started
-    return _observations(updated, last_call, observations.source, observations.source_side, oldest)
+    own = _own_renewed(observations.heartbeats.get(node), counter, started)
+    return _with_own(observations, node, own, observations.last_call)
 
 
 def fence_after(settings: Settings) -> float:
@@ -309,8 +284,7 @@ def fence_due(observations: Observations, node: NodeDesc, settings: Settings, no
     """Whether ``node``'s lease has run out at local time ``now``: it has not
     renewed for :func:`fence_after` and must stop its workers now. False for a
     node that holds no heartbeat entry (nothing to fence)."""
-    sighting = observations.heartbeats.get(node)
-    return sighting is not None and now - sighting.since >= fence_after(settings)
+    return _fence_due(observations.heartbeats.get(node), settings, now)
 
 
 def lease_expiry(observations: Observations, node: NodeDesc, settings: Settings) -> float | None:
@@ -324,24 +298,14 @@ def observe_own(
 ) -> Observations:
     """Record that this node's own counter pair is now ``counter`` (None: it has no
     entry any more): its keep-alive timer restarts when the counter moved."""
-    seen = observations.heartbeats
-    sighting = seen.get(node)
+    sighting = observations.heartbeats.get(node)
     if counter is None:
-        if sighting is None:
-            return observations
-        updated = seen.delete(node)
+        own = None
     elif sighting is not None and sighting.counter == counter:
-        return observations
+        own = sighting
     else:
-        updated = seen.set(node, _built(HeartbeatSighting, (counter, now)))
-    oldest = observations.oldest
-    if (sighting is not None and sighting.since == oldest) or oldest is None:
-        # A node that reads no side counters holds its own new sighting alone.
-        only_own = counter is not None and len(updated) == 1
-        oldest = now if only_own else _oldest(updated)
-    return _observations(
-        updated, observations.last_call, observations.source, observations.source_side, oldest
-    )
+        own = _built(HeartbeatSighting, (counter, now))
+    return _with_own(observations, node, own, observations.last_call)
 
 
 def dead_nodes(

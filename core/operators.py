@@ -19,8 +19,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from immutables import Map
+
 from .actions import Action
-from .state import Context, NodeDesc, Observations, RendezvousState, Settings
+from .state import (
+    Context,
+    HeartbeatSighting,
+    LastCallSighting,
+    NodeDesc,
+    Observations,
+    RendezvousState,
+    Settings,
+)
 
 __all__ = [
     "JOIN_TABLE",
@@ -46,12 +56,13 @@ Operator = Callable[[Context, float], Action]
 def keep_alive_due(ctx: Context) -> bool:
     """The node has a heartbeat entry whose counter it last saw move at least
     ``keep_alive_interval`` ago (its own beat included)."""
-    return _beat_due(ctx.node, ctx.state, ctx.settings, ctx.now, ctx.observations)
+    sighting = ctx.observations.heartbeats.get(ctx.node)
+    return _beat_due(ctx.node, ctx.state, ctx.settings, ctx.now, sighting)
 
 
 def last_call_passed(ctx: Context) -> bool:
     """The last call is armed and this node saw it armed over ``last_call_timeout`` ago."""
-    return _last_call_over(ctx.state, ctx.settings, ctx.now, ctx.observations)
+    return _last_call_over(ctx.state, ctx.settings, ctx.now, ctx.observations.last_call)
 
 
 def _timed_out(ctx: Context, deadline: float) -> bool:
@@ -181,7 +192,11 @@ class JoinOp:
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
         """:data:`JOIN_TABLE`'s answer (see :func:`_join_answer`)."""
-        return _join_answer(ctx.node, ctx.state, ctx.settings, ctx.now, ctx.observations, deadline)
+        seen = ctx.observations
+        sighting = seen.heartbeats.get(ctx.node)
+        return _join_answer(
+            ctx.node, ctx.state, ctx.settings, ctx.now, sighting, seen.last_call, deadline
+        )
 
 
 def _join_answer(
@@ -189,16 +204,21 @@ def _join_answer(
     state: RendezvousState,
     settings: Settings,
     now: float,
-    observations: Observations,
+    sighting: HeartbeatSighting | None,
+    last_call: LastCallSighting | None,
     deadline: float,
 ) -> Action:
     """:data:`JOIN_TABLE`'s answer for the context of these fields, reached without
     walking it: the same rows in the same order, with each fact the guards share
     read once instead of once per row (tests/test_core_speedups.py checks that both
-    agree). The driver calls it with the fields, building no :class:`Context`."""
+    agree). ``sighting`` is the deciding node's sighting of its own counter and
+    ``last_call`` the last-call sighting (the two sightings the table reads). The
+    driver calls it with the fields, building no :class:`Context`."""
     if JOIN_TABLE is not _JOIN_TABLE_AS_DEFINED:
         # A table swapped in (the checker's mutation tests do) is walked as given.
-        return join_row(Context(node, state, settings, now, observations), deadline).action
+        beats = Map() if sighting is None else Map({node: sighting})
+        seen = Observations(heartbeats=beats, last_call=last_call)
+        return join_row(Context(node, state, settings, now, seen), deadline).action
     # (An empty set is told apart without hashing the node.)
     redundancy = state.redundancy_list
     redundant = node in redundancy if redundancy else False
@@ -212,7 +232,7 @@ def _join_answer(
         return _ADD_TO_REDUNDANCY_LIST
     if redundant:
         if full or excluded:
-            return _KEEP_ALIVE if _beat_due(node, state, settings, now, observations) else _SYNC
+            return _KEEP_ALIVE if _beat_due(node, state, settings, now, sighting) else _SYNC
         return _REMOVE_FROM_REDUNDANCY_LIST
     complete = state.complete
     if complete and participant:
@@ -230,30 +250,34 @@ def _join_answer(
     elif not participant:
         return _ADD_TO_PARTICIPANTS
     elif settings.min_nodes <= len(participants) <= settings.max_nodes and _last_call_over(
-        state, settings, now, observations
+        state, settings, now, last_call
     ):
         return _MARK_RENDEZVOUS_COMPLETE
-    return _KEEP_ALIVE if _beat_due(node, state, settings, now, observations) else _SYNC
+    return _KEEP_ALIVE if _beat_due(node, state, settings, now, sighting) else _SYNC
 
 
 def _beat_due(
-    node: NodeDesc, state: RendezvousState, settings: Settings, now: float, seen: Observations
+    node: NodeDesc,
+    state: RendezvousState,
+    settings: Settings,
+    now: float,
+    sighting: HeartbeatSighting | None,
 ) -> bool:
-    """:func:`keep_alive_due` of the context of these fields (the operators take
-    the fields from the driver, which builds no :class:`Context` for them)."""
+    """:func:`keep_alive_due` of the context of these fields, ``sighting`` being
+    the node's sighting of its own counter (the operators take the fields from the
+    driver, which builds no :class:`Context` for them)."""
     # (The sighting first: most decisions find it recent, and look no further.)
-    sighting = seen.heartbeats.get(node)
     if sighting is None or now - sighting.since < settings.keep_alive_interval:
         return False
     return node in state.heartbeats
 
 
 def _last_call_over(
-    state: RendezvousState, settings: Settings, now: float, seen: Observations
+    state: RendezvousState, settings: Settings, now: float, sighting: LastCallSighting | None
 ) -> bool:
-    """:func:`last_call_passed` of the context of these fields (its arming and
-    round, compared one by one: no tuples built)."""
-    sighting = seen.last_call
+    """:func:`last_call_passed` of the context of these fields, ``sighting`` being
+    the last-call sighting (its arming and round, compared one by one: no tuples
+    built)."""
     if state.last_call is None or sighting is None:
         return False
     if sighting.arming != state.last_call or sighting.round != state.round:
@@ -333,29 +357,51 @@ def wake_at(ctx: Context, deadline: float | None = None) -> float | None:
     rollback window), this node's next heartbeat, the end of the last call, and the
     moment a silent peer would be declared dead. None: only a state change matters.
     """
-    s = ctx.settings
-    now = ctx.now
-    me = ctx.node
-    observations = ctx.observations
-    heartbeats = ctx.state.heartbeats
+    seen = ctx.observations
+    own = seen.heartbeats.get(ctx.node)
+    return _wake_at(
+        ctx.node,
+        ctx.state,
+        ctx.settings,
+        ctx.now,
+        own,
+        seen.last_call,
+        seen.heartbeats,
+        seen.oldest,
+        deadline,
+    )
+
+
+def _wake_at(
+    me: NodeDesc,
+    state: RendezvousState,
+    s: Settings,
+    now: float,
+    own: HeartbeatSighting | None,
+    last_call: LastCallSighting | None,
+    sightings: Map[NodeDesc, HeartbeatSighting],
+    oldest: float | None,
+    deadline: float | None,
+) -> float | None:
+    """:func:`wake_at` of the context of these fields: ``own`` is the node's own
+    sighting, ``sightings`` those of its peers (its own among them or not) and
+    ``oldest`` the earliest ``since`` of them all, its own included."""
+    heartbeats = state.heartbeats
     window = s.liveness_window
     times: list[float] = []
     if deadline is not None:
         times.append(deadline)
         times.append(deadline + s.rollback_period)
-    own = observations.heartbeats.get(me)
     if own is not None and me in heartbeats:
         times.append(own.since + s.keep_alive_interval)
-    sighting = observations.last_call
-    if sighting is not None and ctx.state.last_call is not None:
-        times.append(sighting.since + s.last_call_timeout)
-    oldest = observations.oldest
+    if last_call is not None and state.last_call is not None:
+        times.append(last_call.since + s.last_call_timeout)
     if oldest is not None and oldest + window > now:
         # No sighting has expired yet: the oldest one expires first. Waking for it
         # when it is this node's own costs one early wake, not a per-peer walk.
         times.append(oldest + window)
     else:
-        for node, seen in observations.heartbeats.items():
+        for node, seen in sightings.items():
             if node != me and node in heartbeats:
                 times.append(seen.since + window)
     earliest = None  # the earliest time in the future (one pass: no list, no min call)

@@ -134,7 +134,6 @@ from .check_state import (
     Op,
     Timers,
     Violation,
-    make_observations,
     node_of,
 )
 from .check_steps import Steps
@@ -160,7 +159,6 @@ __all__ = [
     "Violation",
     "check",
     "describe",
-    "make_observations",
     "node_of",
     "relabel",
 ]

@@ -9,7 +9,7 @@ sanitize removed them, ``admitted`` when its write took them in, and
 
 from __future__ import annotations
 
-from ..core import CloseOp, NodeDesc, Observations, Operator, RendezvousState, Settings
+from ..core import CloseOp, NodeDesc, Operator, RendezvousState, Settings
 from ..core import driver as core_driver
 from ..core.actions import Action
 from ..core.errors import InvalidTransitionError
@@ -19,7 +19,6 @@ from .model import Guards, LifecycleModel, View, lifecycle_state
 
 __all__ = ["Conformance"]
 
-NO_OBSERVATIONS = Observations()
 #: Peer edges have no guards; their checks pass this placeholder.
 _NO_GUARDS = Guards(*([False] * len(Guards._fields)))
 
@@ -58,7 +57,7 @@ class Conformance:
         """A lifecycle event of the node's own (``crash``, ``join``) leads to ``dst``."""
         loc = g.locals[slot]
         node = node_of(slot, loc.incarnation)
-        guards = Guards.of(View(node, g.shared, self.settings, 0.0, NO_OBSERVATIONS))
+        guards = Guards.of(View(node, g.shared, self.settings, 0.0))
         self.expect(self.model_state(g, slot), trigger, dst, guards, node)
 
     @staticmethod
@@ -176,7 +175,7 @@ class Conformance:
             src = self.model_state(g, index, sanitized)
             dst = lifecycle_state(g.locals[index].phase, other, stages[k + 1])
             if src != dst:
-                view = View(other, stages[k], self.settings, 0.0, NO_OBSERVATIONS, None, g.intents)
+                view = View(other, stages[k], self.settings, 0.0, None, None, None, g.intents)
                 self.expect(src, "admitted", dst, Guards.of(view), other)
             moved.add(index)
             final = self.model_state(after, index)

@@ -24,7 +24,6 @@ from ..core import (
     LastCallSighting,
     NodeDesc,
     NodeView,
-    Observations,
     Operator,
     Read,
     RendezvousState,
@@ -36,7 +35,7 @@ from ..core import (
 from ..core import driver as core_driver
 from ..core.actions import Action
 from ..core.errors import InvalidTransitionError
-from .check_state import Age, Deadline, Found, Global, Timers, make_observations
+from .check_state import Age, Deadline, Found, Global, Timers
 from .check_symmetry import CACHE_LIMIT, Instances
 from .invariants import (
     check_admissions,
@@ -66,6 +65,16 @@ class CoreStep(NamedTuple):
     intents: frozenset[NodeDesc]
     #: whether the node read the intent log within the step (a Read(intents=True))
     read_log: bool
+
+
+class _Sightings(NamedTuple):
+    """A node's sightings at a step, and the side counters read with them (see
+    :meth:`CoreSteps.view`)."""
+
+    own: HeartbeatSighting | None
+    last_call: LastCallSighting | None
+    peers: Map[NodeDesc, HeartbeatSighting]
+    counters: Map[NodeDesc, int]
 
 
 class _Effect(NamedTuple):
@@ -110,11 +119,10 @@ class CoreSteps:
         #: what a step's safety checks read, states by id -> (those states, their
         #: problems) (see _step_problems)
         self._problems: dict[tuple[object, ...], tuple[object, list[str]]] = {}
-        #: (id of a state, node) -> the view a read of it gives (which holds the
-        #: state); (id of a state, node, timers but the deadline) -> (the state,
-        #: the sightings a step chooses) (see view)
-        self._reads: dict[tuple[int, NodeDesc], NodeView] = {}
-        self._sightings: dict[tuple[object, ...], tuple[RendezvousState, Observations]] = {}
+        #: (id of a state, node, timers but the deadline) -> (the state, the
+        #: sightings a step chooses: the node's own, the last call's, its peers'
+        #: and their oldest) (see view)
+        self._sightings: dict[tuple[object, ...], tuple[RendezvousState, _Sightings]] = {}
         #: how a step made a state from another (the other by id) -> (the other,
         #: the one instance of the state it made) (see _one_made)
         self._made: dict[tuple[object, ...], tuple[RendezvousState, RendezvousState]] = {}
@@ -140,28 +148,17 @@ class CoreSteps:
         The side counters are all 0: only whether a sighting equals the counter
         matters, and every step chooses the sightings' ages afresh.
         """
-        read = self._reads.get((id(state), node))
-        if read is None:
-            if len(self._reads) >= CACHE_LIMIT:
-                self._reads.clear()
-            counters = _counters(state)
-            read = core_driver.after_read(NodeView(), node, state, counters, 0.0)
-            self._reads[id(state), node] = read
-        # (observations, contended, announced) are fields 4, 8 and 9: one
-        # construction instead of _replace's Python-level loop (a view per step).
-        return built(
-            NodeView,
-            (
-                *read[:4],
-                self._aged(state, node, timers),
-                *read[5:8],
-                timers.contended,
-                state.round if node in pending else -1,
-            ),
-        )
+        own, call, peers, counters = self._aged(state, node, timers)
+        announced = state.round if node in pending else -1
+        return NodeView(
+            state, counters, 0.0, 0.0, own, call, peers, False, None, -1,
+            timers.contended, announced,
+        )  # fmt: skip
 
-    def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> Observations:
-        """Sightings of every member of ``state``, aged as ``timers`` says.
+    def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> _Sightings:
+        """The node's sightings of ``state``'s members, aged as ``timers`` says (its
+        own, the last call's, and its peers'), and the side counters they were
+        taken with.
 
         A sighting watches the pair (state counter, side counter); the side counters
         the view holds are all 0, so each sighting equals what a read at this instant
@@ -172,20 +169,26 @@ class CoreSteps:
         hit = self._sightings.get(key)
         if hit is not None:
             return hit[1]
-        own = self._own_ages[mine]
-        beats = {
-            n: HeartbeatSighting(
-                heartbeat_of(c, 0), own if n == node else self._expired if n in expired else 0.0
-            )
-            for n, c in state.heartbeats.items()
-        }
+        counter = state.heartbeats.get(node)
+        own = (
+            None
+            if counter is None
+            else HeartbeatSighting(heartbeat_of(counter, 0), self._own_ages[mine])
+        )
+        peers = Map(
+            {
+                n: HeartbeatSighting(heartbeat_of(c, 0), self._expired if n in expired else 0.0)
+                for n, c in state.heartbeats.items()
+                if n != node
+            }
+        )
         call = None
         if state.last_call is not None:
             since = self._call_over if lc else 0.0
             call = LastCallSighting(state.round, state.last_call, since)
         if len(self._sightings) >= CACHE_LIMIT:
             self._sightings.clear()
-        known = make_observations(beats, call)
+        known = _Sightings(own, call, peers, _counters(state))
         self._sightings[key] = (state, known)
         return known
 
@@ -272,7 +275,17 @@ class CoreSteps:
         limit = None if deadline is None else self.times[deadline]
         guards = Guards.of(
             built(
-                View, (node, decision.state, self.settings, 0.0, view.observations, limit, pending)
+                View,
+                (
+                    node,
+                    decision.state,
+                    self.settings,
+                    0.0,
+                    view.own,
+                    view.last_call,
+                    limit,
+                    pending,
+                ),
             )
         )
         if len(self._steps) >= CACHE_LIMIT:

@@ -22,7 +22,7 @@ from ..core import (
 )
 from ..core import driver as core_driver
 from .check_core import CoreStep, CoreSteps
-from .check_state import Age, Deadline, Global, Local, Op, Timers, make_observations, node_of
+from .check_state import Age, Deadline, Global, Local, Op, Timers, node_of
 from .check_symmetry import CACHE_LIMIT
 from .lifecycle import Phase
 
@@ -91,8 +91,7 @@ class StepProperties:
         window after its last renewal, and keep the answer (a function of the node
         and settings alone): ``node`` is judged, and unfenced if it is not told."""
         window = self.settings.liveness_window
-        lapsed = make_observations({node: HeartbeatSighting(0, -window)}, None)
-        view = NodeView(observations=lapsed)
+        view = NodeView(own=HeartbeatSighting(0, -window))
         if not core_driver.must_fence(view, node, self.settings, 0.0):
             self._unfenced.add(node)
         self._judged.add(node)

@@ -10,19 +10,13 @@ values (:class:`Timers`) that the core's thresholds tell apart. See
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
-from immutables import Map
-
 from ..core import (
     Decision,
-    HeartbeatSighting,
-    LastCallSighting,
     NodeDesc,
-    Observations,
     RendezvousState,
     Settings,
 )
@@ -45,7 +39,6 @@ __all__ = [
     "Op",
     "Timers",
     "Violation",
-    "make_observations",
     "node_of",
     "slot_of",
     "with_local",
@@ -388,27 +381,6 @@ class Found(Exception):
         self.read_log = False
         #: the event of the violating step, when the search did not know it
         self.event: Event | None = None
-
-
-_OBSERVATION_FIELDS = frozenset(f.name for f in fields(Observations))
-
-
-def make_observations(
-    heartbeats: Mapping[NodeDesc, HeartbeatSighting], last_call: LastCallSighting | None
-) -> Observations:
-    """Observations holding exactly these sightings.
-
-    The checker makes sightings of their own (chosen ages); the core's Observations
-    carry caches derived from the sightings, which must match them, or
-    ``dead_nodes`` would act on stale ones: ``oldest`` is rebuilt here, and the
-    caches of what the sightings were taken from are left empty (``observe`` then
-    compares every counter, and finds each equal to its sighting).
-    """
-    beats = Map(heartbeats)
-    caches: dict[str, object] = {}
-    if "oldest" in _OBSERVATION_FIELDS:
-        caches["oldest"] = min((h.since for h in beats.values()), default=None)
-    return Observations(heartbeats=beats, last_call=last_call, **caches)  # type: ignore[arg-type]
 
 
 @functools.cache

@@ -40,7 +40,7 @@ from typing import Any, Literal, NamedTuple, cast
 
 from transitions import Machine, MachineError
 
-from ..core import NodeDesc, Observations, RendezvousState, Settings
+from ..core import HeartbeatSighting, LastCallSighting, NodeDesc, RendezvousState, Settings
 from .lifecycle import LOCAL_PHASES, TERMINAL_PHASES, Lifecycle, Phase
 
 #: ``built(Cls, (every field, in order))``: a named tuple made without the
@@ -291,15 +291,18 @@ class View(NamedTuple):
     """One node's view before a step: what the model's guards may look at.
 
     ``now`` and ``deadline`` are on the node's own clock; ``deadline`` is None when
-    the node runs no operation with a deadline. ``pending``: the joiners in the
-    intent log of the state's round past its cursor (announced, not yet admitted).
+    the node runs no operation with a deadline. ``own`` is the node's sighting of
+    its own counter, ``last_call`` its sighting of the last call. ``pending``: the
+    joiners in the intent log of the state's round past its cursor (announced, not
+    yet admitted).
     """
 
     node: NodeDesc
     state: RendezvousState
     settings: Settings
     now: float
-    observations: Observations
+    own: HeartbeatSighting | None = None
+    last_call: LastCallSighting | None = None
     deadline: float | None = None
     pending: frozenset[NodeDesc] = frozenset()
 
@@ -330,14 +333,14 @@ class Guards(NamedTuple):
         state, s, node, now = view.state, view.settings, view.node, view.now
         count = len(state.participants)
         # A heartbeat is due once the node's own counter has not moved for an interval.
-        own = view.observations.heartbeats.get(node)
+        own = view.own
         beat_due = (
             node in state.heartbeats
             and own is not None
             and now - own.since >= s.keep_alive_interval
         )
         # The last call ends last_call_timeout after this node first saw it armed.
-        sighting = view.observations.last_call
+        sighting = view.last_call
         lc_over = (
             state.last_call is not None
             and sighting is not None

@@ -114,10 +114,10 @@ def test_a_due_keep_alive_of_a_member_beats_instead_of_rewriting_the_blob() -> N
 def test_a_beat_moves_the_watched_counter_and_restarts_the_own_timer() -> None:
     state = joined([node(0)], S)
     view = _view(state, now=0.0)
-    before = view.observations.heartbeats[node(0)].counter
+    before = view.own.counter
     beaten = after_beat(view, node(0), 1, 1.0)
-    assert beaten.observations.heartbeats[node(0)].counter == before + 1
-    assert beaten.observations.heartbeats[node(0)].since == 1.0
+    assert beaten.own.counter == before + 1
+    assert beaten.own.since == 1.0
     assert decide(beaten, node(0), S, KeepAliveOp(), FAR, 1.5).instruction.action is Action.FINISH
 
 
@@ -223,7 +223,8 @@ def test_a_contended_joiner_announces_then_admits_every_logged_joiner_in_one_wri
     assert write.phase == state.phase + 1
     # A later batch starts past the cursor: nobody is admitted twice.
     later = after_read(NodeView(), node(4), write.state, {}, 0.0, [*log, node(5), node(4)])
-    later = after_announce(later._replace(contended=True), 0)
+    later.contended = True
+    later = after_announce(later, 0)
     later = after_read(later, node(4), write.state, {}, 0.0, [*log, node(5), node(4)])
     batch = decide(later, node(4), s, JoinOp(), FAR, 0.0).instruction
     assert isinstance(batch, Write) and batch.admitted == (node(5),)

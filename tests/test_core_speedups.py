@@ -469,22 +469,25 @@ def test_liveness_window_follows_the_settings_it_belongs_to():
 
 
 def test_the_field_orders_the_driver_builds_by_position():
-    assert NodeView._fields == (
+    assert Write._fields == ("state", "action", "dead", "phase", "deadline", "admitted")
+    assert Decision._fields == ("instruction", "action", "state", "dead")
+    assert Done._fields == ("action", "state", "joined", "rejoin")
+    assert Membership._fields == ("round", "rank", "world_size", "participants")
+    # (the checker builds its views with every argument, in order)
+    assert [f.name for f in dataclasses.fields(NodeView) if f.init] == [
         "state",
         "counters",
         "counters_at",
         "since",
-        "observations",
+        "own",
+        "last_call",
+        "peers",
         "stale",
         "intents",
         "intents_round",
         "contended",
         "announced",
-    )
-    assert Write._fields == ("state", "action", "dead", "phase", "deadline", "admitted")
-    assert Decision._fields == ("instruction", "action", "state", "dead")
-    assert Done._fields == ("action", "state", "joined", "rejoin")
-    assert Membership._fields == ("round", "rank", "world_size", "participants")
+    ]
 
 
 def _with_own(obs: Observations, node: NodeDesc, pair: int | None, since: float) -> Observations:
@@ -497,17 +500,19 @@ def _with_own(obs: Observations, node: NodeDesc, pair: int | None, since: float)
     return Observations(heartbeats=Map(beats), last_call=obs.last_call)
 
 
-def _reference_own(view: NodeView, node: NodeDesc, state: RendezvousState, now: float):  # type: ignore[no-untyped-def]
+def _reference_own(
+    obs: Observations, node: NodeDesc, state: RendezvousState, side: Map, now: float
+):  # type: ignore[no-untyped-def]
     """The own sighting after a read: a new entry is first seen now; a counter moved
     by somebody else keeps the lease's start (a read renews nothing)."""
     counter = state.heartbeats.get(node)
-    own = None if counter is None else heartbeat_of(counter, view.counters.get(node, 0))
-    before = view.observations.heartbeats.get(node)
+    own = None if counter is None else heartbeat_of(counter, side.get(node, 0))
+    before = obs.heartbeats.get(node)
     if own is None or before is None:
-        return observe_own(view.observations, node, own, now)
+        return observe_own(obs, node, own, now)
     if before.counter == own:
-        return view.observations
-    return _with_own(view.observations, node, own, before.since)
+        return obs
+    return _with_own(obs, node, own, before.since)
 
 
 def _reference_renewal(obs: Observations, node: NodeDesc, pair: int | None, at: float):  # type: ignore[no-untyped-def]
@@ -519,87 +524,93 @@ def _reference_renewal(obs: Observations, node: NodeDesc, pair: int | None, at: 
 
 
 @st.composite
-def any_views(draw: st.DrawFn) -> NodeView:
-    return NodeView(
+def nodes_and_views(draw: st.DrawFn) -> tuple[NodeDesc, NodeView]:
+    """A node, and a view of it: its own sighting apart from its peers'."""
+    node = draw(nodes)
+    sightings = st.builds(HeartbeatSighting, counters, times)
+    peers = draw(st.dictionaries(nodes.filter(lambda n: n != node), sightings, max_size=5))
+    view = NodeView(
         state=draw(any_states()),
         counters=Map(draw(st.dictionaries(nodes, counters, max_size=3))),
         counters_at=draw(st.none() | times),
         since=draw(st.none() | times),
-        observations=draw(any_observations()),
+        own=draw(st.none() | sightings),
+        last_call=draw(
+            st.none() | st.builds(LastCallSighting, st.integers(0, 2), st.integers(1, 3), times)
+        ),
+        peers=Map(peers),
         stale=draw(st.booleans()),
         intents=draw(st.none() | st.tuples(nodes)),
         intents_round=draw(st.integers(-1, 2)),
         contended=draw(st.booleans()),
         announced=draw(st.integers(-1, 2)),
     )
+    return node, view
+
+
+def _fields(view: NodeView, node: NodeDesc) -> dict[str, object]:
+    """What a view holds, its sightings as one record (the peers' cache checked)."""
+    assert node not in view.peers
+    assert view.peers_oldest == min((h.since for h in view.peers.values()), default=None)
+    fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(NodeView) if f.init}
+    for name in ("own", "last_call", "peers"):
+        del fields[name]
+    fields["observations"] = view.observations(node)
+    return fields
 
 
 @pytest.mark.slow
 @settings(max_examples=500)
 @given(
-    any_views(),
-    nodes,
+    nodes_and_views(),
     st.none() | any_states(),
     st.none() | st.dictionaries(nodes, counters, max_size=3),
     times,
     st.none() | st.lists(nodes, max_size=3),
 )
-def test_after_read_builds_the_view_replace_would(view, node, state, side, now, intents):
-    got = after_read(view, node, state, side, now, intents)
+def test_after_read_updates_the_view_as_the_plain_definitions_say(
+    node_view, state, side, now, intents
+):
+    node, view = node_view
     read = RendezvousState() if state is None else state
-    expected = view._replace(since=now) if view.since is None else view
+    expected = _fields(view, node)
+    if view.since is None:
+        expected["since"] = now
+    obs = expected["observations"]
     if side is None:
-        obs = observe(expected.observations, read, now, counters=False)
-        expected = expected._replace(state=read, observations=obs, stale=False)
-        expected = expected._replace(observations=_reference_own(expected, node, read, now))
+        obs = observe(obs, read, now, counters=False)
+        obs = _reference_own(obs, node, read, view.counters, now)
     else:
         counters_read = Map(side)
         if node in view.counters and node not in counters_read:
             counters_read = counters_read.set(node, view.counters[node])
-        obs = observe(expected.observations, read, now, counters_read)
-        before = view.observations.heartbeats.get(node)
+        before = obs.heartbeats.get(node)
+        obs = observe(obs, read, now, counters_read)
         mine = obs.heartbeats.get(node)
         if before is not None and mine is not None:
             obs = _with_own(obs, node, mine.counter, before.since)
-        expected = expected._replace(
-            state=read, counters=counters_read, counters_at=now, observations=obs, stale=False
-        )
+        expected.update(counters=counters_read, counters_at=now)
+    expected.update(state=read, observations=obs, stale=False)
     if intents is None:
-        expected = expected._replace(intents=None, intents_round=-1)
+        expected.update(intents=None, intents_round=-1)
     else:
-        expected = expected._replace(intents=tuple(intents), intents_round=read.round)
-    assert got == expected and type(got) is NodeView
+        expected.update(intents=tuple(intents), intents_round=read.round)
+    got = after_read(view, node, state, side, now, intents)
+    assert got is view
+    assert _fields(got, node) == expected
 
 
-@given(any_views(), nodes, st.booleans(), st.none() | any_states(), times, counters)
-def test_after_write_wait_and_beat_build_the_views_replace_would(
-    view, node, won, stored, now, beat
-):
-    # Sightings are taken on a monotonic clock: none is later than now. (Otherwise
-    # a renewal's "recorded by a later renewal" rule compares against the future.)
-    assume(all(seen.since <= now for seen in view.observations.heartbeats.values()))
-    assert after_write(view, node, won, stored, now) == _reference_after_write(
-        view, node, won, stored, now
-    )
-
-    assert after_wait(view) == view._replace(stale=True, contended=False)
-
-    beaten = view._replace(counters=view.counters.set(node, beat))
-    own = beaten.state.heartbeats.get(node)
-    pair = None if own is None else heartbeat_of(own, beat)
-    if pair is None:
-        renewed = observe_own(beaten.observations, node, None, now)
-    else:
-        renewed = _reference_renewal(beaten.observations, node, pair, now)
-    beaten = beaten._replace(observations=renewed)
-    assert after_beat(view, node, beat, now) == beaten
-
-
-def _reference_after_write(view, node, won, stored, now):
-    """The view after a write, built with ``_replace`` from the plain definitions."""
+def _reference_after_write(view, node, won, stored, now):  # type: ignore[no-untyped-def]
+    """What a view holds after a write, from the plain definitions."""
     state = RendezvousState() if stored is None else stored
-    obs = observe(view.observations, state, now, counters=False)
-    expected = view._replace(
+    expected = _fields(view, node)
+    obs = observe(expected["observations"], state, now, counters=False)
+    obs = _reference_own(obs, node, state, view.counters, now)
+    mine = state.heartbeats.get(node)
+    if won and mine is not None and mine != view.state.heartbeats.get(node):
+        pair = heartbeat_of(mine, view.counters.get(node, 0))
+        obs = _reference_renewal(obs, node, pair, now)
+    expected.update(
         state=state,
         observations=obs,
         stale=False,
@@ -607,14 +618,42 @@ def _reference_after_write(view, node, won, stored, now):
         intents_round=-1,
         contended=view.contended or not won,
     )
-    expected = expected._replace(observations=_reference_own(expected, node, state, now))
-    mine = state.heartbeats.get(node)
-    if won and mine is not None and mine != view.state.heartbeats.get(node):
-        pair = heartbeat_of(mine, view.counters.get(node, 0))
-        expected = expected._replace(
-            observations=_reference_renewal(expected.observations, node, pair, now)
-        )
     return expected
+
+
+@given(nodes_and_views(), st.booleans(), st.none() | any_states(), times, counters)
+def test_after_write_wait_and_beat_update_the_view_as_the_plain_definitions_say(
+    node_view, won, stored, now, beat
+):
+    node, view = node_view
+    # Sightings are taken on a monotonic clock: none is later than now. (Otherwise
+    # a renewal's "recorded by a later renewal" rule compares against the future.)
+    assume(view.own is None or view.own.since <= now)
+    expected = _reference_after_write(view, node, won, stored, now)
+    assert _fields(after_write(view.copy(), node, won, stored, now), node) == expected
+
+    expected = _fields(view, node)
+    expected.update(stale=True, contended=False)
+    assert _fields(after_wait(view.copy()), node) == expected
+
+    expected = _fields(view, node)
+    expected["counters"] = view.counters.set(node, beat)
+    own = view.state.heartbeats.get(node)
+    pair = None if own is None else heartbeat_of(own, beat)
+    if pair is None:
+        expected["observations"] = observe_own(expected["observations"], node, None, now)
+    else:
+        expected["observations"] = _reference_renewal(expected["observations"], node, pair, now)
+    assert _fields(after_beat(view, node, beat, now), node) == expected
+
+
+def test_a_copy_of_a_view_changes_apart_from_it():
+    view = after_read(NodeView(), POOL[0], RendezvousState(), {}, 1.0)
+    kept = view.copy()
+    assert kept == view and kept is not view
+    after_wait(view)
+    assert view.stale and not kept.stale
+    assert dataclasses.replace(kept, stale=True) == view
 
 
 # -- decisions made without a Context ---------------------------------------------------
@@ -649,15 +688,16 @@ def _outcome(view: NodeView, node: NodeDesc, s: Settings, op: object, deadline: 
 
 @pytest.mark.slow
 @settings(max_examples=1500)
-@given(any_views(), nodes, any_settings(), times, times, st.booleans(), st.booleans())
+@given(nodes_and_views(), any_settings(), times, times, st.booleans(), st.booleans())
 def test_decide_without_a_context_decides_what_the_operators_as_defined_decide(
-    view, node, s, now, deadline, leaving, fresh
+    node_view, s, now, deadline, leaving, fresh
 ):
     """The driver asks JoinOp and ExitOp for their answer from the context's
     fields; the decision (wait, write, admission batch, beat, done) is the one it
     makes when the operators are called with a Context and walk the table."""
+    node, view = node_view
     if fresh:  # past the reads, to the operator's answer
-        view = view._replace(stale=False, counters_at=now, since=now)
+        view.stale, view.counters_at, view.since = False, now, now
     fast, plain = (ExitOp(), _PlainExit()) if leaving else (JoinOp(), _TableJoin())
     for limit in (deadline, float("inf"), now - s.rollback_period):
         expected = _outcome(view, node, s, plain, limit, now)
@@ -665,11 +705,12 @@ def test_decide_without_a_context_decides_what_the_operators_as_defined_decide(
 
 
 @settings(max_examples=1000)
-@given(any_views(), nodes, any_settings(), times, st.booleans())
+@given(nodes_and_views(), any_settings(), times, st.booleans())
 def test_decide_reads_first_exactly_when_the_counters_are_due_or_the_view_is_stale(
-    view, node, s, now, leaving
+    node_view, s, now, leaving
 ):
     """decide makes _counters_due's test inline: it asks for the same reads."""
+    node, view = node_view
     op = ExitOp() if leaving else JoinOp()
     due = driver._counters_due(view, s, now)
     outcome = _outcome(view, node, s, op, float("inf"), now)
@@ -767,18 +808,18 @@ def test_a_state_copied_or_rebuilt_elsewhere_is_the_same_state(state):
         assert copied.evolve(phase=copied.phase + 1).phase == state.phase + 1
 
 
-@given(any_views(), nodes, st.booleans(), st.sampled_from(_PHASE_FIELDS[:4]), times)
-def test_after_write_of_a_state_sharing_the_views_heartbeats(view, node, won, name, now):
+@given(nodes_and_views(), st.booleans(), st.sampled_from(_PHASE_FIELDS[:4]), times)
+def test_after_write_of_a_state_sharing_the_views_heartbeats(node_view, won, name, now):
     """A write that left the heartbeats as they were (the same map: completing a
     round, closing it, a phase) moves no own counter: after_write tells so by
-    identity, and builds the view its plain definition builds."""
-    assume(all(seen.since <= now for seen in view.observations.heartbeats.values()))
+    identity, and updates the view as its plain definition says."""
+    node, view = node_view
+    assume(view.own is None or view.own.since <= now)
     other = {"round": 7, "complete": True, "closed": True, "last_call": 9}[name]
     stored = view.state.evolve(**{name: other})
     assert stored.heartbeats is view.state.heartbeats
-    assert after_write(view, node, won, stored, now) == _reference_after_write(
-        view, node, won, stored, now
-    )
+    expected = _reference_after_write(view, node, won, stored, now)
+    assert _fields(after_write(view, node, won, stored, now), node) == expected
 
 
 def test_only_leaving_the_redundancy_list_resets_the_deadline():

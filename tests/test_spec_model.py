@@ -152,16 +152,13 @@ def test_one_vocabulary_names_phases_and_lifecycle_states() -> None:
 def test_guards_restate_the_protocol() -> None:
     state = RendezvousState(participants={A: 0, B: 0}, heartbeats={A: 1, B: 1}, last_call=1)
     state = state.evolve(last_call_seq=1)
-    obs = Observations(
-        heartbeats={A: HeartbeatSighting(1, 0.0), B: HeartbeatSighting(1, 0.0)},
-        last_call=LastCallSighting(0, 1, 0.0),
-    )
-    early = Guards.of(View(A, state, SETTINGS, 0.5, obs, deadline=10.0))
+    own, call = HeartbeatSighting(1, 0.0), LastCallSighting(0, 1, 0.0)
+    early = Guards.of(View(A, state, SETTINGS, 0.5, own, call, deadline=10.0))
     assert early.quorum and early.round_open and not early.last_call_over
     assert not early.keep_alive_due and not early.timed_out and early.within_rollback
-    late = Guards.of(View(A, state, SETTINGS, 1.5, obs, deadline=1.0))
+    late = Guards.of(View(A, state, SETTINGS, 1.5, own, call, deadline=1.0))
     assert late.last_call_over and late.keep_alive_due and late.timed_out
-    assert Guards.of(View(C, state, SETTINGS, 0.0, obs)).fills_round
+    assert Guards.of(View(C, state, SETTINGS, 0.0, None, call)).fills_round
 
 
 def test_diagram_source_names_every_state() -> None:

@@ -323,7 +323,7 @@ def test_one_construction_paths_build_what_the_constructors_build() -> None:
     assert Local(0, Phase.JOINING, Op.JOIN, Deadline.BEFORE).round_ended is False
     assert Global._fields == ("shared", "locals", "crashes", "intents", "failures", "exclusions")
     assert View._fields == (
-        "node", "state", "settings", "now", "observations", "deadline", "pending"
+        "node", "state", "settings", "now", "own", "last_call", "deadline", "pending"
     )  # fmt: skip
     assert len(Guards._fields) == 12 and Guards._fields[-2:] == ("announced", "excluded")
 
