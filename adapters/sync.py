@@ -37,7 +37,6 @@ from ..core import (
     MAX_STATE_BYTES,
     Announce,
     Beat,
-    Decision,
     Done,
     Instruction,
     Membership,
@@ -301,7 +300,9 @@ class StateSync:
         with self._lock:
             return driver.must_fence(self._view, self.node, self.settings, self._clock())
 
-    def _execute(self, decide: Callable[[NodeView, float], Decision]) -> tuple[Instruction, bool]:
+    def _execute(
+        self, decide: Callable[[NodeView, float], Instruction]
+    ) -> tuple[Instruction, bool]:
         """Decide on the current view and carry the instruction out.
 
         Returns the instruction and whether it took effect (False: a Write lost its
@@ -309,7 +310,7 @@ class StateSync:
         """
         self._after_outage()
         with self._lock:
-            instruction = decide(self._view, self._clock()).instruction
+            instruction = decide(self._view, self._clock())
             version = self._version
         if self._on_instruction is not None:
             self._on_instruction(instruction)
@@ -326,7 +327,7 @@ class StateSync:
         return instruction, True
 
     def _drive(
-        self, decide: Callable[[NodeView, float], Decision], deadline: list[float] | None
+        self, decide: Callable[[NodeView, float], Instruction], deadline: list[float] | None
     ) -> Instruction:
         """Carry out instructions until one is Done or a Verdict; return it.
 
@@ -389,7 +390,7 @@ class StateSync:
         node, settings = self.node, self.settings
         current = [deadline]
 
-        def decide(view: NodeView, now: float) -> Decision:
+        def decide(view: NodeView, now: float) -> Instruction:
             return driver.decide(view, node, settings, op, current[0], now)
 
         done = self._drive(decide, current)
@@ -413,7 +414,7 @@ class StateSync:
             self.invalidate()
         node, settings = self.node, self.settings
 
-        def decide(view: NodeView, now: float) -> Decision:
+        def decide(view: NodeView, now: float) -> Instruction:
             return driver.monitor(view, node, settings, joined, now)
 
         verdict = self._drive(decide, None)

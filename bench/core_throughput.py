@@ -66,12 +66,12 @@ def run_rallypoint(nodes: int, rounds: int) -> int:
                     node = members[i]
                     now += 1e-6  # far below the liveness window: nobody dies
                     view = after_read(views[i], node, state, None, now)
-                    instruction = decide(view, node, settings, op, FAR, now).instruction
+                    instruction = decide(view, node, settings, op, FAR, now)
                     while type(instruction) is Read:  # the driver asks for more first
                         counters: dict[NodeDesc, int] | None = {} if instruction.counters else None
                         intents: tuple[NodeDesc, ...] | None = () if instruction.intents else None
                         view = after_read(view, node, state, counters, now, intents)
-                        instruction = decide(view, node, settings, op, FAR, now).instruction
+                        instruction = decide(view, node, settings, op, FAR, now)
                     steps += 1
                     kind = type(instruction)
                     if kind is Write:

@@ -6,19 +6,22 @@ all nodes can compare-and-set, and drive each node with the driver
 
     view = NodeView()
     while True:
-        step = decide(view, node, settings, JoinOp(), deadline, now())
-        match step.instruction:
+        match decide(view, node, settings, JoinOp(), deadline, now()):
             case Read(counters, intents):
-                view = after_read(view, node, state, side_counters_or_None, now(), log_or_None)
+                after_read(view, node, state, side_counters_or_None, now(), log_or_None)
             case Write(state, phase=phase):
                 compare-and-set, publish phase if set
-                view = after_write(view, node, won, stored_state, now(), sent_at)
-            case Beat():          view = after_beat(view, node, bumped_counter, now(), sent_at)
+                after_write(view, node, won, stored_state, now(), sent_at)
+            case Beat():          after_beat(view, node, bumped_counter, now(), sent_at)
             case Announce(round): append node to the round's intent log
-                                  view = after_announce(view, round)
+                                  after_announce(view, round)
             case Wait(until, phase):
-                wait for a phase above ``phase`` or until; view = after_wait(view)
+                wait for a phase above ``phase`` or until; after_wait(view)
             case Done(action):    break  # FINISH, or raise for ERROR_*
+
+The view belongs to its node and changes in place: the ``after_*`` functions update
+it (and return it), :func:`decide` reads it and records in it what it decided on
+(:meth:`Decision.of`, for tracing). Take :meth:`NodeView.copy` to keep one.
 
 While its workers run, a node asks :func:`must_fence` (no IO) and stops them when it
 has not renewed its lease (``sent_at``: when the renewing request was sent) for long

@@ -1,13 +1,13 @@
-"""The driver: one node's driving loop as a pure function, view -> next instruction.
+"""The driver: one node's driving loop, view -> next instruction, with no IO.
 
 An adapter, the simulator and the model checker all run a node the same way: they
 hold its :class:`NodeView` (what it last read, and when it saw what), ask
 :func:`decide` (or :func:`monitor`, for a node whose workers run) for the next
 :class:`Instruction`, carry it out, and feed the result back with
 :func:`after_read`, :func:`after_write`, :func:`after_beat`, :func:`after_announce`
-or :func:`after_wait`. Carrying out is IO, clocks, threads and backoff; every
-decision is made here (etcd-io/raft's ``Ready``, dask's ``handle_stimulus ->
-Instructions``)::
+or :func:`after_wait`, which update the view. Carrying out is IO, clocks, threads
+and backoff; every decision is made here (etcd-io/raft's ``Ready``, dask's
+``handle_stimulus -> Instructions``)::
 
     Read(counters, intents)  read the state (and, if asked, every member's side
                      heartbeat counter, and the round's intent log), then after_read()
@@ -220,22 +220,31 @@ class Verdict(NamedTuple):
 
 Instruction = Read | Write | Beat | Announce | Wait | Done | Verdict
 
-#: The two plain reads a decision asks for (immutable: one instance each).
+#: The two plain reads a decision asks for, and the beat (immutable: one
+#: instance each).
 _READ = Read(False)
 _READ_COUNTERS = Read(True)
+_BEAT = Beat()
 
 
 class Decision(NamedTuple):
     """One decision: the instruction, and what it was decided on (for tracing,
-    accounting and the model checker)."""
+    accounting and the model checker; see :meth:`of`)."""
 
     instruction: Instruction
-    #: the operator's action (None when the driver reads or announces first)
+    #: the operator's action (None when the driver reads first)
     action: Action | None
     #: the view the operator saw: dead nodes removed
     state: RendezvousState
     #: nodes this decision declared dead
     dead: frozenset[NodeDesc]
+
+    @classmethod
+    def of(cls, instruction: Instruction, view: NodeView) -> Decision:
+        """The decision that gave ``instruction``, from the record of it that
+        :func:`decide` or :func:`monitor` left in ``view``."""
+        assert view.decided_on is not None, "the view has decided nothing yet"
+        return cls(instruction, view.decided_action, view.decided_on, view.declared_dead)
 
 
 # -- the view ----------------------------------------------------------------------
@@ -293,6 +302,15 @@ class NodeView:
     #: observing them again costs one identity comparison
     _source: object = field(default=None, init=False, repr=False, compare=False)
     _source_side: object = field(default=None, init=False, repr=False, compare=False)
+    #: what the last decision on this view was made on (see :meth:`Decision.of`):
+    #: the operator's action (None when the driver reads first), the state it
+    #: saw (the view's, the dead removed; None: no decision yet) and the peers it
+    #: declared dead
+    decided_action: Action | None = field(default=None, init=False, repr=False, compare=False)
+    decided_on: RendezvousState | None = field(default=None, init=False, repr=False, compare=False)
+    declared_dead: frozenset[NodeDesc] = field(
+        default=_NOBODY, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.peers_oldest = _oldest(self.peers)
@@ -714,17 +732,20 @@ def decide(
     op: Operator,
     deadline: float,
     now: float,
-) -> Decision:
+) -> Instruction:
     """The next instruction of ``node`` running ``op`` (with ``deadline``) at
-    local time ``now``."""
+    local time ``now``. What it was decided on is recorded in ``view`` (see
+    :meth:`Decision.of`); nothing else in the view changes."""
     state = view.state
     # (_counters_due, inlined: asked before every decision)
     counters_at = view.counters_at
     last = view.since if counters_at is None else counters_at
     if last is not None and now - last > settings.liveness_window / 2:
-        return _built(Decision, (_READ_COUNTERS, None, state, _NOBODY))
+        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
+        return _READ_COUNTERS
     if view.stale:
-        return _built(Decision, (_READ, None, state, _NOBODY))
+        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
+        return _READ
     oldest = view.peers_oldest
     if oldest is None or now - oldest <= settings.liveness_window:
         # sanitize's own first test, made here: no peer's sighting is old enough
@@ -733,7 +754,8 @@ def decide(
     else:
         sanitized, dead = sanitize(state, _peer_observations(view), settings, now, node)
         if _must_reread(view, dead, settings, now):
-            return Decision(_READ_COUNTERS, None, sanitized, _NOBODY)
+            view.decided_action, view.decided_on, view.declared_dead = None, sanitized, _NOBODY
+            return _READ_COUNTERS
     # The join and exit operators answer from the context's fields: no Context is
     # built for them (an operator of another type, a subclass included, gets one).
     own = view.own
@@ -744,6 +766,7 @@ def decide(
         action = _exit_answer(node, sanitized, now, deadline)
     else:
         action = op(Context(node, sanitized, settings, now, view.observations(node)), deadline)
+    view.decided_action, view.decided_on, view.declared_dead = action, sanitized, dead
     if action is _SYNC or action in _TERMINAL:
         return _no_write(view, node, settings, op, action, sanitized, dead, deadline, now)
     if not dead and (
@@ -752,7 +775,7 @@ def decide(
     ):
         # A member beats when its keep-alive is due, also before another write: a
         # node that keeps losing compare-and-sets must not look dead meanwhile.
-        return Decision(Beat(), action, sanitized, dead)
+        return _BEAT
     return _write(view, node, settings, op, action, sanitized, dead, now)
 
 
@@ -765,7 +788,7 @@ def _write(
     sanitized: RendezvousState,
     dead: frozenset[NodeDesc],
     now: float,
-) -> Decision:
+) -> Instruction:
     """:func:`decide`'s instruction for an answer that writes: the write, or first
     the steps of a join through the intent log."""
     state = view.state
@@ -777,20 +800,18 @@ def _write(
         # it, or a later batch could admit it again after it left). Dead peers'
         # removal goes out first.
         if dead:
-            return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
+            return _publish(view, sanitized, dead, settings)
         if view.announced != sanitized.round:
-            return Decision(Announce(sanitized.round), action, sanitized, dead)
+            return Announce(sanitized.round)
         if view.intents_round != state.round:
             # Read the state again with the log: the one the lost CAS returned is a
             # round trip old, and a batch based on it loses to single joiners.
-            read = Read(_counters_due(view, settings, now), intents=True)
-            return Decision(read, action, sanitized, dead)
+            return Read(_counters_due(view, settings, now), intents=True)
         new, admitted = _admit_batch(view, node, settings, op, new, now)
     reset = now + settings.join_timeout if action in _RESETTING_DEADLINE else None
     # (An effect swapped in by a test may hand back a state others hold.)
     made = _actions._EFFECTS is _EFFECTS_AS_DEFINED
-    write = _phased(new, state, settings, action, dead, reset, admitted, made)
-    return _built(Decision, (write, action, sanitized, dead))
+    return _phased(new, state, settings, action, dead, reset, admitted, made)
 
 
 def _no_write(
@@ -803,12 +824,12 @@ def _no_write(
     dead: frozenset[NodeDesc],
     deadline: float,
     now: float,
-) -> Decision:
+) -> Instruction:
     """:func:`decide`'s instruction for an answer that writes nothing (SYNC or a
     terminal action): publish the dead first, wait, renew a lease running out, or
     be done."""
     if dead:
-        return Decision(_publish(view, sanitized, dead, settings), action, sanitized, dead)
+        return _publish(view, sanitized, dead, settings)
     state = view.state
     own = view.own
     if action is _SYNC:
@@ -818,7 +839,7 @@ def _no_write(
         until = _wake_at(
             node, sanitized, settings, now, own, view.last_call, view.peers, oldest, deadline
         )
-        return Decision(Wait(until, state.phase), action, sanitized, dead)
+        return _built(Wait, (until, state.phase))
     if (
         action is _FINISH
         and isinstance(op, JoinOp)
@@ -828,8 +849,8 @@ def _no_write(
         # Never hand workers a lease that is running out (a node admitted by
         # another's batch after a long wait, or back from a partition): renew
         # it first, or the agent would fence them at once.
-        return Decision(Beat(), action, sanitized, dead)
-    return _built(Decision, (_done(node, op, action, sanitized), action, sanitized, dead))
+        return _BEAT
+    return _done(node, op, action, sanitized)
 
 
 def _done(node: NodeDesc, op: Operator, action: Action, state: RendezvousState) -> Done:
@@ -850,20 +871,24 @@ def monitor(
     settings: Settings,
     joined: Membership | None,
     now: float,
-) -> Decision:
+) -> Instruction:
     """The next instruction of a node whose workers run in the round ``joined``
     (None: it has not joined one): read, publish removals, or a :class:`Verdict`.
+    What it was decided on is recorded in ``view`` (see :meth:`Decision.of`).
 
     The agent regroups on a verdict with waiting nodes or lost participants.
     """
     due = _counters_due(view, settings, now)
     if view.stale or due:
-        return Decision(_READ_COUNTERS if due else _READ, None, view.state, frozenset())
+        view.decided_action, view.decided_on, view.declared_dead = None, view.state, _NOBODY
+        return _READ_COUNTERS if due else _READ
     sanitized, dead = sanitize(view.state, _peer_observations(view), settings, now, node)
     if _must_reread(view, dead, settings, now):
-        return Decision(_READ_COUNTERS, None, sanitized, frozenset())
+        view.decided_action, view.decided_on, view.declared_dead = None, sanitized, _NOBODY
+        return _READ_COUNTERS
+    view.decided_action, view.decided_on, view.declared_dead = None, sanitized, dead
     if dead:
-        return Decision(_publish(view, sanitized, dead, settings), None, sanitized, dead)
+        return _publish(view, sanitized, dead, settings)
     lost: frozenset[NodeDesc] = frozenset()
     if joined is not None:
         now_in = sanitized.participants
@@ -873,5 +898,4 @@ def monitor(
             # Participants only leave a complete round: while the count holds,
             # nobody left (no scan of the members).
             lost = frozenset(n for n in joined.participants if n not in now_in)
-    verdict = Verdict(len(sanitized.wait_list), lost)
-    return Decision(verdict, None, sanitized, dead)
+    return Verdict(len(sanitized.wait_list), lost)

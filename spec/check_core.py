@@ -205,9 +205,10 @@ class CoreSteps:
             return hit[1]
         view = self.view(state, node, timers)
         try:
-            known = core_driver.decide(
+            instruction = core_driver.decide(
                 view, node, self.settings, JoinOp(), self.limit(deadline), 0.0
             )
+            known = Decision.of(instruction, view)
         except InvalidTransitionError as exc:
             raise Found([f"the core chose an action it then rejected: {exc}"]) from None
         if len(self._decisions) >= CACHE_LIMIT:
@@ -396,8 +397,8 @@ class CoreSteps:
         ``log``, to make it)."""
         settings, state = self.settings, view.state
         try:
-            decision = core_driver.decide(view, node, settings, op, limit, 0.0)
-            instruction = decision.instruction
+            instruction = core_driver.decide(view, node, settings, op, limit, 0.0)
+            decision = Decision.of(instruction, view)
             if (
                 isinstance(instruction, Read)
                 and getattr(instruction, "intents", False)
@@ -407,7 +408,8 @@ class CoreSteps:
                 # belongs to: the node then decides again within the step.
                 counters = _counters(state) if instruction.counters else None
                 view = core_driver.after_read(view, node, state, counters, 0.0, log)
-                return view, core_driver.decide(view, node, settings, op, limit, 0.0), True
+                instruction = core_driver.decide(view, node, settings, op, limit, 0.0)
+                return view, Decision.of(instruction, view), True
         except InvalidTransitionError as exc:
             raise Found([f"the core chose an action it then rejected: {exc}"]) from None
         return view, decision, False

@@ -34,15 +34,14 @@ class Executor(Agent):
                 return
             now = node.local(self.now)
             if node.task is Task.MONITOR:
-                decision = core_driver.monitor(node.view, node.desc, settings, node.joined, now)
+                instruction = core_driver.monitor(node.view, node.desc, settings, node.joined, now)
             else:
                 assert node.op is not None
-                decision = core_driver.decide(
+                instruction = core_driver.decide(
                     node.view, node.desc, settings, node.op, node.deadline, now
                 )
             report.node_steps += 1
             stats.steps += 1
-            instruction = decision.instruction
             if self._on_instruction is not None:
                 self._on_instruction(node.slot, instruction)
             if type(instruction) is Read:

@@ -10,6 +10,7 @@ from rallypoint.core import (
     Announce,
     Beat,
     CloseOp,
+    Decision,
     Done,
     ExitOp,
     JoinOp,
@@ -39,6 +40,11 @@ def _counters(state: RendezvousState, value: int = 0) -> dict:
     return dict.fromkeys(state.heartbeats, value)
 
 
+def _decision(decider, view: NodeView, *args) -> Decision:  # type: ignore[no-untyped-def]
+    """What ``decider`` (decide or monitor) decides on ``view``, and on what."""
+    return Decision.of(decider(view, *args), view)
+
+
 def _view(
     state: RendezvousState,
     now: float = 0.0,
@@ -52,7 +58,7 @@ def _view(
 
 
 def test_a_new_view_reads_the_state_first_without_the_counters() -> None:
-    d = decide(NodeView(), node(0), S, JoinOp(), FAR, 0.0)
+    d = _decision(decide, NodeView(), node(0), S, JoinOp(), FAR, 0.0)
     assert d.instruction == Read(False)
     assert d.action is None
 
@@ -60,12 +66,12 @@ def test_a_new_view_reads_the_state_first_without_the_counters() -> None:
 def test_routine_reads_fetch_the_counters_every_half_liveness_window() -> None:
     view = _view(RendezvousState(), now=0.0)  # read with counters at 0
     waited = after_wait(view)
-    assert decide(waited, node(0), S, JoinOp(), FAR, 1.5).instruction == Read(False)
-    assert decide(waited, node(0), S, JoinOp(), FAR, 1.6).instruction == Read(True)
+    assert decide(waited, node(0), S, JoinOp(), FAR, 1.5) == Read(False)
+    assert decide(waited, node(0), S, JoinOp(), FAR, 1.6) == Read(True)
     # A view that never read counters counts from its first read.
     first = after_wait(after_read(NodeView(), node(0), RendezvousState(), None, 10.0))
-    assert decide(first, node(0), S, JoinOp(), FAR, 11.0).instruction == Read(False)
-    assert decide(first, node(0), S, JoinOp(), FAR, 11.6).instruction == Read(True)
+    assert decide(first, node(0), S, JoinOp(), FAR, 11.0) == Read(False)
+    assert decide(first, node(0), S, JoinOp(), FAR, 11.6) == Read(True)
 
 
 def test_due_counters_are_read_even_on_a_view_that_is_not_stale() -> None:
@@ -74,16 +80,16 @@ def test_due_counters_are_read_even_on_a_view_that_is_not_stale() -> None:
     window, or a killed peer goes unnoticed until its state entry ages out."""
     state = joined([node(0), node(1), node(2)], S)
     view = _view(state, now=0.0)
-    membership = decide(view, node(0), S, JoinOp(), FAR, 0.0).instruction.joined
+    membership = decide(view, node(0), S, JoinOp(), FAR, 0.0).joined
     # re-read without counters at 1.4: fresh, but its counters were read at 0
     refreshed = after_read(view, node(0), state, None, 1.4)
-    assert monitor(refreshed, node(0), S, membership, 1.5).instruction == Verdict(0, frozenset())
-    assert monitor(refreshed, node(0), S, membership, 1.6).instruction == Read(True)
-    assert decide(refreshed, node(0), S, KeepAliveOp(), FAR, 1.6).instruction == Read(True)
+    assert monitor(refreshed, node(0), S, membership, 1.5) == Verdict(0, frozenset())
+    assert monitor(refreshed, node(0), S, membership, 1.6) == Read(True)
+    assert decide(refreshed, node(0), S, KeepAliveOp(), FAR, 1.6) == Read(True)
 
 
 def test_join_writes_the_core_action_in_blob_form() -> None:
-    d = decide(_view(RendezvousState()), node(0), S, JoinOp(), FAR, 0.0)
+    d = _decision(decide, _view(RendezvousState()), node(0), S, JoinOp(), FAR, 0.0)
     assert isinstance(d.instruction, Write)
     assert d.instruction.action is Action.ADD_TO_PARTICIPANTS
     blob = d.instruction.state
@@ -94,10 +100,10 @@ def test_join_writes_the_core_action_in_blob_form() -> None:
 
 def test_a_write_win_then_sync_waits_until_the_next_local_timer() -> None:
     view = _view(RendezvousState(), now=0.0)
-    write = decide(view, node(0), S, JoinOp(), FAR, 0.0).instruction
+    write = decide(view, node(0), S, JoinOp(), FAR, 0.0)
     assert isinstance(write, Write)
     view = after_write(view, node(0), True, write.state, 0.0)
-    d = decide(view, node(0), S, JoinOp(), FAR, 0.0)
+    d = _decision(decide, view, node(0), S, JoinOp(), FAR, 0.0)
     # Alone below min_nodes: wait for a change or the own keep-alive (1 s).
     assert d.instruction == Wait(1.0, view.state.phase)
 
@@ -105,10 +111,8 @@ def test_a_write_win_then_sync_waits_until_the_next_local_timer() -> None:
 def test_a_due_keep_alive_of_a_member_beats_instead_of_rewriting_the_blob() -> None:
     state = joined([node(0)], S)
     view = _view(state, now=0.0)
-    assert decide(view, node(0), S, KeepAliveOp(), FAR, 0.5).instruction == Done(
-        Action.FINISH, view.state
-    )
-    assert decide(view, node(0), S, KeepAliveOp(), FAR, 1.0).instruction == Beat()
+    assert decide(view, node(0), S, KeepAliveOp(), FAR, 0.5) == Done(Action.FINISH, view.state)
+    assert decide(view, node(0), S, KeepAliveOp(), FAR, 1.0) == Beat()
 
 
 def test_a_beat_moves_the_watched_counter_and_restarts_the_own_timer() -> None:
@@ -118,14 +122,14 @@ def test_a_beat_moves_the_watched_counter_and_restarts_the_own_timer() -> None:
     beaten = after_beat(view, node(0), 1, 1.0)
     assert beaten.own.counter == before + 1
     assert beaten.own.since == 1.0
-    assert decide(beaten, node(0), S, KeepAliveOp(), FAR, 1.5).instruction.action is Action.FINISH
+    assert decide(beaten, node(0), S, KeepAliveOp(), FAR, 1.5).action is Action.FINISH
 
 
 def test_a_peer_is_never_declared_dead_on_cached_counters() -> None:
     state = joined([node(0), node(1)], S)
     view = _view(state, now=0.0)
     # 5 s later node(1) looks silent, but the counters are 5 s old: read them first.
-    d = decide(view, node(0), S, JoinOp(), FAR, 5.0)
+    d = _decision(decide, view, node(0), S, JoinOp(), FAR, 5.0)
     assert d.instruction == Read(True)
     assert d.dead == frozenset()
 
@@ -135,7 +139,7 @@ def test_a_peer_whose_counter_moved_meanwhile_is_alive() -> None:
     view = _view(state, now=0.0)
     view = after_beat(view, node(0), 5, 4.9)  # our own beat keeps us fresh
     fresh = after_read(view, node(0), state, {node(0): 5, node(1): 7}, 5.0)
-    d = decide(fresh, node(0), S, JoinOp(), FAR, 5.0)
+    d = _decision(decide, fresh, node(0), S, JoinOp(), FAR, 5.0)
     assert d.dead == frozenset()
     assert not isinstance(d.instruction, Write) or not d.instruction.dead
 
@@ -145,7 +149,7 @@ def test_dead_peers_found_on_fresh_counters_are_published_even_when_the_op_waits
     view = _view(state, now=0.0)
     view = after_beat(view, node(0), 3, 5.0)  # node(0) renewed at 5
     view = after_read(view, node(0), state, {node(0): 3, node(1): 0}, 5.0)
-    d = decide(view, node(0), S, JoinOp(), FAR, 5.0)
+    d = _decision(decide, view, node(0), S, JoinOp(), FAR, 5.0)
     assert d.action is Action.SYNC
     assert isinstance(d.instruction, Write)
     assert d.instruction.action is None and d.instruction.dead == {node(1)}
@@ -156,7 +160,7 @@ def test_dead_peers_found_on_fresh_counters_are_published_even_when_the_op_waits
 def test_dead_peers_are_published_before_a_terminal_answer() -> None:
     state = joined([node(0), node(1)], S)
     view = after_read(_view(state), node(0), state, {node(0): 3, node(1): 0}, 5.0)
-    d = decide(view, node(0), S, CloseOp(), 0.0, 5.0)  # close timed out
+    d = _decision(decide, view, node(0), S, CloseOp(), 0.0, 5.0)  # close timed out
     assert d.action is Action.ERROR_TIMEOUT
     assert isinstance(d.instruction, Write) and d.instruction.dead == {node(1)}
 
@@ -167,10 +171,10 @@ def test_a_rejoining_node_never_repeats_a_watched_counter() -> None:
     first = joined([node(0), node(1)], S)
     seen = heartbeat_of(first.heartbeats[node(1)], 2)
     view = _view(first, counters={node(0): 0, node(1): 2}, me=node(1))
-    exit_write = decide(view, node(1), S, ExitOp(), FAR, 0.0).instruction
+    exit_write = decide(view, node(1), S, ExitOp(), FAR, 0.0)
     assert isinstance(exit_write, Write)
     left = after_write(view, node(1), True, exit_write.state, 0.0)
-    join_write = decide(left, node(1), S, JoinOp(), FAR, 0.0).instruction
+    join_write = decide(left, node(1), S, JoinOp(), FAR, 0.0)
     assert isinstance(join_write, Write)
     assert heartbeat_of(join_write.state.heartbeats[node(1)], 2) != seen
 
@@ -179,12 +183,12 @@ def test_only_a_write_that_changes_what_waiters_decide_on_publishes_a_phase() ->
     s = settings(3, 5)
     state = joined([node(0)], s)
     view = _view(state, me=node(1))
-    second = decide(view, node(1), s, JoinOp(), FAR, 0.0).instruction
+    second = decide(view, node(1), s, JoinOp(), FAR, 0.0)
     # One more participant below min_nodes: nobody waiting decides differently.
     assert isinstance(second, Write) and second.phase is None
     assert second.state.phase == state.phase
     view = after_write(view, node(1), True, second.state, 0.0)
-    third = decide(_view(second.state, me=node(2)), node(2), s, JoinOp(), FAR, 0.0).instruction
+    third = decide(_view(second.state, me=node(2)), node(2), s, JoinOp(), FAR, 0.0)
     # The third arms the last call: every participant must start its timer.
     assert isinstance(third, Write) and third.state.last_call is not None
     assert third.phase == third.state.phase == state.phase + 1
@@ -193,7 +197,7 @@ def test_only_a_write_that_changes_what_waiters_decide_on_publishes_a_phase() ->
 
 def test_a_waiting_node_waits_for_the_phase_it_read() -> None:
     state = joined([node(0), node(1)], settings(3, 5)).evolve(phase=7)
-    d = decide(_view(state), node(0), settings(3, 5), JoinOp(), FAR, 0.0)
+    d = _decision(decide, _view(state), node(0), settings(3, 5), JoinOp(), FAR, 0.0)
     assert isinstance(d.instruction, Wait) and d.instruction.phase == 7
 
 
@@ -201,19 +205,19 @@ def test_a_contended_joiner_announces_then_admits_every_logged_joiner_in_one_wri
     s = settings(2, 5)
     state = joined([node(0)], s)
     view = _view(state, me=node(3))
-    first = decide(view, node(3), s, JoinOp(), FAR, 0.0).instruction
+    first = decide(view, node(3), s, JoinOp(), FAR, 0.0)
     assert isinstance(first, Write)
     # The CAS lost: another joiner wrote first (same state, for the test).
     lost = after_write(view, node(3), False, state, 0.0)
-    assert decide(lost, node(3), s, JoinOp(), FAR, 0.0).instruction == Announce(0)
+    assert decide(lost, node(3), s, JoinOp(), FAR, 0.0) == Announce(0)
     announced = after_announce(lost, 0)
-    read = decide(announced, node(3), s, JoinOp(), FAR, 0.0).instruction
+    read = decide(announced, node(3), s, JoinOp(), FAR, 0.0)
     # Read the state again with the log (a batch on the state the lost CAS returned
     # would lose to single joiners).
     assert read == Read(False, intents=True)
     log = [node(2), node(3), node(1), node(2)]
     with_log = after_read(announced, node(3), state, None, 0.0, log)
-    d = decide(with_log, node(3), s, JoinOp(), FAR, 0.0)
+    d = _decision(decide, with_log, node(3), s, JoinOp(), FAR, 0.0)
     write = d.instruction
     assert isinstance(write, Write) and write.action is Action.ADD_TO_PARTICIPANTS
     assert set(write.admitted) == {node(1), node(2)}
@@ -226,7 +230,7 @@ def test_a_contended_joiner_announces_then_admits_every_logged_joiner_in_one_wri
     later.contended = True
     later = after_announce(later, 0)
     later = after_read(later, node(4), write.state, {}, 0.0, [*log, node(5), node(4)])
-    batch = decide(later, node(4), s, JoinOp(), FAR, 0.0).instruction
+    batch = decide(later, node(4), s, JoinOp(), FAR, 0.0)
     assert isinstance(batch, Write) and batch.admitted == (node(5),)
     assert batch.state.intent_cursor == len(log) + 2
 
@@ -237,7 +241,7 @@ def test_a_batch_stops_admitting_participants_at_max_nodes() -> None:
     view = after_write(_view(state, me=node(0)), node(0), False, state, 0.0)
     view = after_announce(view, 0)
     view = after_read(view, node(0), state, None, 0.0, [node(1), node(2), node(3), node(4)])
-    write = decide(view, node(0), s, JoinOp(), FAR, 0.0).instruction
+    write = decide(view, node(0), s, JoinOp(), FAR, 0.0)
     assert isinstance(write, Write)
     final = write.state
     assert final.complete and set(final.participants) == {node(0), node(1), node(2)}
@@ -247,7 +251,7 @@ def test_a_batch_stops_admitting_participants_at_max_nodes() -> None:
 
 def test_a_finished_join_reports_its_membership() -> None:
     state = joined([node(0), node(1), node(2)], S)  # max_nodes reached: complete
-    d = decide(_view(state), node(1), S, JoinOp(), FAR, 0.0)
+    d = _decision(decide, _view(state), node(1), S, JoinOp(), FAR, 0.0)
     assert isinstance(d.instruction, Done)
     assert d.instruction.action is Action.FINISH and not d.instruction.rejoin
     membership = d.instruction.joined
@@ -259,7 +263,7 @@ def test_a_finished_join_reports_its_membership() -> None:
 def test_a_round_that_lost_its_rank_0_is_rejoined() -> None:
     state = joined([node(0), node(1), node(2)], S)
     without_rank0 = step(state, node(0), Action.REMOVE_FROM_PARTICIPANTS, S)
-    d = decide(_view(without_rank0), node(1), S, JoinOp(), FAR, 0.0)
+    d = _decision(decide, _view(without_rank0), node(1), S, JoinOp(), FAR, 0.0)
     assert isinstance(d.instruction, Done) and d.instruction.rejoin
 
 
@@ -268,7 +272,7 @@ def test_a_redundant_node_that_becomes_a_joiner_gets_a_fresh_deadline() -> None:
     state = joined([node(0)], s)
     state = step(state, node(1), Action.ADD_TO_REDUNDANCY_LIST, s)
     state = step(state, node(0), Action.REMOVE_FROM_PARTICIPANTS, s)  # room again
-    d = decide(_view(state, now=7.0), node(1), s, JoinOp(), 9.0, 7.0)
+    d = _decision(decide, _view(state, now=7.0), node(1), s, JoinOp(), 9.0, 7.0)
     assert isinstance(d.instruction, Write)
     assert d.instruction.action is Action.REMOVE_FROM_REDUNDANCY_LIST
     assert d.instruction.deadline == 57.0
@@ -276,31 +280,31 @@ def test_a_redundant_node_that_becomes_a_joiner_gets_a_fresh_deadline() -> None:
 
 def test_monitor_reports_waiting_nodes_and_lost_participants() -> None:
     state = joined([node(0), node(1), node(2)], S)
-    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).instruction.joined
-    assert monitor(_view(state), node(0), S, membership, 0.0).instruction == Verdict(0, frozenset())
+    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).joined
+    assert monitor(_view(state), node(0), S, membership, 0.0) == Verdict(0, frozenset())
     left = step(state, node(2), Action.REMOVE_FROM_PARTICIPANTS, S)
     waiting = step(left, node(3), Action.ADD_TO_WAIT_LIST, S)
-    verdict = monitor(_view(waiting), node(0), S, membership, 0.0).instruction
+    verdict = monitor(_view(waiting), node(0), S, membership, 0.0)
     assert verdict == Verdict(1, frozenset({node(2)}))
 
 
 def test_monitor_publishes_a_dead_participant_then_reports_it_lost() -> None:
     state = joined([node(0), node(1), node(2)], S)
-    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).instruction.joined
+    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).joined
     assert membership is not None
     # node(0) and node(2) moved at t=5, node(1) stood still since t=0.
     view = after_read(_view(state), node(0), state, {node(0): 3, node(1): 0, node(2): 4}, 5.0)
-    d = monitor(view, node(0), S, membership, 5.0)
+    d = _decision(monitor, view, node(0), S, membership, 5.0)
     assert isinstance(d.instruction, Write) and d.instruction.dead == {node(1)}
     after = after_write(view, node(0), True, d.instruction.state, 5.0)
-    verdict = monitor(after, node(0), S, membership, 5.0).instruction
+    verdict = monitor(after, node(0), S, membership, 5.0)
     assert verdict == Verdict(0, frozenset({node(1)}))
 
 
 def test_monitor_of_a_round_that_moved_on_loses_everyone() -> None:
     state = joined([node(0), node(1), node(2)], S)
-    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).instruction.joined
+    membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).joined
     later = state.evolve(round=1, complete=False, world_size=0, participants=Map())
     later = later.evolve(heartbeats=Map({node(0): 1}))
-    verdict = monitor(_view(later), node(0), S, membership, 0.0).instruction
+    verdict = monitor(_view(later), node(0), S, membership, 0.0)
     assert verdict == Verdict(0, membership.members)

@@ -681,7 +681,7 @@ def _outcome(view: NodeView, node: NodeDesc, s: Settings, op: object, deadline: 
     """The decision, or the error it raised (states of every shape are drawn, and
     applying an action to some of them is refused)."""
     try:
-        return decide(view, node, s, op, deadline, now)  # type: ignore[arg-type]
+        return Decision.of(decide(view, node, s, op, deadline, now), view)  # type: ignore[arg-type]
     except Exception as error:  # compared below, not swallowed
         return type(error), str(error)
 
@@ -752,10 +752,10 @@ def test_a_phase_of_swapped_in_decides_what_a_write_publishes(
 ) -> None:
     s = Settings("speedups", 1, 3)
     view = after_read(NodeView(), POOL[0], RendezvousState(), None, 0.0)
-    write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0).instruction
+    write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0)
     assert isinstance(write, Write) and write.phase == 1  # the join arms the last call
     monkeypatch.setattr(driver, "phase_of", lambda state, _: (state.round,))
-    write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0).instruction
+    write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0)
     assert isinstance(write, Write) and write.phase is None and write.state.phase == 0
 
 

@@ -102,9 +102,9 @@ def peer_runs(peer: NodeDesc, op: Operator) -> Change:
     def change(state: RendezvousState) -> RendezvousState:
         counters = dict.fromkeys(state.heartbeats, 0)
         view = driver.after_read(NodeView(), peer, state, counters, 0.0)
-        decision = driver.decide(view, peer, SETTINGS, op, math.inf, 0.0)
-        assert isinstance(decision.instruction, Write), decision
-        return decision.instruction.state
+        instruction = driver.decide(view, peer, SETTINGS, op, math.inf, 0.0)
+        assert isinstance(instruction, Write), instruction
+        return instruction.state
 
     return change
 

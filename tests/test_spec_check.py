@@ -18,6 +18,7 @@ from rallypoint.core import (
     Context,
     Decision,
     Done,
+    Instruction,
     NodeDesc,
     Read,
     RendezvousState,
@@ -267,16 +268,14 @@ def _without_publishing(real: object) -> object:
     the liveness window on its own)."""
 
     def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
-        decision: Decision = real(view, node, settings, op, deadline, now)  # type: ignore[operator]
-        instruction = decision.instruction
+        instruction = real(view, node, settings, op, deadline, now)  # type: ignore[operator]
         if isinstance(instruction, Write) and instruction.action is None:
-            action = decision.action
+            action = view.decided_action
             if action is Action.SYNC:
-                return decision._replace(instruction=Wait(None))
+                return Wait(None)
             if action is not None and action.is_terminal:
-                done = driver._done(node, op, action, decision.state)
-                return decision._replace(instruction=done)
-        return decision
+                return driver._done(node, op, action, view.decided_on)
+        return instruction
 
     return decide
 
@@ -301,10 +300,8 @@ def test_a_driver_that_rereads_a_fresh_view_is_found(monkeypatch: pytest.MonkeyP
     real = driver.decide
 
     def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
-        decision = real(view, node, settings, op, deadline, now)
-        if isinstance(decision.instruction, Wait):
-            return decision._replace(instruction=Read(True))
-        return decision
+        instruction = real(view, node, settings, op, deadline, now)
+        return Read(True) if isinstance(instruction, Wait) else instruction
 
     monkeypatch.setattr(driver, "decide", decide)
     result = check(SMALL)
@@ -336,7 +333,7 @@ def test_the_checker_decides_through_the_driver(monkeypatch: pytest.MonkeyPatch)
     """Every step asks rallypoint.core.driver.decide, looked up at call time."""
     real, calls = driver.decide, []
 
-    def decide(*args: object) -> Decision:
+    def decide(*args: object) -> Instruction:
         calls.append(args)
         return real(*args)  # type: ignore[arg-type]
 
@@ -455,8 +452,8 @@ def test_a_joiner_that_announces_before_publishing_a_removal_is_found(
     real = driver.decide
 
     def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
-        decision = real(view, node, settings, op, deadline, now)
-        instruction = decision.instruction
+        instruction = real(view, node, settings, op, deadline, now)
+        decision = Decision.of(instruction, view)
         if (
             view.contended
             and decision.dead
@@ -464,8 +461,8 @@ def test_a_joiner_that_announces_before_publishing_a_removal_is_found(
             and view.announced != decision.state.round
             and isinstance(instruction, Write)
         ):
-            return decision._replace(instruction=Announce(decision.state.round))
-        return decision
+            return Announce(decision.state.round)
+        return instruction
 
     monkeypatch.setattr(driver, "decide", decide)
     result = check(SMALL)
@@ -489,10 +486,11 @@ def test_a_bug_past_the_deadline_after_a_removal_is_found(
     real = driver.decide
 
     def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
-        decision = real(view, node, settings, op, deadline, now)
+        instruction = real(view, node, settings, op, deadline, now)
+        decision = Decision.of(instruction, view)
         state = decision.state
         if (
-            isinstance(decision.instruction, Done)
+            isinstance(instruction, Done)
             and decision.action is Action.FINISH
             and deadline < now - settings.rollback_period
             and state.complete
@@ -500,9 +498,8 @@ def test_a_bug_past_the_deadline_after_a_removal_is_found(
         ):
             # the bug: a late joiner of a round that lost a member grows its world
             bad = state.evolve(world_size=state.world_size + 1)
-            write = Write(bad, Action.SYNC, frozenset())
-            return decision._replace(instruction=write)
-        return decision
+            return Write(bad, Action.SYNC, frozenset())
+        return instruction
 
     monkeypatch.setattr(driver, "decide", decide)
     result = check(SMALL)

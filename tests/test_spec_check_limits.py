@@ -81,7 +81,7 @@ def _killed_in_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     a worker dies the way the out-of-memory killer ends it."""
     main, real = os.getpid(), driver.decide
 
-    def decide(*args: object, **kwargs: object) -> driver.Decision:
+    def decide(*args: object, **kwargs: object) -> driver.Instruction:
         if os.getpid() != main:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)  # type: ignore[arg-type]
