@@ -52,6 +52,7 @@ from rallypoint.core import (
     wake_at,
 )
 from rallypoint.core import operators as core_operators
+from rallypoint.core.driver import _VIEW_SLOTS
 from rallypoint.core.liveness import observe_read
 from rallypoint.core.state import _FIELD_NAMES
 
@@ -721,6 +722,31 @@ def test_decide_reads_first_exactly_when_the_counters_are_due_or_the_view_is_sta
         # death is declared: counters, on a view with the dead removed
         read = outcome.instruction
         assert read.intents or (read == Read(True) and outcome.state != view.state)
+
+
+@settings(max_examples=300)
+@given(nodes_and_views(), any_settings(), times, times, st.booleans())
+def test_decide_changes_nothing_in_the_view_but_the_record_of_the_decision(
+    node_view, s, now, deadline, leaving
+):
+    """decide and monitor only read the view, and leave in it what they decided on
+    (Decision.of): a copy taken before compares equal after, field by field."""
+    node, view = node_view
+    op = ExitOp() if leaving else JoinOp()
+    for decider in (
+        lambda: decide(view, node, s, op, deadline, now),
+        lambda: driver.monitor(view, node, s, None, now),
+    ):
+        before = view.copy()
+        try:
+            instruction = decider()
+        except InvalidTransitionError:
+            continue  # states of every shape are drawn: some refuse the action
+        assert view == before
+        assert {f: getattr(view, f) for f in _VIEW_SLOTS} == {
+            f: getattr(before, f) for f in _VIEW_SLOTS if not f.startswith("decided")
+        } | {f: getattr(view, f) for f in ("decided_action", "decided_on", "declared_dead")}
+        assert Decision.of(instruction, view).instruction is instruction
 
 
 _PHASE_FIELDS = ("round", "complete", "closed", "last_call", "participants", "wait_list")
