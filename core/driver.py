@@ -347,8 +347,9 @@ def _peer_observations(view: NodeView) -> Observations:
 
 
 # The after_* functions run once per read or write of every node: they set the
-# fields that moved, and make the two sightings' rules inline (tests/test_core_speedups.py
-# checks them against liveness's _own_read and _last_call_seen).
+# fields that moved, and apply liveness's rules for the own and last-call sightings
+# (_own_read, _own_renewed, _last_call_seen) inline: tests/test_core_speedups.py
+# checks the views they make against the same rules applied to whole Observations.
 
 
 def after_read(
