@@ -244,7 +244,7 @@ class Decision(NamedTuple):
         """The decision that gave ``instruction``, from the record of it that
         :func:`decide` or :func:`monitor` left in ``view``."""
         assert view.decided_on is not None, "the view has decided nothing yet"
-        return cls(instruction, view.decided_action, view.decided_on, view.declared_dead)
+        return _built(cls, (instruction, view.decided_action, view.decided_on, view.declared_dead))
 
 
 # -- the view ----------------------------------------------------------------------
@@ -302,6 +302,8 @@ class NodeView:
     #: observing them again costs one identity comparison
     _source: object = field(default=None, init=False, repr=False, compare=False)
     _source_side: object = field(default=None, init=False, repr=False, compare=False)
+    #: ``peers`` as one record, once asked for (see _peer_observations)
+    _peer_record: Observations | None = field(default=None, init=False, repr=False, compare=False)
     #: what the last decision on this view was made on (see :meth:`Decision.of`):
     #: the operator's action (None when the driver reads first), the state it
     #: saw (the view's, the dead removed; None: no decision yet) and the peers it
@@ -342,8 +344,13 @@ _observations = Observations._derived
 
 def _peer_observations(view: NodeView) -> Observations:
     """The view's sightings of its peers as one record (what :func:`sanitize`
-    judges the peers on: the node itself is never declared dead)."""
-    return _observations(view.peers, None, None, None, view.peers_oldest)
+    judges the peers on: the node itself is never declared dead), made once per
+    change of the peers' sightings."""
+    record = view._peer_record
+    if record is None or record.heartbeats is not view.peers:
+        record = _observations(view.peers, None, None, None, view.peers_oldest)
+        view._peer_record = record
+    return record
 
 
 # The after_* functions run once per read or write of every node: they set the

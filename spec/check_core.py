@@ -67,16 +67,6 @@ class CoreStep(NamedTuple):
     read_log: bool
 
 
-class _Sightings(NamedTuple):
-    """A node's sightings at a step, and the side counters read with them (see
-    :meth:`CoreSteps.view`)."""
-
-    own: HeartbeatSighting | None
-    last_call: LastCallSighting | None
-    peers: Map[NodeDesc, HeartbeatSighting]
-    counters: Map[NodeDesc, int]
-
-
 class _Effect(NamedTuple):
     """What carrying out an instruction did to what is shared."""
 
@@ -119,10 +109,9 @@ class CoreSteps:
         #: what a step's safety checks read, states by id -> (those states, their
         #: problems) (see _step_problems)
         self._problems: dict[tuple[object, ...], tuple[object, list[str]]] = {}
-        #: (id of a state, node, timers but the deadline) -> (the state, the
-        #: sightings a step chooses: the node's own, the last call's, its peers'
-        #: and their oldest) (see view)
-        self._sightings: dict[tuple[object, ...], tuple[RendezvousState, _Sightings]] = {}
+        #: (id of a state, node, timers but the deadline, announced) -> (the state,
+        #: the node's view at a step) (see view)
+        self._views: dict[tuple[object, ...], tuple[RendezvousState, NodeView]] = {}
         #: how a step made a state from another (the other by id) -> (the other,
         #: the one instance of the state it made) (see _one_made)
         self._made: dict[tuple[object, ...], tuple[RendezvousState, RendezvousState]] = {}
@@ -146,35 +135,29 @@ class CoreSteps:
         ``announced`` when the node is in the round's intent log past the cursor.
 
         The side counters are all 0: only whether a sighting equals the counter
-        matters, and every step chooses the sightings' ages afresh.
+        matters, and every step chooses the sightings' ages afresh. A sighting
+        watches the pair (state counter, side counter), so each equals what a read
+        at this instant shows, and a re-read within the step keeps its age.
+
+        Every step that makes the same view shares it (memoized): deciding only
+        records in it what was decided, and a step that reads within it (the
+        intent log) reads into a copy.
         """
-        own, call, peers, counters = self._aged(state, node, timers)
+        expired, mine, lc, contended = (
+            timers.expired,
+            timers.own,
+            timers.last_call_over,
+            timers.contended,
+        )
         announced = state.round if node in pending else -1
-        return NodeView(
-            state, counters, 0.0, 0.0, own, call, peers, False, None, -1,
-            timers.contended, announced,
-        )  # fmt: skip
-
-    def _aged(self, state: RendezvousState, node: NodeDesc, timers: Timers) -> _Sightings:
-        """The node's sightings of ``state``'s members, aged as ``timers`` says (its
-        own, the last call's, and its peers'), and the side counters they were
-        taken with.
-
-        A sighting watches the pair (state counter, side counter); the side counters
-        the view holds are all 0, so each sighting equals what a read at this instant
-        shows, and a re-read within the step keeps its age.
-        """
-        expired, mine, lc = timers.expired, timers.own, timers.last_call_over
-        key = (id(state), node, expired, mine, lc)
-        hit = self._sightings.get(key)
+        key = (id(state), node, expired, mine, lc, contended, announced)
+        hit = self._views.get(key)
         if hit is not None:
             return hit[1]
         counter = state.heartbeats.get(node)
-        own = (
-            None
-            if counter is None
-            else HeartbeatSighting(heartbeat_of(counter, 0), self._own_ages[mine])
-        )
+        own = None
+        if counter is not None:
+            own = HeartbeatSighting(heartbeat_of(counter, 0), self._own_ages[mine])
         peers = Map(
             {
                 n: HeartbeatSighting(heartbeat_of(c, 0), self._expired if n in expired else 0.0)
@@ -186,11 +169,14 @@ class CoreSteps:
         if state.last_call is not None:
             since = self._call_over if lc else 0.0
             call = LastCallSighting(state.round, state.last_call, since)
-        if len(self._sightings) >= CACHE_LIMIT:
-            self._sightings.clear()
-        known = _Sightings(own, call, peers, _counters(state))
-        self._sightings[key] = (state, known)
-        return known
+        view = NodeView(
+            state, _counters(state), 0.0, 0.0, own, call, peers, False, None, -1,
+            contended, announced,
+        )  # fmt: skip
+        if len(self._views) >= CACHE_LIMIT:
+            self._views.clear()
+        self._views[key] = (state, view)
+        return view
 
     # -- decisions --------------------------------------------------------------
 
@@ -407,7 +393,7 @@ class CoreSteps:
                 # The intent log, read at this same instant with the state it
                 # belongs to: the node then decides again within the step.
                 counters = _counters(state) if instruction.counters else None
-                view = core_driver.after_read(view, node, state, counters, 0.0, log)
+                view = core_driver.after_read(view.copy(), node, state, counters, 0.0, log)
                 instruction = core_driver.decide(view, node, settings, op, limit, 0.0)
                 return view, Decision.of(instruction, view), True
         except InvalidTransitionError as exc:
