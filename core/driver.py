@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from immutables import Map
 
@@ -304,6 +304,10 @@ class NodeView:
     _source_side: object = field(default=None, init=False, repr=False, compare=False)
     #: ``peers`` as one record, once asked for (see _peer_observations)
     _peer_record: Observations | None = field(default=None, init=False, repr=False, compare=False)
+    #: the last removal of dead peers judged on this view: (the state, the peers'
+    #: sightings, settings, now, node, the state without the dead, the dead); see
+    #: _dead_removed
+    _removal: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
     #: what the last decision on this view was made on (see :meth:`Decision.of`):
     #: the operator's action (None when the driver reads first), the state it
     #: saw (the view's, the dead removed; None: no decision yet) and the peers it
@@ -351,6 +355,31 @@ def _peer_observations(view: NodeView) -> Observations:
         record = _observations(view.peers, None, None, None, view.peers_oldest)
         view._peer_record = record
     return record
+
+
+def _dead_removed(
+    view: NodeView, settings: Settings, now: float, node: NodeDesc
+) -> tuple[RendezvousState, frozenset[NodeDesc]]:
+    """:func:`sanitize` of the view's state on its peers' sightings, judged once
+    per view, instant and node: the model checker decides each view under every
+    deadline it may have (a 4-node search judged each view about five times).
+    The entry holds the state and sightings it was judged on, so a view changed
+    since misses it (by identity: both are immutable, and the entry keeps them
+    alive)."""
+    state, peers = view.state, view.peers
+    memo = view._removal
+    if (
+        memo is not None
+        and memo[0] is state
+        and memo[1] is peers
+        and memo[2] is settings
+        and memo[3] == now
+        and memo[4] == node
+    ):
+        return memo[5], memo[6]
+    sanitized, dead = sanitize(state, _peer_observations(view), settings, now, node)
+    view._removal = (state, peers, settings, now, node, sanitized, dead)
+    return sanitized, dead
 
 
 # The after_* functions run once per read or write of every node: they set the
@@ -760,7 +789,7 @@ def decide(
         # for it to be dead (nearly every decision; a node never declares itself).
         sanitized, dead = state, _NOBODY
     else:
-        sanitized, dead = sanitize(state, _peer_observations(view), settings, now, node)
+        sanitized, dead = _dead_removed(view, settings, now, node)
         if _must_reread(view, dead, settings, now):
             view.decided_action, view.decided_on, view.declared_dead = None, sanitized, _NOBODY
             return _READ_COUNTERS
@@ -890,7 +919,7 @@ def monitor(
     if view.stale or due:
         view.decided_action, view.decided_on, view.declared_dead = None, view.state, _NOBODY
         return _READ_COUNTERS if due else _READ
-    sanitized, dead = sanitize(view.state, _peer_observations(view), settings, now, node)
+    sanitized, dead = _dead_removed(view, settings, now, node)
     if _must_reread(view, dead, settings, now):
         view.decided_action, view.decided_on, view.declared_dead = None, sanitized, _NOBODY
         return _READ_COUNTERS

@@ -748,9 +748,70 @@ def test_decide_changes_nothing_in_the_view_but_the_record_of_the_decision(
         assert Decision.of(instruction, view).instruction is instruction
 
 
-#: What deciding may set in a view: the record of the decision, and the peers'
-#: sightings as one record (made once, when a death is judged).
-_DECISION_RECORD = {"decided_action", "decided_on", "declared_dead", "_peer_record"}
+#: What deciding may set in a view: the record of the decision, the peers'
+#: sightings as one record and the removal of the dead judged on them (each made
+#: once per view, when a death is judged).
+_DECISION_RECORD = {"decided_action", "decided_on", "declared_dead", "_peer_record", "_removal"}
+
+
+@settings(max_examples=300)
+@given(
+    nodes_and_views(),
+    any_settings(),
+    times,
+    times,
+    st.none() | any_states(),
+    st.none() | st.dictionaries(nodes, counters, max_size=3),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_view_judged_again_after_it_changed_is_judged_afresh(
+    node_view, s, now, deadline, state, side, same_state, monitoring
+):
+    """The removal of the dead is judged once per view and instant (_dead_removed):
+    a view read again at the same instant (a new state, new side counters, or the
+    same state object with new side counters) is judged on what it holds now, as
+    a copy that never decided is."""
+    node, view = node_view
+    view.stale, view.counters_at, view.since = False, now, now
+    if same_state:
+        state = view.state
+
+    def decided(on: NodeView) -> object:
+        if monitoring:
+            return _monitored(on, node, s, now)
+        return _outcome(on, node, s, JoinOp(), deadline, now)
+
+    decided(view)
+    assert decided(view) == decided(view.copy())  # the same view: the judgment kept
+    after_read(view, node, state, side, now)
+    fresh = view.copy()
+    fresh._removal = fresh._peer_record = None
+    assert decided(view) == decided(fresh)
+
+
+def test_a_view_whose_peers_moved_at_the_same_instant_is_judged_afresh():
+    """The state read again is the same object, only a peer's side counter moved:
+    that peer is alive again at the same instant, and the other still dead."""
+    s = Settings("speedups", 1, 3)
+    me, moved, silent = POOL[:3]
+    state = RendezvousState(wait_list={me, moved, silent}, heartbeats={me: 1, moved: 1, silent: 1})
+    view = after_read(NodeView(), me, state, {moved: 0, silent: 0}, 0.0)
+    now = s.liveness_window + 1  # both peers silent since 0, the counters read now
+    after_read(view, me, state, {moved: 0, silent: 0}, now)
+    driver.monitor(view, me, s, None, now)
+    assert view.declared_dead == {moved, silent}
+    after_read(view, me, state, {moved: 1, silent: 0}, now)
+    driver.monitor(view, me, s, None, now)
+    assert view.declared_dead == {silent}
+
+
+def _monitored(view: NodeView, node: NodeDesc, s: Settings, now: float):  # type: ignore[no-untyped-def]
+    """monitor's decision, or the error it raised (see _outcome)."""
+    try:
+        return Decision.of(driver.monitor(view, node, s, None, now), view)
+    except Exception as error:  # compared below, not swallowed
+        return type(error), str(error)
 
 
 _PHASE_FIELDS = ("round", "complete", "closed", "last_call", "participants", "wait_list")
