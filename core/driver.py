@@ -302,8 +302,6 @@ class NodeView:
     #: observing them again costs one identity comparison
     _source: object = field(default=None, init=False, repr=False, compare=False)
     _source_side: object = field(default=None, init=False, repr=False, compare=False)
-    #: ``peers`` as one record, once asked for (see _peer_observations)
-    _peer_record: Observations | None = field(default=None, init=False, repr=False, compare=False)
     #: the last removal of dead peers judged on this view: (the state, the peers'
     #: sightings, settings, now, node, the state without the dead, the dead); see
     #: _dead_removed
@@ -346,17 +344,6 @@ _VIEW_SLOTS = NodeView.__slots__
 _observations = Observations._derived
 
 
-def _peer_observations(view: NodeView) -> Observations:
-    """The view's sightings of its peers as one record (what :func:`sanitize`
-    judges the peers on: the node itself is never declared dead), made once per
-    change of the peers' sightings."""
-    record = view._peer_record
-    if record is None or record.heartbeats is not view.peers:
-        record = _observations(view.peers, None, None, None, view.peers_oldest)
-        view._peer_record = record
-    return record
-
-
 def _dead_removed(
     view: NodeView, settings: Settings, now: float, node: NodeDesc
 ) -> tuple[RendezvousState, frozenset[NodeDesc]]:
@@ -365,7 +352,8 @@ def _dead_removed(
     deadline it may have (a 4-node search judged each view about five times).
     The entry holds the state and sightings it was judged on, so a view changed
     since misses it (by identity: both are immutable, and the entry keeps them
-    alive)."""
+    alive). The sightings are the peers' alone: the node itself is never
+    declared dead."""
     state, peers = view.state, view.peers
     memo = view._removal
     if (
@@ -377,7 +365,8 @@ def _dead_removed(
         and memo[4] == node
     ):
         return memo[5], memo[6]
-    sanitized, dead = sanitize(state, _peer_observations(view), settings, now, node)
+    judged_on = _observations(peers, None, None, None, view.peers_oldest)
+    sanitized, dead = sanitize(state, judged_on, settings, now, node)
     view._removal = (state, peers, settings, now, node, sanitized, dead)
     return sanitized, dead
 
