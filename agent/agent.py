@@ -46,7 +46,8 @@ from .config import LaunchConfig
 from .errors import AgentError, ProcessFailure
 from .events import EventKind, EventRecorder
 from .exit_barrier import acknowledge_close, exit_barrier, wait_for_acknowledgements
-from .launches import return_files, worker_launches
+from .handover import LiveWorkers
+from .launches import return_files, round_variables, worker_launches
 from .lease import LeaseGuard, fence_grace
 from .logs import EventLog, StartedWorker, make_log_root
 from .monitor import GroupWatch, RoundOutcome
@@ -156,6 +157,17 @@ class ElasticAgent:
         self.budget = self.recovery.budget
         #: when the failure that ends the current round was noticed (monotonic)
         self._failure_noticed: float | None = None
+        #: live regroup (``--live``): the workers' channels
+        self.live = (
+            LiveWorkers(
+                os.path.join(self._log_root, "live"),
+                config.live_timeout,
+                config.progress_timeout,
+                self.recorder,
+            )
+            if config.live
+            else None
+        )
         self.events = EventLog(
             config.event_log_handler,
             run_id=config.run_id,
@@ -222,6 +234,8 @@ class ElasticAgent:
                 else:
                     self.group.stop(self.config.stop_grace, stop_with)
                     self.view.shut_down(close_rendezvous=not unreachable and not self.watch.closed)
+                if self.live is not None:
+                    self.live.close()
                 self.recorder.close()
 
     def _preempted(self, sig: signal.Signals) -> None:
@@ -247,7 +261,7 @@ class ElasticAgent:
         while True:
             ended = self._start_round()
             if ended is None:
-                outcome, failures = self.watch.monitor(self.group)
+                outcome, failures = self.watch.monitor(self.group, self._live_check)
                 ended = self._after_round(outcome, failures)
             if ended is not None:
                 return ended
@@ -282,9 +296,11 @@ class ElasticAgent:
             return self._finish()
         if outcome is RoundOutcome.FAILED:
             return self._on_failure(failures)
-        self.group.stop(self.config.stop_grace)
         if outcome is RoundOutcome.CLOSED:
+            self.group.stop(self.config.stop_grace)
             return self._closed_result(_CLOSED_WHILE_RUNNING)
+        if self.live is None:  # live workers keep running into the next round
+            self.group.stop(self.config.stop_grace)
         # The membership changed: a new round, the budget untouched.
         self._failure_noticed = time.monotonic()
         self.recovery.restarting(self._round_number, "membership", charged=False)
@@ -326,8 +342,10 @@ class ElasticAgent:
                 for f in failures
             ],
         )  # fmt: skip
-        # The other local workers may hang in a collective: stop them first.
-        self.group.stop(self.config.stop_grace)
+        # The other local workers may hang in a collective: stop them first (live
+        # workers leave it by themselves, or are replaced if they do not).
+        if self.live is None:
+            self.group.stop(self.config.stop_grace)
         current = self._current
         case = FailureCase(
             failed_at=failed_at,
@@ -414,16 +432,21 @@ class ElasticAgent:
             self._round = joined  # its events and an exclusion name this round
             joined = self._join()
         self.recovery.settle(joined.assignment.round, joined.members)
-        self._round = joined
+        previous, self._round = self._round, joined
         a = joined.assignment
         started = time.monotonic()
-        self.group.start(self._launches(a))
+        handed = 0
+        if self.live is None:
+            self.group.start(self._launches(a))
+        else:
+            handed = self._hand_over(previous, joined)
         self._record_started(a)
         self.rounds += 1
         self.recorder.emit(
             EventKind.WORKERS_STARTED,
             a.round,
-            workers=self.config.nproc_per_node,
+            workers=self.config.nproc_per_node - handed,
+            handed=handed,
             start_s=time.monotonic() - started,
             since_failure_s=self._since_failure(),
         )
@@ -440,6 +463,39 @@ class ElasticAgent:
             a.master_addr,
             a.master_port,
         )
+
+    def _hand_over(self, previous: _Round | None, joined: _Round) -> int:
+        """Live regroup: hand the round ``joined`` to the live workers, start the
+        others; returns how many were handed."""
+        assert self.live is not None
+        a = joined.assignment
+        lost = bool(
+            previous is not None
+            and previous.members is not None
+            and joined.members is not None
+            and previous.members - joined.members
+        ) or any(code is not None for code in self.group.poll().values())
+        restarts = self.recovery.spent
+        handed, started = self.live.hand_over(
+            self.group,
+            self._launches(a),
+            a.round,
+            lambda launch: round_variables(self.config, a, launch.local_rank, restarts),
+            lost=lost,
+            noticed=self._failure_noticed,
+        )
+        logger.info(
+            "[%s] round %d: %d worker(s) handed the round live, %d started",
+            self.config.role,
+            a.round,
+            handed,
+            started,
+        )
+        return handed
+
+    def _live_check(self) -> None:
+        if self.live is not None and self._round is not None:
+            self.live.check(self.group, self._round.assignment.round)
 
     def _since_failure(self) -> float | None:
         noticed = self._failure_noticed

@@ -389,6 +389,13 @@ class LaunchConfig:
             (``--health-check``); a node failing it excludes itself.
         events_file: where rallypoint's structured events go, as JSON lines
             (``--events-file``; None: logging only).
+        live: live regroup (``--live``): on a membership change, workers that use
+            :mod:`rallypoint.agent.live` keep running and are handed the new round;
+            only workers that are gone are started again.
+        live_timeout: seconds a live worker has to take a new round before it is
+            stopped and started again (``--live-timeout``).
+        progress_timeout: seconds a live worker may go without committing a step
+            before it counts as failed (``--progress-timeout``; 0: never).
     """
 
     min_nodes: int
@@ -431,6 +438,9 @@ class LaunchConfig:
     exclude_window: float = 600.0
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     events_file: str | None = None
+    live: bool = False
+    live_timeout: float = 30.0
+    progress_timeout: float = 0.0
     #: ``signals_to_handle`` parsed (set by validation).
     stop_signals: tuple[signal.Signals, ...] = field(init=False, default=())
 
@@ -477,6 +487,8 @@ class LaunchConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{flag} must be an integer >= {low}, got {value!r}")
         check_seconds(self.exclude_window, "--exclude-window")
+        check_seconds(self.live_timeout, "--live-timeout")
+        check_seconds(self.progress_timeout, "--progress-timeout", allow_zero=True)
         if self.events_file is not None:
             _check_events_file(self.events_file)
         if not isinstance(self.health_check, HealthCheckConfig):
@@ -487,6 +499,7 @@ class LaunchConfig:
                 ("--restart-scope job", self.restart_scope is RestartScope.JOB),
                 ("--exclude-after", self.exclude_after > 0),
                 ("--health-check", self.health_check.enabled),
+                ("--live", self.live),
             )
             if used
         ]

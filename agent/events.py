@@ -58,6 +58,10 @@ class EventKind(str, enum.Enum):
     PREEMPTION = "preemption"
     #: the agent is done (outcome, exit code)
     FINISHED = "finished"
+    #: every worker of the node made its first step in a round it was handed live
+    #: (``--live``): seconds from the failure being noticed to the workers told, their
+    #: process group formed, the state in place and the first step
+    LIVE_REGROUP = "live_regroup"
 
 
 @dataclass(frozen=True)

@@ -428,6 +428,27 @@ def _add_recovery_flags(opt: _AddFlag) -> None:
         help="rounds an excluded node sits out, standing by as a spare.",
     )
     opt("--events-file", action=env, default=None, help="write structured events (JSON lines).")
+    opt(
+        "--live",
+        action=flag,
+        help="live regroup: workers that use rallypoint.agent.live keep running across "
+        "rounds and are handed the new one; only workers that are gone start again.",
+    )
+    opt(
+        "--live-timeout",
+        action=env,
+        type=float,
+        default=30.0,
+        help="seconds a live worker has to take a new round before it is replaced.",
+    )
+    opt(
+        "--progress-timeout",
+        action=env,
+        type=float,
+        default=0.0,
+        help="seconds a live worker may go without a step before it counts as failed "
+        "(0: never).",
+    )
 
 
 def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -439,6 +460,9 @@ def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
         "exclude_window": args.exclude_window,
         "health_check": _health_check(args),
         "events_file": args.events_file,
+        "live": args.live,
+        "live_timeout": args.live_timeout,
+        "progress_timeout": args.progress_timeout,
     }
 
 

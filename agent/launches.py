@@ -19,7 +19,7 @@ from .logs import WorkerLogs, console_prefix, worker_logs
 from .ranks import Assignment
 from .workers import WorkerLaunch
 
-__all__ = ["ROUND_ENV", "return_files", "worker_env", "worker_launches"]
+__all__ = ["ROUND_ENV", "return_files", "round_variables", "worker_env", "worker_launches"]
 
 ROUND_ENV = "RALLYPOINT_ROUND"
 
@@ -68,35 +68,41 @@ def worker_env(
     """The environment of local rank ``local_rank`` in round ``a``: ``base_env`` plus
     torchrun's worker variables and ``RALLYPOINT_ROUND``."""
     env = dict(base_env)
-    env.update(
-        {
-            "LOCAL_RANK": str(local_rank),
-            "RANK": str(a.base_global_rank + local_rank),
-            "GROUP_RANK": str(a.group_rank),
-            "ROLE_RANK": str(a.base_role_rank + local_rank),
-            "ROLE_NAME": config.role,
-            "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
-            "WORLD_SIZE": str(a.world_size),
-            "GROUP_WORLD_SIZE": str(a.group_world_size),
-            "ROLE_WORLD_SIZE": str(a.role_world_size),
-            "MASTER_ADDR": a.master_addr,
-            "MASTER_PORT": str(a.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(restarts),
-            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
-            "TORCHELASTIC_RUN_ID": config.run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": str(a.use_agent_store),
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": config.signals_to_handle,
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            ROUND_ENV: str(a.round),
-        }
-    )
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.update(round_variables(config, a, local_rank, restarts))
     if config.virtual_local_rank:
         # torch's virtual local rank: each worker sees its device as device 0.
-        env["LOCAL_RANK"] = "0"
         env["CUDA_VISIBLE_DEVICES"] = config.virtual_device(local_rank)
     elif config.bind_gpus:
         env["CUDA_VISIBLE_DEVICES"] = config.visible_devices[local_rank]
     return env
+
+
+def round_variables(
+    config: LaunchConfig, a: Assignment, local_rank: int, restarts: int
+) -> dict[str, str]:
+    """The worker variables that a round decides (torchrun's, and ``RALLYPOINT_ROUND``):
+    what a live worker is handed when it moves to the round ``a``."""
+    return {
+        # torch's virtual local rank: each worker sees its device as device 0.
+        "LOCAL_RANK": "0" if config.virtual_local_rank else str(local_rank),
+        "RANK": str(a.base_global_rank + local_rank),
+        "GROUP_RANK": str(a.group_rank),
+        "ROLE_RANK": str(a.base_role_rank + local_rank),
+        "ROLE_NAME": config.role,
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+        "WORLD_SIZE": str(a.world_size),
+        "GROUP_WORLD_SIZE": str(a.group_world_size),
+        "ROLE_WORLD_SIZE": str(a.role_world_size),
+        "MASTER_ADDR": a.master_addr,
+        "MASTER_PORT": str(a.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        "TORCHELASTIC_RUN_ID": config.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(a.use_agent_store),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": config.signals_to_handle,
+        ROUND_ENV: str(a.round),
+    }
 
 
 def return_files(attempt_dir: str, a: Assignment, nproc: int) -> dict[int, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
@@ -61,10 +61,15 @@ class GroupWatch:
         self._next_closed_check = 0.0
         self.closed = False
 
-    def monitor(self, group: WorkerGroup) -> tuple[RoundOutcome, list[ProcessFailure]]:
+    def monitor(
+        self, group: WorkerGroup, look: Callable[[], None] | None = None
+    ) -> tuple[RoundOutcome, list[ProcessFailure]]:
         """Watch ``group`` and the rendezvous until something calls for action; the
-        failures come with :attr:`RoundOutcome.FAILED`, root cause first."""
+        failures come with :attr:`RoundOutcome.FAILED`, root cause first. ``look`` is
+        called before each look at the workers (live regroup's checks)."""
         while True:
+            if look is not None:
+                look()
             exits = group.poll()
             failed = [rank for rank, code in exits.items() if code not in (None, 0)]
             if failed:

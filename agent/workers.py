@@ -126,6 +126,8 @@ class WorkerLaunch:
     #: (file, filters): teed lines containing a filter are also appended there, prefixed
     duplicate_stdout: tuple[str, tuple[str, ...]] | None = None
     duplicate_stderr: tuple[str, tuple[str, ...]] | None = None
+    #: descriptors the worker inherits under the same numbers (a live worker's channel)
+    pass_fds: tuple[int, ...] = ()
 
 
 @dataclass
@@ -277,6 +279,36 @@ class WorkerGroup:
             self.stop(grace=0.0)
             raise
 
+    def worker(self, local_rank: int) -> WorkerProcess | None:
+        """The current worker of ``local_rank`` (None: there is none)."""
+        for worker in self.workers:
+            if worker.launch.local_rank == local_rank:
+                return worker
+        return None
+
+    def replace(self, launches: Sequence[WorkerLaunch]) -> None:
+        """Start a worker for each of ``launches`` in place of its local rank's current
+        one, if any, which is killed first if it still runs (the others keep running).
+
+        Raises:
+            OSError: a worker's program could not be executed.
+        """
+        with self._lock:
+            for launch in launches:
+                old = self.worker(launch.local_rank)
+                if old is not None:
+                    self._reap([old], grace=0.0)
+                    self.workers.remove(old)
+        self.start(launches)
+
+    def kill(self, local_rank: int) -> None:
+        """SIGKILL ``local_rank``'s worker tree now, without reaping it: :meth:`poll`
+        then reports its exit (a worker found hung)."""
+        with self._lock:
+            worker = self.worker(local_rank)
+            if worker is not None:
+                _signal_tree(_tree(worker.pid), signal.SIGKILL)
+
     def poll(self) -> dict[int, int | None]:
         """Exit code per local rank (None while the worker runs)."""
         return {w.launch.local_rank: w.poll() for w in self.workers}
@@ -327,16 +359,23 @@ class WorkerGroup:
             for worker in self.workers:
                 _signal_tree(_tree(worker.pid), sig)
 
-    def _kill_trees(self, grace: float, sig: signal.Signals | None) -> None:
-        """``sig`` to every worker's process tree, up to ``grace`` s for them to
-        exit, then SIGKILL to what is left of the trees (nothing is reaped)."""
-        trees = [_tree(w.pid) for w in self.workers]
+    def _kill_trees(
+        self,
+        grace: float,
+        sig: signal.Signals | None,
+        workers: Sequence[WorkerProcess] | None = None,
+    ) -> None:
+        """``sig`` to the process tree of each of ``workers`` (None: every worker), up
+        to ``grace`` s for them to exit, then SIGKILL to what is left of the trees
+        (nothing is reaped)."""
+        chosen = self.workers if workers is None else workers
+        trees = [_tree(w.pid) for w in chosen]
         for tree in trees:
             if sig is not None:
                 _signal_tree(tree, sig)
         deadline = time.monotonic() + grace
         pause = 0.001
-        while any(w.poll() is None for w in self.workers):
+        while any(w.poll() is None for w in chosen):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -346,15 +385,24 @@ class WorkerGroup:
             _signal_tree(tree, signal.SIGKILL)
 
     def _stop(self, grace: float, sig: signal.Signals | None = signal.SIGTERM) -> None:
-        if not self.workers:
-            self._close_watchdog()
-            return
-        self._kill_trees(grace, sig)
+        if self.workers:
+            self._reap(self.workers, grace, sig)
+        self._close_watchdog()
+        self.workers = []
+
+    def _reap(
+        self,
+        workers: Sequence[WorkerProcess],
+        grace: float,
+        sig: signal.Signals | None = signal.SIGTERM,
+    ) -> None:
+        """Stop ``workers`` for good: kill their trees, then collect them."""
+        self._kill_trees(grace, sig, workers)
         # Every group is killed: the watchdog forgets them before reaping frees the pids.
         if self._watchdog is not None:
-            for worker in self.workers:
+            for worker in workers:
                 self._watchdog.forget(worker.pid)
-        for worker in self.workers:
+        for worker in workers:
             worker.popen.wait()
             worker.poll()
             for thread in worker.threads:
@@ -363,8 +411,6 @@ class WorkerGroup:
                 thread.join(timeout=1.0)
             for fp in worker.files:
                 fp.close()
-        self._close_watchdog()
-        self.workers = []
 
     def _close_watchdog(self) -> None:
         watchdog, self._watchdog = self._watchdog, None
@@ -467,6 +513,7 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
             stdout=routes.streams[Std.OUT],
             stderr=routes.streams[Std.ERR],
             start_new_session=True,
+            pass_fds=launch.pass_fds,
         )
     except OSError as exc:
         for fp in routes.files:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rallypoint.agent import record
+from rallypoint.agent import live, record
 
 IN_FEATURES = 16
 
@@ -120,9 +120,7 @@ def batch(step: int, rank: int, size: int, device: torch.device) -> tuple[torch.
 @record
 def main() -> None:
     args = parse_args()
-    rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -130,48 +128,52 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend=backend)
-    try:
-        torch.manual_seed(0)
-        model = nn.Linear(IN_FEATURES, 1).to(device)
-        path = checkpoint_path(args)
-        start = load_checkpoint(path, model, device)
-        ddp = DistributedDataParallel(
-            model, device_ids=[device.index] if device.index is not None else None
+    torch.manual_seed(0)
+    model = nn.Linear(IN_FEATURES, 1).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    # What survives a live regroup (rallypoint run --live): a newcomer gets it from a
+    # peer. Without --live, rounds() yields one round, as a plain script would run.
+    job = live.Job(model=model, optimizer=optimizer, backend=backend)
+    path = checkpoint_path(args)
+    job.step = load_checkpoint(path, model, device)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    loss = torch.zeros((), device=device)
+    began = time.monotonic()
+    for rnd in job.rounds():
+        with rnd:  # a peer lost mid-step ends the round; the next one starts from job.step
+            ddp = DistributedDataParallel(
+                model, device_ids=[device.index] if device.index is not None else None
+            )
+            if rnd.rank == 0:
+                print(
+                    f"round {rnd.number}: {rnd.world_size} workers ({backend}), "
+                    f"starting at step {job.step}",
+                    flush=True,
+                )
+            for step in rnd.steps(args.steps):
+                if rnd.rank == 0 and first_attempt and step == args.crash_at_step:
+                    raise RuntimeError(f"simulated crash at step {step}")
+                x, y = batch(step, rnd.rank, args.batch_size, device)
+                optimizer.zero_grad()
+                loss = nn.functional.mse_loss(ddp(x), y)
+                loss.backward()
+                optimizer.step()
+                if rnd.rank == 0 and (step + 1) % args.checkpoint_every == 0:
+                    with job.pause():
+                        save_checkpoint(path, model, step + 1)
+    world_size = dist.get_world_size()
+    final = loss.detach().clone()
+    dist.all_reduce(final)
+    if dist.get_rank() == 0:
+        print(
+            f"final loss: {final.item() / world_size:.6f} after {args.steps} steps "
+            f"({time.monotonic() - began:.2f} s on {world_size} workers)",
+            flush=True,
         )
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr)
-        if rank == 0:
-            print(
-                f"round {os.environ.get('RALLYPOINT_ROUND', '?')}: {world_size} workers "
-                f"({backend}), starting at step {start}",
-                flush=True,
-            )
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        loss = torch.zeros(())
-        began = time.monotonic()
-        for step in range(start, args.steps):
-            if rank == 0 and first_attempt and step == args.crash_at_step:
-                raise RuntimeError(f"simulated crash at step {step}")
-            x, y = batch(step, rank, args.batch_size, device)
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
-            optimizer.step()
-            if rank == 0 and (step + 1) % args.checkpoint_every == 0:
-                save_checkpoint(path, model, step + 1)
-        final = loss.detach().clone()
-        dist.all_reduce(final)
-        if rank == 0:
-            print(
-                f"final loss: {final.item() / world_size:.6f} after {args.steps} steps "
-                f"({time.monotonic() - began:.2f} s on {world_size} workers)",
-                flush=True,
-            )
-        # Leave together: a rank that tears gloo down while a peer still talks to it
-        # can abort in the transport's destructor.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # Leave together: a rank that tears gloo down while a peer still talks to it
+    # can abort in the transport's destructor.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,296 @@
+"""Live regroup, the agent's side (``--live``): hand running workers their new round.
+
+The agent decides nothing about the group here: the round, the ranks and the master
+come from the rendezvous and the rank agreement as for any round. This module only
+carries a round to the node's workers (:mod:`rallypoint.agent.live_channel`) and
+watches that they take it:
+
+* a worker that runs the live API (its status file says so) and is alive is *handed*
+  the round's variables; one that is gone, or never used the API, is started afresh
+  (the classic way);
+* a handed worker that has not taken the round within ``--live-timeout`` is stopped and
+  started again into the same round, so no path waits forever;
+* with ``--progress-timeout``, a worker that commits no step for that long while
+  training (not in a section it marked as a pause) is killed; the agent then treats
+  it as a failed worker;
+* once every local worker made its first step of the new round, one ``live_regroup``
+  event says where the time went: from the failure being noticed to the workers
+  told, their process group formed, the state in place and the first step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .events import EventKind, EventRecorder
+from .live_channel import (
+    BEAT_PERIOD,
+    FD_ENV,
+    STATUS_ENV,
+    TIMEOUT_ENV,
+    LiveMessage,
+    Phase,
+    StatusFile,
+    encode_message,
+)
+from .workers import WorkerGroup, WorkerLaunch
+
+__all__ = ["LiveWorkers"]
+
+logger = logging.getLogger("rallypoint.agent")
+
+
+@dataclass
+class _Channel:
+    """One worker's channel: the agent's end of its pipe and its status file."""
+
+    write_fd: int
+    read_fd: int | None
+    status: StatusFile
+
+    def send(self, message: LiveMessage) -> bool:
+        try:
+            os.write(self.write_fd, encode_message(message))
+            return True
+        except OSError:  # the worker is gone: it is started afresh
+            return False
+
+    def close(self) -> None:
+        for fd in (self.write_fd, self.read_fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.status.close()
+
+
+#: beat periods without a beat after which a worker counts as frozen
+_FROZEN_BEATS = 5
+
+
+@dataclass
+class _Progress:
+    """A worker's progress as last seen: its (round, step, phase, pauses) and since
+    when, its beat and when that last moved."""
+
+    seen: tuple[int, int, int, int]
+    since: float
+    beat: int
+    beat_at: float
+
+
+@dataclass
+class _Regroup:
+    """A regroup under way on this node, until every worker made its first step."""
+
+    round: int
+    noticed: float | None
+    told: float
+    handed: int
+    started: int
+
+
+class LiveWorkers:
+    """The live channels of one agent's workers.
+
+    Args:
+        directory: where the workers' status files go (private to the agent).
+        live_timeout: seconds a handed worker has to take the new round.
+        progress_timeout: seconds a training worker may go without a step (0: never).
+        recorder: where the ``live_regroup`` event goes.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        live_timeout: float,
+        progress_timeout: float,
+        recorder: EventRecorder,
+    ) -> None:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._dir = directory
+        self.live_timeout = live_timeout
+        self.progress_timeout = progress_timeout
+        self._recorder = recorder
+        self._channels: dict[int, _Channel] = {}
+        #: local rank -> (its launch in the round it must take, the deadline)
+        self._handed: dict[int, tuple[WorkerLaunch, float]] = {}
+        #: local rank -> how its progress looked
+        self._progress: dict[int, _Progress] = {}
+        #: local ranks killed for making no progress (their exit is a failure)
+        self.stalled: set[int] = set()
+        self._regroup: _Regroup | None = None
+
+    # ------------------------------------------------------------ starting
+
+    def start(self, group: WorkerGroup, launches: Sequence[WorkerLaunch]) -> None:
+        """Start ``launches`` afresh (replacing their local ranks' workers), each with
+        a new channel."""
+        prepared = [self._with_channel(launch) for launch in launches]
+        try:
+            group.replace(prepared)
+        finally:
+            for launch in prepared:  # the worker holds its end now (or never will)
+                channel = self._channels[launch.local_rank]
+                if channel.read_fd is not None:
+                    os.close(channel.read_fd)
+                    channel.read_fd = None
+
+    def _with_channel(self, launch: WorkerLaunch) -> WorkerLaunch:
+        self._forget(launch.local_rank)
+        read_fd, write_fd = os.pipe()  # not inheritable: only pass_fds hands read_fd on
+        path = os.path.join(self._dir, f"status-{launch.local_rank}")
+        self._channels[launch.local_rank] = _Channel(
+            write_fd, read_fd, StatusFile(path, create=True)
+        )
+        env = {
+            **launch.env,
+            FD_ENV: str(read_fd),
+            STATUS_ENV: path,
+            TIMEOUT_ENV: f"{self.live_timeout:g}",
+        }
+        return dataclasses.replace(launch, env=env, pass_fds=(*launch.pass_fds, read_fd))
+
+    def _forget(self, local_rank: int) -> None:
+        channel = self._channels.pop(local_rank, None)
+        if channel is not None:
+            channel.close()
+        self._handed.pop(local_rank, None)
+        self._progress.pop(local_rank, None)
+        self.stalled.discard(local_rank)
+
+    # ------------------------------------------------------------ a new round
+
+    def hand_over(
+        self,
+        group: WorkerGroup,
+        launches: Sequence[WorkerLaunch],
+        round_: int,
+        variables: Callable[[WorkerLaunch], dict[str, str]],
+        *,
+        lost: bool,
+        noticed: float | None,
+    ) -> tuple[int, int]:
+        """Move this node's workers to round ``round_``: hand each live worker its
+        ``variables`` and start the others from ``launches``. Returns (handed, started).
+        """
+        fresh: list[WorkerLaunch] = []
+        now = time.monotonic()
+        for launch in launches:
+            rank = launch.local_rank
+            if self._is_live(group, rank) and self._channels[rank].send(
+                LiveMessage(round_, variables(launch), lost)
+            ):
+                self._handed[rank] = (launch, now + self.live_timeout)
+            else:
+                fresh.append(launch)
+        if fresh:
+            self.start(group, fresh)
+        handed = len(launches) - len(fresh)
+        self._regroup = _Regroup(round_, noticed, time.monotonic(), handed, len(fresh))
+        return handed, len(fresh)
+
+    def _is_live(self, group: WorkerGroup, local_rank: int) -> bool:
+        worker = group.worker(local_rank)
+        channel = self._channels.get(local_rank)
+        if worker is None or channel is None or worker.poll() is not None:
+            return False
+        return channel.status.read().phase not in (Phase.STARTED, Phase.DONE)
+
+    # ----------------------------------------------------------- watching
+
+    def check(self, group: WorkerGroup, round_: int) -> None:
+        """One look at the workers (from the monitor loop): replace those that did not
+        take the round in time, kill those that stopped making progress, and report
+        a finished regroup."""
+        now = time.monotonic()
+        for rank, (launch, deadline) in list(self._handed.items()):
+            if self._channels[rank].status.read().round >= round_:
+                del self._handed[rank]
+            elif now >= deadline:
+                logger.warning(
+                    "local rank %d did not take round %d within %g s; starting it again",
+                    rank,
+                    round_,
+                    self.live_timeout,
+                )
+                self.start(group, [launch])
+        if self.progress_timeout > 0:
+            self._check_progress(group, now)
+        self._report_regroup(now)
+
+    def _check_progress(self, group: WorkerGroup, now: float) -> None:
+        """Kill the workers that hold their round up: no step for the progress timeout
+        while training, and either frozen (their beat stood still for a few beat
+        periods) or stuck outside any collective. A worker waiting in a collective
+        for such a peer is spared: the peer's death ends its wait."""
+        for rank, channel in self._channels.items():
+            if rank in self.stalled:
+                continue
+            s = channel.status.read()
+            seen = (s.round, s.step, int(s.phase), s.pauses)
+            watch = self._progress.get(rank)
+            if watch is None or watch.seen != seen:
+                self._progress[rank] = _Progress(seen, now, s.beat, now)
+                continue
+            if s.beat != watch.beat:
+                watch.beat, watch.beat_at = s.beat, now
+            frozen = now - watch.beat_at > _FROZEN_BEATS * BEAT_PERIOD
+            if (
+                s.phase is not Phase.STEPPING
+                or now - watch.since < self.progress_timeout
+                or (s.waiting and not frozen)
+            ):
+                continue
+            logger.warning(
+                "local rank %d made no progress for %.1f s (at step %d of round %d, %s); "
+                "stopping it",
+                rank,
+                now - watch.since,
+                s.step,
+                s.round,
+                "frozen" if frozen else "outside any collective",
+            )
+            self.stalled.add(rank)
+            group.kill(rank)
+
+    def _report_regroup(self, now: float) -> None:
+        regroup = self._regroup
+        if regroup is None:
+            return
+        statuses = [c.status.read() for c in self._channels.values()]
+        if not statuses or any(s.round != regroup.round or s.first_step_at <= 0 for s in statuses):
+            return
+        self._regroup = None
+        origin = regroup.noticed if regroup.noticed is not None else regroup.told
+
+        def since(times: list[float]) -> float:
+            return max(times) - origin
+
+        sources = sorted({s.source for s in statuses if s.source >= 0})
+        self._recorder.emit(
+            EventKind.LIVE_REGROUP,
+            regroup.round,
+            handed=regroup.handed,
+            started=regroup.started,
+            told_s=regroup.told - origin,
+            group_s=since([s.group_at for s in statuses]),
+            state_s=since([s.state_at for s in statuses]),
+            first_step_s=since([s.first_step_at for s in statuses]),
+            state_from=sources,
+            state_bytes=sum(s.state_bytes for s in statuses),
+            step=max(s.step for s in statuses),
+        )
+
+    def statuses(self) -> dict[int, object]:
+        """Each local rank's last status (for tests and diagnostics)."""
+        return {rank: c.status.read() for rank, c in self._channels.items()}
+
+    def close(self) -> None:
+        for rank in list(self._channels):
+            self._forget(rank)

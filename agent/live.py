@@ -1,0 +1,537 @@
+"""Live regroup, the worker's side: keep the process and its training state across rounds.
+
+A training script opts in by registering what must survive a regroup and running its
+loop inside :meth:`Job.rounds`; the agent opts in with ``rallypoint run --live``::
+
+    from rallypoint.agent import live
+
+    model = nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    job = live.Job(model=model, optimizer=optimizer)   # anything with state_dict()
+    for rnd in job.rounds():                           # a ready process group each round
+        with rnd:                                      # a lost peer ends the round quietly
+            ddp = DistributedDataParallel(model)
+            for step in rnd.steps(1000):               # job.step counts committed steps
+                train_one_step(ddp, optimizer, step)
+
+What happens on a membership change (a peer crashed, a node left or joined):
+
+1. The agent joins the next round as it always does, then hands each of its live
+   workers the new round's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...)
+   over a local pipe (:mod:`rallypoint.agent.live_channel`). Only workers that are
+   really gone are started again.
+2. Every rank leaves the old round at the same step. A collective that cannot finish
+   because a peer is gone fails (gloo: the peer's connection closes; NCCL: the
+   communicator is aborted when the agent says a member is lost, or when the
+   script has not reached a step boundary soon after the new round came), and
+   ``with rnd`` swallows that failure. Otherwise the ranks agree, every few tenths of
+   a second, whether a new round is pending (one small all-reduce on a CPU side
+   group, started in the background and read at the next check), and all stop
+   after the same step.
+3. The new process group forms (``init_process_group``, ``env://``). The ranks compare
+   their step counters; if they differ (a newcomer, or a rank that lost its last
+   step), the lowest rank with the highest count sends the registered state to the
+   others over the side group (``torch.save`` / ``torch.load(weights_only=True)``: no
+   code can travel). A newcomer never reads a checkpoint on this path.
+4. The next round is yielded; the script rebuilds whatever holds the process group
+   (a ``DistributedDataParallel`` wrapper) and goes on from ``job.step``.
+
+The registered state must be the same on every rank after a step (data parallel
+training, as with DDP): a regroup copies one rank's state to the others. A worker
+that does not take the new round within ``--live-timeout`` is stopped and started
+again by its agent; with ``--progress-timeout`` a rank that commits no step for that
+long counts as failed (mark long sections such as a checkpoint with
+:meth:`Job.pause`). Run without ``--live`` (or under torchrun) :meth:`Job.rounds`
+yields one round and a failure ends the process, as any script's would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .live_channel import (
+    BEAT_PERIOD,
+    FD_ENV,
+    STATUS_ENV,
+    TIMEOUT_ENV,
+    LiveMessage,
+    Phase,
+    StatusFile,
+    decode_message,
+)
+
+__all__ = ["Job", "LiveError", "Round", "Stateful"]
+
+logger = logging.getLogger("rallypoint.live")
+
+#: How long the ranks may run between two agreements on a pending round: the
+#: latency of a planned switch (a node joining) against the cost of the check.
+CHECK_PERIOD = 0.2
+#: Markers of a collective that failed because a peer is gone (gloo raises plain
+#: RuntimeErrors that name the transport; NCCL DistBackendErrors).
+_COMMUNICATION_MARKERS = (
+    "gloo",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "NCCL",
+    "aborted",
+    "Socket Timeout",
+)
+
+
+class LiveError(RuntimeError):
+    """The live API cannot go on (no new round came after a failed collective, a bad
+    message from the agent); the worker then fails the classic way."""
+
+
+class Stateful(Protocol):
+    """What :class:`Job` can carry across a regroup (modules, optimizers, schedulers)."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], /) -> Any: ...
+
+
+class _Inbox:
+    """The agent's messages, read by a daemon thread so that the training loop only
+    reads an attribute to know whether a new round is pending."""
+
+    def __init__(self, fd: int, on_message: Any) -> None:
+        self._fd = fd
+        self._cond = threading.Condition()
+        self._latest: LiveMessage | None = None
+        self.closed = False
+        self._on_message = on_message
+        threading.Thread(target=self._read, name="rallypoint-live-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        rest = b""
+        with open(self._fd, "rb", buffering=0, closefd=True) as pipe:
+            while True:
+                data = pipe.read(65536)
+                if not data:
+                    break
+                *lines, rest = (rest + data).split(b"\n")
+                for line in lines:
+                    try:
+                        message = decode_message(line)
+                    except ValueError as exc:
+                        logger.warning("ignoring a message from the agent: %s", exc)
+                        continue
+                    with self._cond:
+                        self._latest = message
+                        self._cond.notify_all()
+                    self._on_message(message)
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def newer_than(self, round_: int) -> LiveMessage | None:
+        latest = self._latest
+        return latest if latest is not None and latest.round > round_ else None
+
+    def wait_newer_than(self, round_: int, timeout: float) -> LiveMessage | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                found = self.newer_than(round_)
+                left = deadline - time.monotonic()
+                if found is not None or self.closed or left <= 0:
+                    return found
+                self._cond.wait(left)
+
+
+class Job:
+    """What survives a regroup in this worker, and the rounds it trains in.
+
+    Args:
+        state: the objects to carry over, by name (each has ``state_dict`` and
+            ``load_state_dict``); more can be passed as keyword arguments.
+        backend: the process group's backend (None: ``nccl`` when CUDA is available,
+            else ``gloo``).
+        timeout: the process group's timeout for collectives and for forming it
+            (None: torch's default).
+
+    Attributes:
+        step: committed steps; carried over with the state, and reported to the agent
+            on each commit (set it after loading a checkpoint, before :meth:`rounds`).
+    """
+
+    def __init__(
+        self,
+        state: Mapping[str, Stateful] | None = None,
+        *,
+        backend: str | None = None,
+        timeout: float | None = None,
+        **named: Stateful,
+    ) -> None:
+        self.state: dict[str, Stateful] = {**(state or {}), **named}
+        self.step = 0
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout = timedelta(seconds=timeout) if timeout is not None else None
+        self.round = int(os.environ.get("RALLYPOINT_ROUND", "0"))
+        self._status: StatusFile | None = None
+        self._inbox: _Inbox | None = None
+        self._live_timeout = float(os.environ.get(TIMEOUT_ENV, "30"))
+        self._current: Round | None = None
+        self._round_sockets: dict[int, str] = {}
+        status_path, fd = os.environ.get(STATUS_ENV), os.environ.get(FD_ENV)
+        if status_path and fd:
+            self._status = StatusFile(status_path)
+            self._inbox = _Inbox(int(fd), self._on_message)
+            _beat(self._status, threading.get_ident())
+            # Inherited by nothing this worker starts: its own children are not live.
+            for name in (STATUS_ENV, FD_ENV):
+                os.environ.pop(name, None)
+
+    @property
+    def live(self) -> bool:
+        """Whether a live agent (``rallypoint run --live``) hands this worker rounds."""
+        return self._inbox is not None
+
+    # ------------------------------------------------------------- rounds
+
+    def rounds(self) -> Iterator[Round]:
+        """Yield one :class:`Round` per round this worker trains in, each with its
+        process group formed and the state in place; stop once a round ends without
+        being interrupted (the script's loop finished). The last round's process
+        group stays up for the script's final collectives.
+
+        Raises:
+            LiveError: a collective failed and no new round came in time.
+        """
+        while True:
+            self._report_round(self.round)
+            try:
+                rnd = self._open_round()
+            except Exception as exc:
+                if not self._is_lost_peer(exc):
+                    raise
+                self._leave_group()
+                self._next_round(exc)
+                continue
+            self._current = rnd
+            yield rnd
+            self._current = None
+            if not rnd.interrupted:
+                self._report(Phase.DONE)
+                return
+            self._leave_group()
+            self._next_round(rnd.failure)
+
+    def _open_round(self) -> Round:
+        """Form this round's process group and bring the state to the front-runner's."""
+        # A fresh round must not meet a store or group of the last one.
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        kwargs: dict[str, Any] = {"backend": self.backend}
+        if self.timeout is not None:
+            kwargs["timeout"] = self.timeout
+        before = _sockets()
+        dist.init_process_group(**kwargs)
+        side = dist.new_group(backend="gloo")
+        # gloo connects every pair while the groups form: these are the round's.
+        self._round_sockets = {
+            fd: inode for fd, inode in _sockets().items() if before.get(fd) != inode
+        }
+        if self._status is not None:
+            self._status.write_group_ready(time.monotonic())
+        self._report(Phase.SYNCING)
+        source, size = self._sync_state(side)
+        if self._status is not None:
+            self._status.write_state(time.monotonic(), source, size)
+        self._report(Phase.STEPPING)
+        return Round(self, side)
+
+    def _sync_state(self, side: Any) -> tuple[int, int]:
+        """Make every rank's state the front-runner's: (source rank or -1, bytes in)."""
+        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(steps, torch.tensor([self.step], dtype=torch.int64), group=side)
+        counts = [int(t.item()) for t in steps]
+        best = max(counts)
+        if min(counts) == best:
+            return -1, 0
+        source = counts.index(best)
+        me = dist.get_rank()
+        size = torch.zeros(1, dtype=torch.int64)
+        payload = b""
+        if me == source:
+            buffer = io.BytesIO()
+            torch.save(
+                {"step": self.step, "state": {k: v.state_dict() for k, v in self.state.items()}},
+                buffer,
+            )
+            payload = buffer.getvalue()
+            size[0] = len(payload)
+        dist.broadcast(size, src=source, group=side)
+        data = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if me == source
+            else torch.empty(int(size.item()), dtype=torch.uint8)
+        )
+        dist.broadcast(data, src=source, group=side)
+        if me == source or counts[me] == best:
+            return source, 0
+        doc = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
+        for name, obj in self.state.items():
+            obj.load_state_dict(doc["state"][name])
+        self.step = int(doc["step"])
+        logger.info("round %d: state of step %d from rank %d", self.round, self.step, source)
+        return source, int(size.item())
+
+    def abort(self) -> None:
+        """Break the round's communication so that no rank waits in it any more: NCCL
+        aborts its communicators; gloo cannot, so the round's connections are shut
+        down (the peers' collectives then fail as if this process had died). Safe
+        from any thread."""
+        group = dist.group.WORLD if dist.is_initialized() else None
+        if self.backend == "nccl" and group is not None:
+            with contextlib.suppress(Exception):
+                group.abort()
+        current = _sockets()
+        for fd, inode in self._round_sockets.items():
+            if current.get(fd) != inode:
+                continue  # closed, or the number reused since
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=os.dup(fd))
+                # A listener is left alone: gloo's accept loop aborts the process
+                # on a listener shut under it.
+                with contextlib.suppress(OSError):
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def _leave_group(self) -> None:
+        if not dist.is_initialized():
+            return
+        self.abort()
+        self._round_sockets = {}
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    def _next_round(self, failure: BaseException | None) -> None:
+        """Wait for the agent's next round and take its variables."""
+        if self._inbox is None:
+            if failure is not None:
+                raise failure
+            raise LiveError("a round was interrupted without a live agent")
+        message = self._inbox.wait_newer_than(self.round, self._live_timeout)
+        if message is None:
+            why = (
+                "the agent is gone"
+                if self._inbox.closed
+                else (f"no new round came within {self._live_timeout:g} s")
+            )
+            raise LiveError(
+                f"round {self.round} was interrupted ({failure or 'a new round was due'}) and {why}"
+            ) from failure
+        os.environ.update(message.env)
+        self.round = message.round
+
+    # ------------------------------------------------------------ reporting
+
+    def _report_round(self, round_: int) -> None:
+        if self._status is not None:
+            self._status.write_round(round_, joined_at=time.monotonic())
+            self._status.write_phase(Phase.JOINING)
+
+    def _report(self, phase: Phase) -> None:
+        if self._status is not None:
+            self._status.write_phase(phase)
+
+    def _commit(self) -> None:
+        self.step += 1
+        status = self._status
+        if status is not None:
+            status.write_step(self.step)
+
+    def _first_step(self) -> None:
+        if self._status is not None:
+            self._status.write_first_step(time.monotonic())
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Mark a long section (a checkpoint): ``--progress-timeout`` does not count it."""
+        self._report(Phase.PAUSED)
+        try:
+            yield
+        finally:
+            self._report(Phase.STEPPING)
+
+    # -------------------------------------------------------------- failures
+
+    def _on_message(self, message: LiveMessage) -> None:
+        """On the inbox thread: a new round. With NCCL a collective waiting for a lost
+        peer never returns by itself, so abort the communicator when the agent says a
+        member is lost, or when the loop has not reached a step boundary shortly."""
+        rnd = self._current
+        if rnd is None:
+            return
+        if message.lost:
+            rnd.abort()
+            return
+        timer = threading.Timer(2 * CHECK_PERIOD + 2 * rnd.step_seconds, rnd.abort)
+        timer.daemon = True
+        timer.start()
+
+    def _is_lost_peer(self, exc: BaseException) -> bool:
+        """Whether ``exc`` may be a collective broken by the regroup (so the worker
+        waits for the new round rather than failing)."""
+        if self._inbox is None:
+            return False
+        if self._inbox.newer_than(self.round) is not None:
+            return True
+        if isinstance(exc, dist.DistError):
+            return True
+        text = str(exc)
+        return isinstance(exc, RuntimeError) and any(m in text for m in _COMMUNICATION_MARKERS)
+
+
+#: Where a thread waits for peers: inside torch.distributed, or in a backward pass
+#: (DDP's all-reduce runs under it).
+_WAITING_IN = (
+    os.path.join("torch", "distributed", ""),
+    os.path.join("torch", "autograd", ""),
+)
+
+
+def _beat(status: StatusFile, main: int) -> None:
+    """Start the thread that shows the agent this process is alive, and whether its
+    training thread waits inside a collective: a rank stuck waiting for a stalled
+    peer is not the one to blame."""
+
+    def run() -> None:
+        beat = 0
+        while True:
+            beat += 1
+            frame = sys._current_frames().get(main)
+            waiting = False
+            while frame is not None and not waiting:
+                waiting = any(part in frame.f_code.co_filename for part in _WAITING_IN)
+                frame = frame.f_back
+            status.write_beat(beat, waiting)
+            time.sleep(BEAT_PERIOD)
+
+    threading.Thread(target=run, name="rallypoint-live-beat", daemon=True).start()
+
+
+def _sockets() -> dict[int, str]:
+    """This process's socket descriptors and what they name (``socket:[inode]``)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                target = os.readlink(f"/proc/self/fd/{name}")
+                if target.startswith("socket:"):
+                    found[int(name)] = target
+    return found
+
+
+class Round:
+    """One round of a :class:`Job`: the process group is formed and the state synced.
+
+    Attributes:
+        number: the rendezvous round (``RALLYPOINT_ROUND``, the same on every rank).
+        rank, world_size, local_rank: this worker's place in the round.
+        interrupted: the round ended for a new one (set once its block is left).
+    """
+
+    def __init__(self, job: Job, side: Any) -> None:
+        self.job = job
+        self.number = job.round
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.interrupted = False
+        self.failure: BaseException | None = None
+        self.step_seconds = 0.0
+        self._side = side
+        self._open = True
+        self._check_at = job.step + 1
+        self._flag = torch.zeros(2, dtype=torch.int64)
+        self._check: Any = None
+        self._first = True
+        if job.live:
+            self._agree(pending=False, interval=1)
+
+    @property
+    def group(self) -> Any:
+        """The round's process group (the default group)."""
+        return dist.group.WORLD
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step numbers from ``job.step`` up to ``total``; after each, commit
+        it (``job.step += 1``, reported to the agent). Stops early, at the same step on
+        every rank, when a new round is due."""
+        job = self.job
+        last = time.monotonic()
+        while job.step < total:
+            yield job.step
+            job._commit()
+            now = time.monotonic()
+            self.step_seconds = 0.8 * self.step_seconds + 0.2 * (now - last)
+            last = now
+            if self._first:
+                self._first = False
+                job._first_step()
+            if job.live and job.step >= self._check_at and self._switch_now():
+                self.interrupted = True
+                return
+
+    def _switch_now(self) -> bool:
+        """At an agreed step: read the last agreement (is a round pending anywhere?),
+        and start the next one in the background."""
+        self._check.wait()
+        pending, interval = (int(v) for v in self._flag.tolist())
+        if pending:
+            return True
+        self._check_at = self.job.step + interval
+        inbox = self.job._inbox
+        mine = inbox is not None and inbox.newer_than(self.number) is not None
+        wanted = max(1, min(10_000, round(CHECK_PERIOD / max(self.step_seconds, 1e-6))))
+        self._agree(pending=mine, interval=wanted)
+        return False
+
+    def _agree(self, *, pending: bool, interval: int) -> None:
+        self._flag = torch.tensor([int(pending), interval], dtype=torch.int64)
+        self._check = dist.all_reduce(
+            self._flag, op=dist.ReduceOp.MAX, group=self._side, async_op=True
+        )
+
+    def abort(self) -> None:
+        """Break the round's communication (:meth:`Job.abort`) while it is open."""
+        if self._open:
+            self.job.abort()
+
+    def __enter__(self) -> Round:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        self._open = False
+        if exc is None:
+            return False
+        if isinstance(exc, Exception) and self.job._is_lost_peer(exc):
+            logger.warning("round %d interrupted: %s", self.number, str(exc).splitlines()[0])
+            self.job.abort()  # peers waiting on this rank fail now, not at their timeout
+            self.interrupted = True
+            self.failure = exc
+            return True
+        return False

@@ -1,0 +1,88 @@
+"""A live-regroup training loop the tests check: ``live_steps.py OUT STEPS STEP_TIME [HANG_AT]``.
+
+The registered state is one parameter. Step k (counting from 0) all-reduces k + 1
+and adds the mean to the parameter, so after k committed steps the parameter holds
+k(k+1)/2 on every rank: a rank whose state is wrong, or a step lost or applied
+twice, shows in the value. Nothing is ever written to disk for the state: a
+newcomer can only have it from a peer.
+
+Each worker appends to ``OUT/records.jsonl``: ``start`` when it runs (before torch
+loads), ``round`` when a round is ready (its step and parameter then), ``step`` for
+each committed step, ``done`` when it finished. Each step sleeps STEP_TIME until
+``OUT/sprint`` exists. With HANG_AT, the first worker of local rank 0 stops taking
+part at that step: it sleeps without calling into the API (a worker that ignores
+the new round).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    out, steps, step_time = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    hang_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
+    records = open(os.path.join(out, "records.jsonl"), "a", buffering=1)  # noqa: SIM115
+    pid = os.getpid()
+
+    def record(event: str, **fields: object) -> None:
+        records.write(
+            json.dumps({"event": event, "pid": pid, "time": time.time(), **fields}) + "\n"
+        )
+
+    first_life = (
+        os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RALLYPOINT_ROUND"] == "0"
+    )
+    record(
+        "start", local_rank=int(os.environ["LOCAL_RANK"]), round=int(os.environ["RALLYPOINT_ROUND"])
+    )
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from rallypoint.agent import live
+
+    param = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    holder = nn.Module()
+    holder.register_parameter("value", param)
+    job = live.Job(model=holder, backend="gloo", timeout=60)
+    sprint = os.path.join(out, "sprint")
+    for rnd in job.rounds():
+        record(
+            "round",
+            round=rnd.number,
+            rank=rnd.rank,
+            world=rnd.world_size,
+            step=job.step,
+            value=param.item(),
+            local_rank=rnd.local_rank,
+        )
+        with rnd:
+            for step in rnd.steps(steps):
+                if first_life and step == hang_at and rnd.local_rank == 0:
+                    time.sleep(3600)
+                total = torch.tensor([float(step + 1)], dtype=torch.float64)
+                dist.all_reduce(total)
+                with torch.no_grad():
+                    param += total / rnd.world_size
+                if step_time and not os.path.exists(sprint):
+                    time.sleep(step_time)
+                record(
+                    "step",
+                    round=rnd.number,
+                    rank=rnd.rank,
+                    world=rnd.world_size,
+                    step=step + 1,
+                    value=param.item(),
+                )
+    record("done", step=job.step, value=param.item())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
