@@ -235,8 +235,6 @@ class Job:
 
     def _open_round(self) -> Round:
         """Form this round's process group and bring the state to the front-runner's."""
-        # A fresh round must not meet a store or group of the last one.
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         kwargs: dict[str, Any] = {"backend": self.backend}
         if self.timeout is not None:
             kwargs["timeout"] = self.timeout

@@ -349,6 +349,51 @@ FIGURES = {
         f"(default liveness window) -> {NODES - 1} survivors and the spare in a new round"
     ),
 }
+#: failure -> training resumed on every rank (bench/resumed.py): live vs restart vs torchrun
+RESUMED = {
+    "live-crash": ("crash", "3 agents x 1 worker, a worker SIGKILLed"),
+    "live-sigterm": ("sigterm", "3 agents x 1 worker, nnodes 2:3, an agent SIGTERMed"),
+    "live-sigkill": (
+        "sigkill",
+        f"3 agents x 1 worker, nnodes 2:3, agent+workers SIGKILL ({SHORT_LIVENESS})",
+    ),
+    "live-spare": (
+        "spare",
+        f"2 agents x 1 worker + 1 spare, agent+workers SIGKILL ({SHORT_LIVENESS})",
+    ),
+    "live-hang": (
+        "hang",
+        "3 agents x 1 worker, a worker SIGSTOPped (rallypoint: --progress-timeout 1)",
+    ),
+}
+FIGURES.update(
+    {name: f"failure -> training resumed, {what}" for name, (_, what) in RESUMED.items()}
+)
+
+
+def _report_resumed(figures: list[str], repeats: int, give_up: float) -> None:
+    """The ``live-*`` figures: each case interleaved, medians and runs, ratios."""
+    from resumed import CASES, measure_resumed
+
+    results = {f: {case: [] for case in CASES} for f in figures}  # type: ignore[var-annotated]
+    with tempfile.TemporaryDirectory(prefix="rallypoint-bench-") as tmp:
+        for _ in range(repeats):
+            for figure in figures:
+                for case in CASES:
+                    value = measure_resumed(case, RESUMED[figure][0], Path(tmp), give_up)
+                    results[figure][case].append(value)
+    for figure in figures:
+        medians = {case: statistics.median(runs) for case, runs in results[figure].items()}
+        for case, runs in results[figure].items():
+            spread = ", ".join(f"{v:.3f}" if math.isfinite(v) else "none" for v in runs)
+            print(f"{FIGURES[figure]}: {case} {_fmt(medians[case], give_up)}  [runs: {spread}]")
+        live = medians["rallypoint live"]
+        for case in CASES[1:]:
+            other = medians[case]
+            ratio = (
+                f"{other / live:.1f}x" if math.isfinite(other) and math.isfinite(live) else "n/a"
+            )
+            print(f"{FIGURES[figure]}: {case} / rallypoint live = {ratio} (median of {repeats})")
 
 
 def _fmt(value: float, give_up: float) -> str:
@@ -379,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in figures if f not in FIGURES]
     if unknown:
         parser.error(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
+    resumed = [f for f in figures if f in RESUMED]
+    figures = [f for f in figures if f not in RESUMED]
+    if resumed:
+        _report_resumed(resumed, args.repeats, args.give_up)
     cases = [("rallypoint", "c10d"), ("torchrun", "c10d")]
     if args.with_torch_handler:
         cases.insert(1, ("rallypoint", "torch-c10d"))

@@ -1,0 +1,198 @@
+"""Failure -> training resumed on every rank: rallypoint live, rallypoint restart, torchrun.
+
+Used by ``bench/recovery.py`` for its ``live-*`` figures (``--figures live-crash,...``).
+3 agents x 1 gloo worker on c10d, all on this machine. The worker
+(:data:`WORKER`) trains with :mod:`rallypoint.agent.live` (so the same script runs
+under the three launchers: without ``--live`` it runs one round per process) and
+appends ``pid round rank world step time`` for every committed step; rank 0 also
+writes the step counter to a checkpoint file after each step, from which a
+restarted worker resumes (the live mode's newcomers never read it: they get the
+state from a peer). A fault is injected once the job has trained for
+``SETTLE_S``; recovery is the time from the fault until every rank of the new
+world has committed a step *in the new round*: a record from a process that did
+not train before the fault, or from a surviving process in a round it was not in.
+
+Faults: ``crash`` SIGKILL of one worker (``--nnodes 3``); ``sigterm`` SIGTERM to one
+agent (``--nnodes 2:3``); ``sigkill`` SIGKILL of one agent and its worker, 2 s
+liveness window; ``spare`` the same with ``--nnodes 2`` and a third agent standing
+by; ``hang`` SIGSTOP of one worker (rallypoint: ``--progress-timeout 1``; every
+launcher's workers use a 20 s gloo timeout, so the others fail once it runs out).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+SETTLE_S = 2.0
+LIVENESS = "keep_alive_interval=1,keep_alive_max_attempt=2"
+LAST_CALL = "last_call_timeout=1"
+CASES = ("rallypoint live", "rallypoint restart", "torchrun")
+
+WORKER = r"""
+import json, os, sys, time
+from datetime import timedelta
+out = sys.argv[1]
+import torch, torch.distributed as dist
+from torch import nn
+from rallypoint.agent import live
+param = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+holder = nn.Module(); holder.register_parameter("value", param)
+job = live.Job(model=holder, backend="gloo", timeout=20)
+ckpt = os.path.join(out, "ckpt")
+if not job.live and os.path.exists(ckpt):
+    with open(ckpt) as fp:
+        job.step = int(fp.read() or 0)
+log = open(os.path.join(out, "steps"), "a", buffering=1)
+for rnd in job.rounds():
+    with rnd:
+        for step in rnd.steps(10**9):
+            t = torch.ones(1, dtype=torch.float64)
+            dist.all_reduce(t)
+            time.sleep(0.01)
+            gen = os.environ.get("RALLYPOINT_ROUND") or os.environ["TORCHELASTIC_RESTART_COUNT"]
+            where = f"{os.getpid()} {gen} {rnd.rank} {rnd.world_size}"
+            log.write(f"{where} {step + 1} {time.time()!r}\n")
+            if rnd.rank == 0 and not job.live:
+                with open(ckpt + ".tmp", "w") as fp:
+                    fp.write(str(step + 1))
+                os.replace(ckpt + ".tmp", ckpt)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _records(path: Path) -> list[tuple[int, str, int, int, float]]:
+    """(pid, generation, rank, world, time) of every complete line."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 6:
+                with contextlib.suppress(ValueError):
+                    out.append(
+                        (int(parts[0]), parts[1], int(parts[2]), int(parts[3]), float(parts[5]))
+                    )
+    return out
+
+
+def _agent_argv(case: str, fault: str, port: int, run_id: str, host: bool) -> list[str]:
+    launcher = "torch.distributed.run" if case == "torchrun" else "rallypoint.run"
+    nnodes = {"crash": "3", "hang": "3", "spare": "2"}.get(fault, "2:3")
+    conf = f"{LIVENESS},{LAST_CALL}"
+    args = [
+        *("--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3"),
+        *("--monitor-interval", "0.1", "--rdzv-backend", "c10d"),
+        *("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id),
+    ]
+    if case != "torchrun":
+        args += ["--local-addr", "127.0.0.1", "--stop-grace", "2"]
+        conf += f",is_host={'true' if host else 'false'}"
+        if fault == "spare":
+            conf += ",stable_ranks=1"
+    if case == "rallypoint live":
+        args += ["--live", "--live-timeout", "10"]
+        if fault == "hang":
+            args += ["--progress-timeout", "1"]
+    return [sys.executable, "-m", launcher, *args, "--rdzv-conf", conf]
+
+
+def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> float:
+    """Seconds from the fault to every rank of the new world stepping (inf: never
+    within ``give_up``)."""
+    run_dir = workdir / f"{fault}-{case.replace(' ', '-')}-{os.urandom(4).hex()}"
+    run_dir.mkdir()
+    worker = run_dir / "worker.py"
+    worker.write_text(WORKER)
+    steps = run_dir / "steps"
+    port = _free_port()
+    agents: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        count = 3
+        for index in range(count):
+            log = open(run_dir / f"agent{index}.log", "wb")  # noqa: SIM115
+            logs.append(log)
+            argv = _agent_argv(case, fault, port, run_dir.name, index == 0)
+            agents.append(
+                subprocess.Popen(
+                    [*argv, str(worker), str(run_dir)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+            if index == 0:
+                time.sleep(0.5)  # the store host first
+        world = 2 if fault == "spare" else 3
+        deadline = time.monotonic() + 120
+        while True:
+            recs = _records(steps)
+            if recs:
+                first = min(r[4] for r in recs)
+                if (
+                    len({r[2] for r in recs if r[3] == world}) == world
+                    and time.time() - first > SETTLE_S
+                ):
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{case} {fault}: no training within 120 s; see {run_dir}")
+            time.sleep(0.05)
+        before = _records(steps)
+        victim_rank = world - 1
+        victim_pid = max(r[0] for r in before if r[2] == victim_rank)
+        generation = {r[0]: r[1] for r in before}
+        victim_agent = next(a for a in agents if any(p.pid == victim_pid for p in _tree(a.pid)))
+        fault_at = time.time()
+        if fault == "crash":
+            os.kill(victim_pid, signal.SIGKILL)
+        elif fault == "hang":
+            os.kill(victim_pid, signal.SIGSTOP)
+        elif fault == "sigterm":
+            os.kill(victim_agent.pid, signal.SIGTERM)
+        else:
+            for proc in _tree(victim_agent.pid):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+        new_world = {"crash": 3, "hang": 3, "spare": 2}.get(fault, 2)
+        while time.time() - fault_at < give_up:
+            first_steps: dict[int, float] = {}  # rank -> its first step in the new round
+            for pid, gen, rank, size, when in _records(steps):
+                if when > fault_at and size == new_world and generation.get(pid) != gen:
+                    first_steps.setdefault(rank, when)
+            if len(first_steps) == new_world:
+                return max(first_steps.values()) - fault_at
+            time.sleep(0.02)
+        return math.inf
+    finally:
+        for agent in agents:
+            for proc in _tree(agent.pid):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+        for log in logs:
+            log.close()
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
