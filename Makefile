@@ -1,5 +1,6 @@
 # Two commands on a fresh machine (see README):
-#   make demo   run the main job: a real elastic launch with the embedded c10d store
+#   make demo   run the main job: a real elastic launch with the embedded c10d store,
+#               a worker crash mid-run and a live regroup
 #   make test   install everything into .venv and run the whole suite
 #   (make test-fast: the pure parts only, in seconds)
 PYTHON ?= python3
@@ -23,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/rallypoint run --standalone --nproc-per-node 2 examples/train.py
+	$(VENV)/bin/rallypoint run --standalone --nproc-per-node 2 --live --max-restarts 1 \
+		examples/train.py --steps 400 --crash-at-step 155
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
