@@ -396,6 +396,8 @@ class LaunchConfig:
             stopped and started again (``--live-timeout``).
         progress_timeout: seconds a live worker may go without committing a step
             before it counts as failed (``--progress-timeout``; 0: never).
+        live_spare: with ``live``, keep one warm spare process per node (torch
+            imported) to take a lost worker's place (``--no-live-spare``: none).
     """
 
     min_nodes: int
@@ -441,6 +443,7 @@ class LaunchConfig:
     live: bool = False
     live_timeout: float = 30.0
     progress_timeout: float = 0.0
+    live_spare: bool = True
     #: ``signals_to_handle`` parsed (set by validation).
     stop_signals: tuple[signal.Signals, ...] = field(init=False, default=())
 

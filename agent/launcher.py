@@ -446,8 +446,12 @@ def _add_recovery_flags(opt: _AddFlag) -> None:
         action=env,
         type=float,
         default=0.0,
-        help="seconds a live worker may go without a step before it counts as failed "
-        "(0: never).",
+        help="seconds a live worker may go without a step before it counts as failed (0: never).",
+    )
+    opt(
+        "--no-live-spare",
+        action=flag,
+        help="with --live, keep no warm spare process (torch imported) for a lost worker.",
     )
 
 
@@ -463,6 +467,7 @@ def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
         "live": args.live,
         "live_timeout": args.live_timeout,
         "progress_timeout": args.progress_timeout,
+        "live_spare": not args.no_live_spare,
     }
 
 

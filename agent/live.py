@@ -221,6 +221,7 @@ class Job:
             except Exception as exc:
                 if not self._is_lost_peer(exc):
                     raise
+                self._report(Phase.JOINING)
                 self._leave_group()
                 self._next_round(exc)
                 continue
@@ -230,6 +231,7 @@ class Job:
             if not rnd.interrupted:
                 self._report(Phase.DONE)
                 return
+            self._report(Phase.JOINING)  # waiting for the next round is not a stall
             self._leave_group()
             self._next_round(rnd.failure)
 
