@@ -795,6 +795,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # input is reported at once rather than after torch's 2-5 s import.
             args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
             config = config_from_args(args)
+            # A store host that does not exist fails now too, before torch loads.
+            _interruptible(config.check_endpoint_resolves)
             log_root = make_log_root(config.log_dir, config.run_id)
             from .agent import AgentState, ElasticAgent
             from .errors import format_failures

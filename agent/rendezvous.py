@@ -32,6 +32,7 @@ from .config import (
     TORCH_BACKENDS,
     LaunchConfig,
     parse_endpoint,
+    rdzv_options_read,
 )
 from .errors import AgentError
 
@@ -51,11 +52,16 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
     backend, the endpoint and the options when it was made).
 
     Raises:
-        ConfigError: no endpoint where the backend needs one, or (rallypoint's
-            backends) an unknown or out-of-range ``--rdzv-conf`` option.
+        ConfigError: no endpoint where the backend needs one, an endpoint host
+            (or ``--master-addr``) the resolver says does not exist, or
+            (rallypoint's backends) an out-of-range ``--rdzv-conf`` value.
+
+    The handler gets only the ``--rdzv-conf`` keys it reads.
     """
     backend = config.rdzv_backend
-    configs: dict[str, Any] = dict(config.rdzv_configs)
+    # Keys this backend does not read were reported by ``config`` (a warning each).
+    read = rdzv_options_read(backend)
+    configs: dict[str, Any] = {k: v for k, v in config.rdzv_configs.items() if k in read}
     if config.is_static:
         configs["rank"] = config.node_rank
     elif config.standalone:
@@ -63,6 +69,8 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
     rallypoint = BACKENDS[backend] == "rallypoint"
     if rallypoint:
         configs.update(config.shared_recovery_settings())
+    if not rallypoint:  # rallypoint's handler checks its endpoint itself
+        config.check_endpoint_resolves()
     params = RendezvousParameters(
         backend=backend if rallypoint else TORCH_BACKENDS[backend],
         endpoint=config.rendezvous_endpoint(),

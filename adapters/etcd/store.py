@@ -34,6 +34,7 @@ __all__ = [
     "MIN_ATTEMPT_TIMEOUT",
     "EtcdStore",
     "attempt_timeout",
+    "connect_bound",
     "create_etcd_backend",
 ]
 
@@ -201,9 +202,18 @@ def attempt_timeout(config: RendezvousConfig) -> float:
     """How long one request waits for an answer: a keep-alive interval (a beat
     that takes longer is late anyway: better try another member), between
     :data:`MIN_ATTEMPT_TIMEOUT` and :data:`MAX_ATTEMPT_TIMEOUT`, and never more
-    than ``read_timeout``."""
+    than ``read_timeout`` or ``join_timeout`` (the bound of the first contact,
+    :func:`connect_bound`)."""
     interval = config.settings.keep_alive_interval
-    return min(config.read_timeout, max(MIN_ATTEMPT_TIMEOUT, min(MAX_ATTEMPT_TIMEOUT, interval)))
+    clamped = max(MIN_ATTEMPT_TIMEOUT, min(MAX_ATTEMPT_TIMEOUT, interval))
+    return min(connect_bound(config), clamped)
+
+
+def connect_bound(config: RendezvousConfig) -> float:
+    """How long the first contact with etcd may take: the smaller of
+    ``read_timeout`` and ``join_timeout``, the rule of every backend (an
+    unreachable store fails the rendezvous no later than its join timeout)."""
+    return min(config.read_timeout, config.settings.join_timeout)
 
 
 def _connector(
@@ -302,14 +312,15 @@ def create_etcd_backend(
 
     Every call then rides out connection errors for ``config.read_timeout``
     seconds, moving to the next member of the list after each one; a single
-    request waits :func:`attempt_timeout` seconds for an answer.
+    request waits :func:`attempt_timeout` seconds for an answer. The first
+    contact is given :func:`connect_bound` seconds.
 
     Returns the backend and the store handed to the agent (same connection).
 
     Raises:
         ConfigError: a malformed endpoint or endpoint list.
         RendezvousConnectionError: etcd does not answer a status request and a
-            read of this run's state within ``read_timeout`` (TLS,
+            read of this run's state within :func:`connect_bound` (TLS,
             authentication and permission failures at once; the message says
             what to check).
     """
@@ -319,10 +330,13 @@ def create_etcd_backend(
     endpoint = ",".join(labels)
     check = _access_check(config)
 
+    bound = connect_bound(config)
+
     def failed(exc: BaseException) -> RendezvousConnectionError:
         return RendezvousConnectionError(
             describe(
-                f"cannot use etcd ({error_text(exc)})",
+                f"cannot use etcd within {bound:g} s (the smaller of read_timeout and "
+                f"join_timeout): {error_text(exc)}",
                 run_id=config.settings.run_id,
                 endpoint=endpoint,
                 check=check,
@@ -345,21 +359,26 @@ def create_etcd_backend(
         name=config.backend_name,
         retry_window=config.read_timeout,
     )
-    _check_access(backend, failed)
+    _check_access(backend, failed, bound)
     return backend, EtcdStore(backend, timedelta(seconds=config.read_timeout))
 
 
 def _check_access(
-    backend: EtcdBackend, failed: Callable[[BaseException], RendezvousConnectionError]
+    backend: EtcdBackend,
+    failed: Callable[[BaseException], RendezvousConnectionError],
+    bound: float,
 ) -> None:
     """Ask for etcd's status and read this run's state key, so that a server that
-    does not answer, or refuses this client, fails here and not mid-rendezvous."""
+    does not answer, or refuses this client, fails here (within ``bound``
+    seconds) and not mid-rendezvous."""
     state_key = backend.key("state")
+    deadline = time.monotonic() + bound
     try:
-        backend.call(lambda c: c.status())
+        backend.call(lambda c: c.status(), retry_window=bound)
         # A status request needs no permission: read this run's key too, so a
         # user without access to the prefix fails here.
-        backend.call(lambda c: c.get_response(state_key))
+        left = deadline - time.monotonic()
+        backend.call(lambda c: c.get_response(state_key), retry_window=left)
     except RendezvousConnectionError as exc:
         backend.close()
         raise failed(exc.__cause__ or exc) from exc
