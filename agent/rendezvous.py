@@ -30,6 +30,7 @@ from .config import (
     BACKENDS,
     DEFAULT_PORTS,
     TORCH_BACKENDS,
+    ConfigError,
     LaunchConfig,
     parse_endpoint,
     rdzv_options_read,
@@ -37,6 +38,8 @@ from .config import (
 from .errors import AgentError
 
 logger = logging.getLogger("rallypoint.agent")
+
+_CONF_FLAG = "--rdzv-conf"
 
 __all__ = [
     "BACKENDS",
@@ -53,8 +56,8 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
 
     Raises:
         ConfigError: no endpoint where the backend needs one, an endpoint host
-            (or ``--master-addr``) the resolver says does not exist, or
-            (rallypoint's backends) an out-of-range ``--rdzv-conf`` value.
+            (or ``--master-addr``) the resolver says does not exist, or an
+            ``--rdzv-conf`` value the backend's handler cannot take.
 
     The handler gets only the ``--rdzv-conf`` keys it reads.
     """
@@ -84,7 +87,12 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
         from ..adapters import create_handler
 
         return create_handler(params)
-    return get_rendezvous_handler(params)
+    try:
+        return get_rendezvous_handler(params)
+    except ValueError as exc:
+        # torch's handlers parse their options as they are built: a value they
+        # cannot take (read_timeout=abc, timeout=1.5) is the user's input.
+        raise ConfigError(f"{_CONF_FLAG} for the {backend} backend: {exc}") from None
 
 
 class HandlerView:

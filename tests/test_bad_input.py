@@ -200,6 +200,30 @@ def test_torchs_timeout_key_is_accepted_with_one_warning(
     assert warning.startswith("--rdzv-conf timeout is ignored by the c10d backend")
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--rdzv-backend", "torch-c10d", "--rdzv-endpoint", "127.0.0.1:1"],
+            "--rdzv-conf for the torch-c10d backend: The rendezvous configuration option "
+            "'read_timeout' does not represent a valid integer value.",
+        ),
+        (
+            ["--nnodes", "2", "--master-port", "1"],
+            "--rdzv-conf for the static backend: invalid literal for int()",
+        ),
+    ],
+)
+def test_value_torchs_handler_cannot_take_is_a_usage_error(
+    args: list[str], expected: str, script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conf = "read_timeout=abc" if "torch-c10d" in args else "timeout=abc"
+    assert main([*args, "--rdzv-conf", conf, script]) == 2
+    assert _one_error_line(capsys, "rallypoint run: error:").startswith(
+        f"rallypoint run: error: {expected}"
+    )
+
+
 def test_rdzv_conf_key_the_launcher_sets_from_a_flag_names_the_flag(
     script: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
