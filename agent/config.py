@@ -627,14 +627,14 @@ class LaunchConfig:
 
     def check_endpoint_resolves(self) -> None:
         """Refuse a store host name the resolver says does not exist: the
-        endpoint's (an etcd list: every member's), or the static store's
-        ``--master-addr``. Store clients retry such a name for their whole
-        timeout (:func:`rallypoint.adapters.config.check_resolves`).
+        endpoint's (an etcd list: when none of its members' does), or the static
+        store's ``--master-addr``. Store clients retry such a name for their
+        whole timeout (:func:`rallypoint.adapters.config.check_resolves`).
 
         Raises:
             ConfigError: naming the flag and the host.
         """
-        if self.standalone or self.rdzv_configs.get("store_type", "").strip() == "file":
+        if self.standalone or str(self.rdzv_configs.get("store_type", "")).strip() == "file":
             return
         endpoint = self.rendezvous_endpoint()
         if self.is_static and not self.rdzv_endpoint.strip():
