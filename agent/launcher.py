@@ -534,6 +534,12 @@ def _parse_nproc(text: str) -> int:
 
 
 def _parse_rdzv_conf(text: str) -> dict[str, str]:
+    unquoted = text.strip()
+    if len(unquoted) >= 2 and unquoted[0] == unquoted[-1] and unquoted[0] in "'\"":
+        # Shell quotes kept in an argument list (torch's own launcher tests pass
+        # "--rdzv-conf='join_timeout=5,...'"): no key starts with a quote.
+        logger.warning("--rdzv-conf %s: reading it without its quotes", text)
+        text = unquoted[1:-1]
     result: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")

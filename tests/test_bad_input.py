@@ -224,6 +224,19 @@ def test_value_torchs_handler_cannot_take_is_a_usage_error(
     )
 
 
+def test_rdzv_conf_wrapped_in_shell_quotes_is_read_without_them(
+    script: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # torchrun reads "'join_timeout" as a key (and ignores it).
+    conf = "'join_timeout=5,last_call_timeout=1,timeout=5'"
+    with caplog.at_level(logging.WARNING, logger="rallypoint"):
+        config = _config(
+            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-conf", conf, script
+        )
+    assert config.rdzv_configs == {"join_timeout": "5", "last_call_timeout": "1", "timeout": "5"}
+    assert "reading it without its quotes" in caplog.records[0].getMessage()
+
+
 def test_rdzv_conf_key_the_launcher_sets_from_a_flag_names_the_flag(
     script: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

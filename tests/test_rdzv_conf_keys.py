@@ -64,21 +64,32 @@ def _warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("[rallypoint WARNING]")]
 
 
-@pytest.mark.parametrize("flag", ["--rdzv-conf", "--rdzv_conf"])
-def test_c10d_job_with_torchs_timeout_key_runs_with_one_warning(
-    flag: str, script: str, free_port: Callable[[], int]
+@pytest.mark.parametrize(
+    ("option", "warned"),
+    [
+        # The forms of torch's launcher tests (test/distributed/launcher/run_test.py),
+        # the first with the shell quotes its argument list keeps.
+        ("--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'", ["quotes", "timeout"]),
+        ("--rdzv_conf=timeout=5", ["timeout"]),
+        ("--rdzv-conf=join_timeout=5,last_call_timeout=1,timeout=5", ["timeout"]),
+    ],
+)
+def test_c10d_job_with_torchs_timeout_key_runs_with_its_warning(
+    option: str, warned: list[str], script: str, free_port: Callable[[], int]
 ) -> None:
-    # The options torch's launcher tests pass (test/distributed/launcher/run_test.py).
     proc = _run(
         [
             "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}",
-            "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
-            f"{flag}=join_timeout=5,last_call_timeout=1,timeout=5", script,
+            "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", option, script,
         ]
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.split()) == ["rank0", "rank1"]
-    (warning,) = _warnings(proc.stderr)
+    warnings = _warnings(proc.stderr)
+    assert len(warnings) == len(warned), proc.stderr
+    if "quotes" in warned:
+        assert "reading it without its quotes" in warnings.pop(0)
+    (warning,) = warnings
     assert "--rdzv-conf timeout is ignored by the c10d backend" in warning
     assert "join_timeout" in warning
 
