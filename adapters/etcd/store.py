@@ -202,11 +202,9 @@ def attempt_timeout(config: RendezvousConfig) -> float:
     """How long one request waits for an answer: a keep-alive interval (a beat
     that takes longer is late anyway: better try another member), between
     :data:`MIN_ATTEMPT_TIMEOUT` and :data:`MAX_ATTEMPT_TIMEOUT`, and never more
-    than ``read_timeout`` or ``join_timeout`` (the bound of the first contact,
-    :func:`connect_bound`)."""
+    than ``read_timeout``."""
     interval = config.settings.keep_alive_interval
-    clamped = max(MIN_ATTEMPT_TIMEOUT, min(MAX_ATTEMPT_TIMEOUT, interval))
-    return min(connect_bound(config), clamped)
+    return min(config.read_timeout, max(MIN_ATTEMPT_TIMEOUT, min(MAX_ATTEMPT_TIMEOUT, interval)))
 
 
 def connect_bound(config: RendezvousConfig) -> float:
@@ -373,12 +371,29 @@ def _check_access(
     seconds) and not mid-rendezvous."""
     state_key = backend.key("state")
     deadline = time.monotonic() + bound
+
+    def by_deadline(request: Callable[[Any], object]) -> Callable[[Any], object]:
+        def run(client: Any) -> object:
+            # One request may wait an attempt timeout (up to 5 s), longer than a
+            # short join_timeout: this contact's requests wait until the deadline
+            # at most. Nothing else uses the client yet.
+            usual = getattr(client, "timeout", None)
+            if isinstance(usual, (int, float)):
+                client.timeout = max(0.05, min(usual, deadline - time.monotonic()))
+            try:
+                return request(client)
+            finally:
+                if isinstance(usual, (int, float)):
+                    client.timeout = usual
+
+        return run
+
     try:
-        backend.call(lambda c: c.status(), retry_window=bound)
+        backend.call(by_deadline(lambda c: c.status()), retry_window=bound)
         # A status request needs no permission: read this run's key too, so a
         # user without access to the prefix fails here.
         left = deadline - time.monotonic()
-        backend.call(lambda c: c.get_response(state_key), retry_window=left)
+        backend.call(by_deadline(lambda c: c.get_response(state_key)), retry_window=left)
     except RendezvousConnectionError as exc:
         backend.close()
         raise failed(exc.__cause__ or exc) from exc
