@@ -399,7 +399,7 @@ def check_resolves(hosts: Sequence[str], option: str) -> None:
     resolver says that none of them exists.
 
     A store client retries a name that does not resolve for its whole timeout
-    (torch's static store: 600 s) before it fails with a C++ stack trace. A name
+    (torch's static store: 600 s under ``rallypoint run``) before it fails. A name
     the resolver could not look up right now (no DNS server answered) passes: it
     may resolve in a moment. When some members of a list exist, the others are
     logged and left to failover (a member's record may be back when it is).

@@ -9,7 +9,11 @@
 * configuration parsing does not import torch;
 * ``LaunchConfig`` checks the rendezvous options itself, so the Python API refuses
   what the launcher refuses;
-* the three backends keep their name, endpoint, keys and counters the same way.
+* the three backends keep their name, endpoint, keys and counters the same way;
+* one rule for the rendezvous options of every backend, torch's included: the keys
+  torch's handlers read (checked against torch's source) are accepted everywhere,
+  with a warning where ignored; misspellings are refused; docs/agent.md's table is
+  what the launcher does.
 """
 
 from __future__ import annotations
