@@ -301,3 +301,17 @@ def test_the_live_api_without_a_live_agent_runs_one_round(tmp_path: Path) -> Non
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert {r["round"] for r in records if r["event"] == "round"} == {0}
     assert sorted(r["step"] for r in records if r["event"] == "done") == [30, 30]
+
+
+def test_the_gpu_check_runs_in_one_command() -> None:
+    """``python tests/gpu_check.py``: on a machine without CUDA it says it skipped and
+    exits 0; on a GPU machine its exit status counts the failed checks."""
+    import subprocess
+
+    check = Path(__file__).resolve().parent / "gpu_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(check)], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("gpu_check: skipped") or " CUDA device(s): " in first
