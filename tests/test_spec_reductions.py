@@ -325,7 +325,8 @@ def test_one_construction_paths_build_what_the_constructors_build() -> None:
     assert View._fields == (
         "node", "state", "settings", "now", "own", "last_call", "deadline", "pending"
     )  # fmt: skip
-    assert len(Guards._fields) == 12 and Guards._fields[-2:] == ("announced", "excluded")
+    assert len(Guards._fields) == 13
+    assert Guards._fields[-3:] == ("announced", "excluded", "all_back")
 
 
 @pytest.mark.parametrize("config", [CRASHING, SMALL], ids=["crashing", "small"])
