@@ -16,7 +16,8 @@ KEEP_ALIVE               bump this node's heartbeat counter (a new entry starts 
 ADD_TO_PARTICIPANTS      leave the wait list, join the participants, heartbeat; arm the last
                          call when min_nodes is reached; complete at once at max_nodes.
                          Of a regroup: a returning node is back; anybody else ends
-                         the regroup (a newcomer: others may be coming)
+                         the regroup (a newcomer: others may be coming) and its
+                         record of who returns
 ADD_TO_WAIT_LIST         leave the redundancy list, join the wait list, heartbeat
 ADD_TO_REDUNDANCY_LIST   join the redundancy list, heartbeat
 REMOVE_FROM_PARTICIPANTS leave the participants, drop the heartbeat, then the epilogue; a
@@ -243,7 +244,10 @@ def _add_to_participants(state: RendezvousState, node: NodeDesc, s: Settings) ->
     if returning and node in returning:
         fields["returning"] = returning - {node}
     elif state.regroup:
-        fields["regroup"] = False  # a newcomer: others may be coming too
+        # A newcomer: others may be coming too. Who else returns no longer
+        # matters to this round (a completion starts the record afresh).
+        fields["regroup"] = False
+        fields["returning"] = _NOBODY
     if count == s.min_nodes:
         arming = state.last_call_seq + 1
         fields["last_call"] = arming

@@ -167,7 +167,8 @@ class EncodedSize:
     the nodes its sanitize removed and the nodes it admitted), except when ranks
     are assigned or the round advances, when the participants (and the exclusions
     a new round ends, the returning nodes a completion forgets and the waiting
-    nodes it moves to the redundancy list) are counted again.
+    nodes it moves to the redundancy list) are counted again, and the returning
+    nodes when a newcomer ends a regroup.
     """
 
     def __init__(self, state: RendezvousState) -> None:
@@ -188,7 +189,7 @@ class EncodedSize:
             before, after = getattr(old, field), getattr(new, field)
             if before is after:
                 continue
-            if rerank and key in _RECOUNTED:
+            if (rerank and key in _RECOUNTED) or (key == "rt" and old.regroup != new.regroup):
                 self._parts[key] = _full(new, field, valued)
                 continue
             total, count = self._parts[key]

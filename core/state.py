@@ -222,7 +222,8 @@ class RendezvousState:
             dead, excluded itself, or gave up waiting on a timeout.
         regroup: the open round is a regroup of the last complete round: every
             participant so far came back from it (set when a round completes,
-            cleared when anybody else joins). Once nobody is returning, nobody
+            cleared, with ``returning``, when anybody else joins). Once nobody is
+            returning, nobody
             waits and no spare may join, nobody else is expected: the round
             completes at quorum without waiting out its last call.
     """

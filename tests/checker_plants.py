@@ -73,8 +73,6 @@ def keep_the_waiters(monkeypatch: pytest.MonkeyPatch) -> None:
 def wait_out_every_last_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """A regroup waits out its last call even when everyone expected is back
     (the rule before: only max_nodes completed a round at once)."""
-    rows = tuple(
-        row for row in operators.JOIN_TABLE if "everyone expected back" not in row.name
-    )
+    rows = tuple(row for row in operators.JOIN_TABLE if "everyone expected back" not in row.name)
     assert len(rows) == len(operators.JOIN_TABLE) - 1
     monkeypatch.setattr(operators, "JOIN_TABLE", rows)

@@ -75,7 +75,7 @@ def test_decode_rejects_a_waiter_beside_a_full_complete_round():
     )
     data = encode_state(forged)
     assert decode_state(data) == forged  # without settings nothing tells it is full
-    with pytest.raises(RendezvousStateError, match="is full .* and a node waits beside it"):
+    with pytest.raises(RendezvousStateError, match=r"is full .* and a node waits beside it"):
         decode_state(data, s)
     # A complete round with room may have waiters.
     room = step(completed(2, s), node(5), Action.ADD_TO_WAIT_LIST, s)
