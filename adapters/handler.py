@@ -54,6 +54,7 @@ from ..core import (
     ExitOp,
     JoinOp,
     KeepAliveOp,
+    LeaveOp,
     Membership,
     NodeDesc,
     Operator,
@@ -391,7 +392,7 @@ class RallypointHandler(RendezvousHandler):
         Raises:
             RendezvousTimeoutError, RendezvousConnectionError, RendezvousStateError.
         """
-        self._step_out(ExitOp(), "leaving the rendezvous")
+        self._step_out(LeaveOp(), "leaving the rendezvous")
 
     @property
     def restarts(self) -> int:

@@ -14,18 +14,30 @@ action                   effect on the shared state
 KEEP_ALIVE               bump this node's heartbeat counter (a new entry starts above
                          every counter ever handed out: it never repeats a stale value)
 ADD_TO_PARTICIPANTS      leave the wait list, join the participants, heartbeat; arm the last
-                         call when min_nodes is reached; complete at once at max_nodes
+                         call when min_nodes is reached; complete at once at max_nodes.
+                         Of a regroup: a returning node is back; anybody else ends
+                         the regroup (a newcomer: others may be coming) and its
+                         record of who returns
 ADD_TO_WAIT_LIST         leave the redundancy list, join the wait list, heartbeat
 ADD_TO_REDUNDANCY_LIST   join the redundancy list, heartbeat
-REMOVE_FROM_PARTICIPANTS leave the participants, drop the heartbeat, then the epilogue
-REMOVE_FROM_WAIT_LIST    leave the wait list, drop the heartbeat
+REMOVE_FROM_PARTICIPANTS leave the participants, drop the heartbeat, then the epilogue; a
+                         participant of a complete round leaves it to join the next
+                         one: it is returning
+REMOVE_FROM_WAIT_LIST    leave the wait list, drop the heartbeat, no longer returning (it
+                         gave up on a timeout)
 REMOVE_FROM_REDUNDANCY   leave the redundancy list, drop the heartbeat
-MARK_RENDEZVOUS_COMPLETE complete the round, disarm the last call, assign ranks
+MARK_RENDEZVOUS_COMPLETE complete the round, disarm the last call, assign ranks; whoever
+                         still waits did not join the round that formed without it and
+                         stands by in the redundancy list instead (waiting, it would
+                         make the new round regroup at once, and again each round it
+                         does not join); the next round is a regroup of this one
 MARK_RENDEZVOUS_CLOSED   close the rendezvous
 CHARGE_RESTART           count this round's failure in the job-wide restarts (once per
                          round); the failure after the budget is spent closes the rendezvous
 EXCLUDE                  leave whichever list the node is in (then the epilogue) and sit out
-                         ``exclusion_rounds`` rounds
+                         ``exclusion_rounds`` rounds; no longer returning
+LEAVE                    leave the rendezvous for good: whichever list the node is in
+                         (then the epilogue), and no longer returning
 ======================== ==================================================================
 
 The epilogue after a participant leaves (by itself or declared dead): a complete
@@ -47,6 +59,8 @@ from .state import Context, NodeDesc, RendezvousState, Settings
 
 __all__ = ["Action", "apply", "assign_ranks", "remove_participant_epilogue"]
 
+_NOBODY: frozenset[NodeDesc] = frozenset()
+
 _NO_RANKS: Map[NodeDesc, int] = Map()
 
 
@@ -64,6 +78,8 @@ class Action(enum.Enum):
     MARK_RENDEZVOUS_CLOSED = "mark_rendezvous_closed"
     CHARGE_RESTART = "charge_restart"
     EXCLUDE = "exclude"
+    #: Leave the rendezvous for good (an agent stopping): not expected back.
+    LEAVE = "leave"
     #: Nothing to write: wait for the shared state to change (or for a local timer).
     SYNC = "sync"
     #: The operator is done.
@@ -184,15 +200,23 @@ def _mark_complete(state: RendezvousState, settings: Settings) -> RendezvousStat
     for node, rank in assign_ranks(state.participants, previous).items():
         mutation[node] = rank
     ranks = mutation.finish()
-    return state._derive(
-        {
-            "complete": True,
-            "last_call": None,
-            "world_size": len(ranks),
-            "participants": ranks,
-            "last_ranks": ranks if settings.stable_ranks else _NO_RANKS,
-        }
-    )
+    changes: dict[str, object] = {
+        "complete": True,
+        "last_call": None,
+        "world_size": len(ranks),
+        "participants": ranks,
+        "last_ranks": ranks if settings.stable_ranks else _NO_RANKS,
+        "returning": _NOBODY,
+        "regroup": True,
+    }
+    if state.wait_list:
+        # A node still waiting did not join the round that formed without it:
+        # it stands by (and asks again when it acts). Left waiting, it would make
+        # the participants regroup at once for it, and again every round it did
+        # not join: a restart storm for a node stuck after announcing itself.
+        changes["wait_list"] = _NOBODY
+        changes["redundancy_list"] = state.redundancy_list | state.wait_list
+    return state._derive(changes)
 
 
 def _refuse(action: Action, node: NodeDesc, why: str) -> NoReturn:
@@ -216,6 +240,14 @@ def _add_to_participants(state: RendezvousState, node: NodeDesc, s: Settings) ->
         fields["wait_list"] = state.wait_list - {node}
     if state.redundancy_list and node in state.redundancy_list:
         fields["redundancy_list"] = state.redundancy_list - {node}
+    returning = state.returning
+    if returning and node in returning:
+        fields["returning"] = returning - {node}
+    elif state.regroup:
+        # A newcomer: others may be coming too. Who else returns no longer
+        # matters to this round (a completion starts the record afresh).
+        fields["regroup"] = False
+        fields["returning"] = _NOBODY
     if count == s.min_nodes:
         arming = state.last_call_seq + 1
         fields["last_call"] = arming
@@ -262,6 +294,10 @@ def _remove_from_participants(
     fields = state._fields()
     fields["participants"] = participants
     fields["heartbeats"] = _without(state, node)
+    if state.complete:
+        # It leaves its round to join the next one (a node leaving for good
+        # says so: LEAVE): the next round waits for it.
+        fields["returning"] = state.returning | {node}
     return remove_participant_epilogue(RendezvousState._of(fields), s)
 
 
@@ -281,7 +317,17 @@ def _leaving(name: str, action: Action, why: str) -> _Effect:
     return leave
 
 
-_remove_from_wait_list = _leaving("wait_list", Action.REMOVE_FROM_WAIT_LIST, "not waiting")
+_withdraw_from_wait_list = _leaving("wait_list", Action.REMOVE_FROM_WAIT_LIST, "not waiting")
+
+
+def _remove_from_wait_list(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    """A waiting node gives up (its join timed out): it is not coming back."""
+    state = _withdraw_from_wait_list(state, node, s)
+    if node in state.returning:
+        return state._derive({"returning": state.returning - {node}})
+    return state
+
+
 _remove_from_redundancy_list = _leaving(
     "redundancy_list", Action.REMOVE_FROM_REDUNDANCY_LIST, "not redundant"
 )
@@ -327,10 +373,32 @@ def _exclude(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousS
         changes["wait_list"] = state.wait_list - {node}
     if node in state.redundancy_list:
         changes["redundancy_list"] = state.redundancy_list - {node}
+    if node in state.returning:
+        changes["returning"] = state.returning - {node}
     if node not in state.participants:
         return state._derive(changes)
     changes["participants"] = state.participants.delete(node)
     return remove_participant_epilogue(state._derive(changes), s)
+
+
+def _leave(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    changes: dict[str, object] = {}
+    if node in state.wait_list:
+        changes["wait_list"] = state.wait_list - {node}
+    if node in state.redundancy_list:
+        changes["redundancy_list"] = state.redundancy_list - {node}
+    if node in state.returning:
+        changes["returning"] = state.returning - {node}
+    if node in state.participants:
+        changes["participants"] = state.participants.delete(node)
+    if not changes:
+        _refuse(Action.LEAVE, node, "neither a member nor returning")
+    if node in state.heartbeats:
+        changes["heartbeats"] = state.heartbeats.delete(node)
+    left = state._derive(changes)
+    if node in state.participants:
+        return remove_participant_epilogue(left, s)
+    return left
 
 
 def _heartbeat(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
@@ -361,6 +429,7 @@ _EFFECTS: dict[Action, _Effect] = {
     Action.MARK_RENDEZVOUS_CLOSED: _mark_rendezvous_closed,
     Action.CHARGE_RESTART: _charge_restart,
     Action.EXCLUDE: _exclude,
+    Action.LEAVE: _leave,
 }
 
 

@@ -58,7 +58,7 @@ __all__ = [
     "shared_settings_differences",
 ]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: Larger input is rejected before parsing (about 100k nodes' worth of state). The
 #: backends hold less (a TCPStore value 8 MiB, an etcd request 1.5 MiB by default):
 #: the adapters check a write against the smaller of the two.
@@ -68,6 +68,7 @@ _KEYS = frozenset(
     {"v", "round", "complete", "closed", "world", "p", "w", "r", "hb", "lc", "lcs", "lr", "hs"}
     | {"ph", "ic"}
     | {"rs", "ct", "x"}
+    | {"rt", "rg"}
 )
 
 
@@ -81,6 +82,7 @@ _COLLECTIONS: tuple[tuple[str, str, bool], ...] = (
     ("hb", "heartbeats", True),
     ("lr", "last_ranks", True),
     ("x", "excluded", True),
+    ("rt", "returning", False),
 )
 
 
@@ -119,6 +121,8 @@ def encode_state(state: RendezvousState) -> bytes:
         "rs": state.restarts,
         "ct": state.charged_through,
         "x": lists["x"],
+        "rt": lists["rt"],
+        "rg": state.regroup,
     }
     return json.dumps(doc, separators=_SEPARATORS, ensure_ascii=True).encode("ascii")
 
@@ -148,6 +152,11 @@ _EMPTIED: dict[str, object] = {
 }
 
 
+#: The collections a completion or a new round may change for nodes the write
+#: did not touch.
+_RECOUNTED = frozenset({"p", "lr", "x", "rt", "w", "r"})
+
+
 class EncodedSize:
     """``len(encode_state(state))``, kept incrementally across writes.
 
@@ -157,7 +166,9 @@ class EncodedSize:
     between them. A write changes the entries of the nodes it touched (the writer,
     the nodes its sanitize removed and the nodes it admitted), except when ranks
     are assigned or the round advances, when the participants (and the exclusions
-    a new round ends) are counted again.
+    a new round ends, the returning nodes a completion forgets and the waiting
+    nodes it moves to the redundancy list) are counted again, and the returning
+    nodes when a newcomer ends a regroup.
     """
 
     def __init__(self, state: RendezvousState) -> None:
@@ -178,7 +189,7 @@ class EncodedSize:
             before, after = getattr(old, field), getattr(new, field)
             if before is after:
                 continue
-            if rerank and key in ("p", "lr", "x"):
+            if (rerank and key in _RECOUNTED) or (key == "rt" and old.regroup != new.regroup):
                 self._parts[key] = _full(new, field, valued)
                 continue
             total, count = self._parts[key]
@@ -326,6 +337,7 @@ def decode_state(data: bytes, settings: Settings | None = None) -> RendezvousSta
             state.world_size,
             len(state.participants),
             state.last_call,
+            bool(state.wait_list),
         )
     _check_round(state)
     _check_members(state)
@@ -371,6 +383,8 @@ def _state_of(doc: dict[str, Any]) -> RendezvousState:
         restarts=_int(doc["rs"], "restarts"),
         charged_through=_int(doc["ct"], "charged-through round"),
         excluded=Map(_node_map(doc, "x", "excluded nodes")),
+        returning=_node_set(doc, "rt", "returning nodes"),
+        regroup=_bool(doc["rg"], "regroup"),
     )
 
 
@@ -419,6 +433,8 @@ def _check_members(state: RendezvousState) -> None:
         raise _fail("a node is both a participant and waiting or redundant")
     if wait_list & redundancy_list:
         raise _fail("a node is both waiting and redundant")
+    if participants & state.returning:
+        raise _fail("a participant is also returning to the round")
     _check_exclusions(state)
     _check_heartbeats(state)
 
@@ -480,9 +496,12 @@ def _check_against(
     world: int,
     count: int,
     last_call: int | None,
+    waiting: bool = False,
 ) -> None:
     """The properties that depend on min/max nodes (``check_state``'s, and what the
-    protocol needs to move on): a complete round's world size is within them; an
+    protocol needs to move on): a complete round's world size is within them, and
+    a full one has nobody waiting (a node waits only beside a round with room,
+    and one still waiting when a round completes stands by instead); an
     incomplete round has room for one more participant (one that reaches max_nodes
     completes at once), and its last call is armed exactly while it has min_nodes
     participants (armed on reaching min_nodes, disarmed on dropping below)."""
@@ -495,6 +514,12 @@ def _check_against(
         if not low <= world <= high:
             raise _fail(
                 f"complete round {round_} has world size {world}, outside [{low}, {high}]{hint}"
+            )
+        if waiting and count >= high:
+            raise _fail(
+                f"complete round {round_} is full ({count} participants) and a node waits "
+                "beside it, which no node writes (a node still waiting when a round forms "
+                f"without it stands by instead){hint}"
             )
         return
     if count >= high:

@@ -73,6 +73,7 @@ from .operators import (
     _exit_answer,
     _join_answer,
     _wake_at,
+    everyone_back,
 )
 from .state import (
     Context,
@@ -570,7 +571,9 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
 
     The participant count of an open round is left out on purpose: between
     min_nodes (the last call arms) and max_nodes (the round completes) it changes no
-    decision, and leaving it out is what makes admissions wake nobody. Of a
+    decision, and leaving it out is what makes admissions wake nobody (the one
+    admission that does, the last returning node's to a regroup, flips
+    :func:`~rallypoint.core.operators.everyone_back`, which is in). Of a
     complete round only "someone left" counts, not how many: one phase per regroup,
     not one per exit.
     """
@@ -585,6 +588,9 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
         # Only the first departure from a complete round matters to its monitors
         # (they regroup); counting every one would wake everybody per exit.
         complete and len(state.participants) < state.world_size,
+        # A regroup whose last returning node arrived (or was found gone)
+        # completes without its last call: its participants must see it.
+        everyone_back(state),
     )
 
 
@@ -604,8 +610,11 @@ def _same_phase(a: RendezvousState, b: RendezvousState, max_nodes: int) -> bool:
     in_b = len(b.participants)
     if (in_a >= max_nodes) != (in_b >= max_nodes):
         return False
-    # (complete is the same in both here; only a complete round counts departures)
-    return not a.complete or (in_a < a.world_size) == (in_b < b.world_size)
+    # (complete is the same in both here; only a complete round counts departures,
+    # only an open one can have everyone back)
+    if a.complete:
+        return (in_a < a.world_size) == (in_b < b.world_size)
+    return everyone_back(a) == everyone_back(b)
 
 
 def _phased(

@@ -372,6 +372,8 @@ def sanitize(
         heartbeats=heartbeats,
         wait_list=state.wait_list - dead,
         redundancy_list=state.redundancy_list - dead,
+        # A dead node is known gone: the next round does not wait for it.
+        returning=state.returning - dead,
     )
     if participant_removed:
         state = remove_participant_epilogue(state, settings)

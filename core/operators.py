@@ -42,7 +42,9 @@ __all__ = [
     "JoinOp",
     "JoinRow",
     "KeepAliveOp",
+    "LeaveOp",
     "Operator",
+    "everyone_back",
     "join_row",
     "keep_alive_due",
     "last_call_passed",
@@ -63,6 +65,23 @@ def keep_alive_due(ctx: Context) -> bool:
 def last_call_passed(ctx: Context) -> bool:
     """The last call is armed and this node saw it armed over ``last_call_timeout`` ago."""
     return _last_call_over(ctx.state, ctx.settings, ctx.now, ctx.observations.last_call)
+
+
+def everyone_back(state: RendezvousState) -> bool:
+    """The open round is a regroup that expects nobody else: every participant of
+    the last complete round that is not known gone has joined it, and nobody
+    else did (:attr:`RendezvousState.regroup`), nobody waits, and no spare may
+    join (a redundant node whose exclusion is not running). A last call would
+    only wait for nodes that are known not to come: the round completes at
+    quorum. A round that may still see a newcomer (the first one, or one a
+    newcomer joined or waits for) keeps its last call."""
+    if state.complete or not state.regroup or state.returning or state.wait_list:
+        return False
+    spares = state.redundancy_list
+    if not spares:
+        return True
+    excluded, round_ = state.excluded, state.round
+    return all(excluded.get(node, 0) > round_ for node in spares)
 
 
 def _timed_out(ctx: Context, deadline: float) -> bool:
@@ -148,6 +167,13 @@ JOIN_TABLE: tuple[JoinRow, ...] = (
         "participant, quorum, last call passed: complete the round",
         lambda c, d: (
             not c.state.complete and c.is_participant and _quorum(c) and last_call_passed(c)
+        ),
+        Action.MARK_RENDEZVOUS_COMPLETE,
+    ),
+    JoinRow(
+        "participant, quorum, everyone expected back: complete the round",
+        lambda c, d: (
+            not c.state.complete and c.is_participant and _quorum(c) and everyone_back(c.state)
         ),
         Action.MARK_RENDEZVOUS_COMPLETE,
     ),
@@ -249,8 +275,8 @@ def _join_answer(
             return _ADD_TO_REDUNDANCY_LIST if full else _ADD_TO_WAIT_LIST
     elif not participant:
         return _ADD_TO_PARTICIPANTS
-    elif settings.min_nodes <= len(participants) <= settings.max_nodes and _last_call_over(
-        state, settings, now, last_call
+    elif settings.min_nodes <= len(participants) <= settings.max_nodes and (
+        _last_call_over(state, settings, now, last_call) or everyone_back(state)
     ):
         return _MARK_RENDEZVOUS_COMPLETE
     return _KEEP_ALIVE if _beat_due(node, state, settings, now, sighting) else _SYNC
@@ -286,7 +312,8 @@ def _last_call_over(
 
 
 class ExitOp:
-    """Leave the current round (called before joining the next one)."""
+    """Leave the current round to join the next one (called before the join): the
+    next round expects this node back (see :class:`LeaveOp`)."""
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
         return _exit_answer(ctx.node, ctx.state, ctx.now, deadline)
@@ -308,6 +335,17 @@ def _unless_done(done: bool, ctx: Context, deadline: float, action: Action) -> A
     if _timed_out(ctx, deadline):
         return _ERROR_TIMEOUT
     return action
+
+
+class LeaveOp:
+    """Leave the rendezvous for good (an agent stopping on a signal): out of
+    whichever list this node is in, and not expected back, so the next round
+    does not wait for it."""
+
+    def __call__(self, ctx: Context, deadline: float) -> Action:
+        state, node = ctx.state, ctx.node
+        done = node not in state.members() and node not in state.returning
+        return _unless_done(done, ctx, deadline, Action.LEAVE)
 
 
 class CloseOp:

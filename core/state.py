@@ -216,6 +216,16 @@ class RendezvousState:
             node excludes itself (a failed health check, repeated failures);
             while excluded it may only stand by in the redundancy list. Entries
             are dropped once their round is reached.
+        returning: participants of the last complete round that left it to join
+            the next one (the exit before a join) and have not joined it yet. A
+            node known gone is dropped: one that left for good, was declared
+            dead, excluded itself, or gave up waiting on a timeout.
+        regroup: the open round is a regroup of the last complete round: every
+            participant so far came back from it (set when a round completes,
+            cleared, with ``returning``, when anybody else joins). Once nobody is
+            returning, nobody
+            waits and no spare may join, nobody else is expected: the round
+            completes at quorum without waiting out its last call.
     """
 
     round: int = 0
@@ -235,6 +245,8 @@ class RendezvousState:
     restarts: int = 0
     charged_through: int = 0
     excluded: Map[NodeDesc, int] = field(default_factory=Map)
+    returning: frozenset[NodeDesc] = frozenset()
+    regroup: bool = False
 
     def __post_init__(self) -> None:
         # Accept plain dicts/sets from callers; store immutable, hashable forms.
@@ -244,6 +256,7 @@ class RendezvousState:
         object.__setattr__(self, "excluded", _frozen_map(self.excluded))
         object.__setattr__(self, "wait_list", frozenset(self.wait_list))
         object.__setattr__(self, "redundancy_list", frozenset(self.redundancy_list))
+        object.__setattr__(self, "returning", frozenset(self.returning))
         # (Every state derived from this one copies its dictionary: a plain one.)
         _set_attribute(self, "__dict__", dict(self.__dict__))
 
@@ -351,7 +364,7 @@ _FIELD_SET = frozenset(_FIELD_NAMES)
 _FIELD_COUNT = len(_FIELD_NAMES)
 _MAP_FIELDS = frozenset({"participants", "heartbeats", "last_ranks", "excluded"})
 _MAP_POSITIONS = tuple(i for i, name in enumerate(_FIELD_NAMES) if name in _MAP_FIELDS)
-_SET_FIELDS = frozenset({"wait_list", "redundancy_list"})
+_SET_FIELDS = frozenset({"wait_list", "redundancy_list", "returning"})
 
 
 class HeartbeatSighting(NamedTuple):

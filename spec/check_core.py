@@ -275,6 +275,12 @@ class CoreSteps:
                 ),
             )
         )
+        if isinstance(op, JoinOp) and isinstance(decision.instruction, Wait):
+            waits = needless_wait(node, decision.state, guards)
+            if waits:
+                found = Found(waits, decision)
+                found.read_log = read_log
+                raise found
         if len(self._steps) >= CACHE_LIMIT:
             self._steps.clear()
         step = built(
@@ -469,3 +475,21 @@ def _endless_read(instruction: Read, decision: Decision, read_log: bool) -> Foun
     )
     found.read_log = read_log
     return found
+
+
+def needless_wait(node: NodeDesc, state: RendezvousState, guards: Guards) -> list[str]:
+    """No wait for what is known gone: a participant of a regroup that expects
+    nobody else (the model's ``all_back``: every participant of the last round
+    that is not known gone is back, nobody else joined, waits or may join as a
+    spare) with a quorum does not wait, for the last call or anything else: it
+    completes the round. ``guards`` are the model's, on ``state``, the view the
+    node's join decided to wait on."""
+    if not (guards.all_back and guards.quorum) or guards.closed or guards.timed_out:
+        return []
+    if node not in state.participants:
+        return []
+    return [
+        f"needless wait: {node} waits in round {state.round}, a regroup with every "
+        "participant of the last round that is not known gone back and a quorum: "
+        "nobody else is expected, so the round must complete without a last call"
+    ]

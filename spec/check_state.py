@@ -66,6 +66,10 @@ class CheckConfig:
             beyond that round without expanding them.
         max_crashes: crashes in one run (each crash allows one restart).
         allow_close: whether nodes may close the rendezvous.
+        leaves: whether a training node may leave for good (``LeaveOp``, an
+            agent stopping) besides exiting to rejoin; off by default: the
+            default search knows nodes gone only by their death, and a node
+            that exits and never joins again is one the next round waits for.
         stable_ranks: the settings' stable-ranks option (ranks kept across rounds).
         symmetry: store states modulo node permutations.
         subsumption: step no state that another state reached by then
@@ -92,6 +96,7 @@ class CheckConfig:
     max_round: int | None = None
     max_crashes: int = 1
     allow_close: bool = True
+    leaves: bool = False
     stable_ranks: bool = False
     symmetry: bool = True
     subsumption: bool = True
@@ -147,6 +152,8 @@ class Op(Name):
     CHARGE_LATE = "charge-late"
     #: exclude itself (``ExcludeOp``)
     EXCLUDE = "exclude"
+    #: leave the rendezvous for good (``LeaveOp``: an agent stopping)
+    LEAVE = "leave"
 
 
 class EventKind(Name):
@@ -161,6 +168,9 @@ class EventKind(Name):
     #: the node starts an operation and takes its first step
     JOIN = "join"
     EXIT = "exit"
+    #: a training node leaves for good (its agent stops): the next round does
+    #: not wait for it
+    LEAVE = "leave"
     CLOSE = "close"
     #: a training node's workers fail: it starts charging the restart budget
     #: (``max_failures``); its exit and join events then do what the agent does next
@@ -174,6 +184,7 @@ class EventKind(Name):
 STARTS: dict[EventKind, Op] = {
     EventKind.JOIN: Op.JOIN,
     EventKind.EXIT: Op.EXIT,
+    EventKind.LEAVE: Op.LEAVE,
     EventKind.CLOSE: Op.CLOSE,
     EventKind.FAIL: Op.CHARGE,
     EventKind.EXCLUDE: Op.EXCLUDE,
@@ -346,7 +357,8 @@ class CheckResult:
             f"config: nodes={c.nodes} min={c.min_nodes} max={c.max_nodes} "
             f"max_round={'all' if c.max_round is None else c.max_round} "
             f"max_crashes={c.max_crashes} close={c.allow_close} "
-            f"stable_ranks={c.stable_ranks} symmetry={c.symmetry} subsumption={c.subsumption}"
+            + ("leaves=True " if c.leaves else "")
+            + f"stable_ranks={c.stable_ranks} symmetry={c.symmetry} subsumption={c.subsumption}"
             + (
                 f" max_failures={c.max_failures} max_exclusions={c.max_exclusions} "
                 f"restart_budget={c.restart_budget} exclusion_rounds={c.exclusion_rounds}"

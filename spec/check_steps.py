@@ -29,6 +29,7 @@ from ..core import (
     Instruction,
     JoinOp,
     KeepAliveOp,
+    LeaveOp,
     NodeDesc,
     Operator,
     RendezvousState,
@@ -121,6 +122,7 @@ class _ChargeLate(ChargeRestartOp):
 _OPERATORS: dict[Op, Callable[[], Operator]] = {
     Op.JOIN: JoinOp,
     Op.EXIT: ExitOp,
+    Op.LEAVE: LeaveOp,
     Op.CLOSE: CloseOp,
     Op.EXCLUDE: ExcludeOp,
 }
@@ -200,6 +202,8 @@ class Steps:
             if training:
                 yield _event(EventKind.HEARTBEAT, i)
                 yield _event(EventKind.EXIT, i)
+                if cfg.leaves:
+                    yield _event(EventKind.LEAVE, i)
             if cfg.allow_close and not g.shared.closed:
                 yield _event(EventKind.CLOSE, i)
             if g.shared.closed:
@@ -723,7 +727,7 @@ def _ended_in(loc: Local, done: Done) -> Phase | None:
             # then exits the round and joins the next one, which a trained node's
             # exit and join events explore.
             return Phase.TRAINING
-        if loc.op is Op.EXIT:
+        if loc.op is Op.EXIT or loc.op is Op.LEAVE:
             return Phase.EXITED
         if loc.op is Op.CLOSE:
             return Phase.CLOSED
@@ -754,7 +758,10 @@ def _next_local(loc: Local, instruction: Instruction, deadline: Deadline | None)
     new_deadline = loc.deadline if loc.op is None else deadline
     phase = loc.phase
     if isinstance(instruction, Write):
-        if instruction.action is Action.REMOVE_FROM_PARTICIPANTS and loc.op is Op.EXIT:
+        action = instruction.action
+        if (action is Action.REMOVE_FROM_PARTICIPANTS and loc.op is Op.EXIT) or (
+            action is Action.LEAVE and loc.op is Op.LEAVE
+        ):
             phase = Phase.EXITED
         elif instruction.action is Action.EXCLUDE and phase is Phase.TRAINING:
             # it left its round: its workers stop, as after an exit

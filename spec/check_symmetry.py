@@ -78,6 +78,8 @@ def _rename_nodes(
         heartbeats={lab(n): c for n, c in s.heartbeats.items()},
         last_ranks={lab(n): r for n, r in s.last_ranks.items()},
     )
+    if s.returning:
+        shared = shared.evolve(returning={lab(n) for n in s.returning})
     if s.excluded:
         shared = shared.evolve(excluded={lab(n): u for n, u in s.excluded.items()})
     return shared
@@ -245,6 +247,7 @@ class Symmetry:
             | frozenset(state.heartbeats)
             | frozenset(state.last_ranks)
             | frozenset(state.excluded)
+            | state.returning
         )
         if len(self._names) >= CACHE_LIMIT:
             self._names.clear()
@@ -525,6 +528,7 @@ def _node_facts(
         s.heartbeats.get(node, 0),
         node in intents,
         s.excluded.get(node, 0),
+        node in s.returning,
     )
 
 
@@ -548,4 +552,6 @@ def _shared_key(
         s.restarts,
         s.charged_through,
         tuple(sorted((lab(n), u) for n, u in s.excluded.items())),
+        tuple(sorted(lab(n) for n in s.returning)),
+        s.regroup,
     )

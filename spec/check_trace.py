@@ -26,6 +26,8 @@ def describe(g: Global, names: list[str] | None = None) -> str:
     """One line per state for traces: the shared state, then every node.
 
     ``I{...}`` are the joiners in the round's intent log past the cursor;
+    ``B{...}`` the nodes returning from the last complete round, and ``regroup``
+    an open round that only they joined so far;
     ``X{node:round}`` the excluded nodes and the round each may join again; the
     restarts charged to the budget show with the round they are counted through. A node
     shows its phase, its operation (``/join``), and ``timed-out`` or
@@ -45,6 +47,10 @@ def describe(g: Global, names: list[str] | None = None) -> str:
         parts.append("W{" + ", ".join(sorted(_name(n, names) for n in s.wait_list)) + "}")
     if s.redundancy_list:
         parts.append("R{" + ", ".join(sorted(_name(n, names) for n in s.redundancy_list)) + "}")
+    if s.returning:
+        parts.append("B{" + ", ".join(sorted(_name(n, names) for n in s.returning)) + "}")
+    if s.regroup and not s.complete:
+        parts.append("regroup")
     if s.last_call is not None:
         parts.append("last-call armed")
     if s.restarts or s.charged_through:

@@ -34,7 +34,7 @@ WireTuple = tuple[Any, ...]
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(RendezvousState))
 _MAPS = frozenset({"participants", "heartbeats", "last_ranks", "excluded"})
-_SETS = frozenset({"wait_list", "redundancy_list"})
+_SETS = frozenset({"wait_list", "redundancy_list", "returning"})
 
 
 def _nodes(nodes: frozenset[NodeDesc]) -> tuple[tuple[str, int, int], ...]:

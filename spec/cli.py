@@ -66,6 +66,11 @@ def _spec_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--max-crashes", type=int, default=1)
     check.add_argument("--no-close", action="store_true", help="nodes never close")
+    check.add_argument(
+        "--leaves",
+        action="store_true",
+        help="training nodes may also leave for good (an agent stopping), not only exit to rejoin",
+    )
     check.add_argument("--stable-ranks", action="store_true", help="check the stable-ranks option")
     check.add_argument("--no-symmetry", action="store_true", help="disable symmetry reduction")
     check.add_argument(

@@ -34,8 +34,11 @@ def check_state(state: RendezvousState, settings: Settings) -> list[str]:
     * complete => min_nodes <= world size <= max_nodes, every remaining participant
       has a distinct rank in 0..world-1, and if none has left yet the ranks are
       exactly 0..n-1;
-    * a node is never both participant and waiting (or redundant);
+    * a node is never both participant and waiting (or redundant), nor both
+      participant and returning;
     * every participant is within max_nodes;
+    * nobody waits beside a full complete round (no round could take it in
+      without a participant leaving: see :func:`check_transition`);
     * an excluded node is never a participant (nor waiting) while excluded;
     * with a restart budget, the restarts never overspend it by more than the
       failure that ends the job, and that failure closed the rendezvous.
@@ -69,6 +72,13 @@ def check_state(state: RendezvousState, settings: Settings) -> list[str]:
         problems.append(f"nodes {sorted(map(str, both))} are participants and waiting/redundant")
     if state.wait_list & state.redundancy_list:
         problems.append("a node is both waiting and redundant")
+    if state.returning and not state.returning.isdisjoint(participants):
+        problems.append("a node is both a participant and returning")
+    if state.complete and state.wait_list and len(participants) >= settings.max_nodes:
+        problems.append(
+            f"nodes {sorted(map(str, state.wait_list))} wait beside full complete round "
+            f"{state.round}"
+        )
     if state.excluded:
         problems.extend(check_exclusions(state))
     if state.restarts or state.charged_through:
@@ -157,10 +167,19 @@ def check_transition(
     through), one step counts one failure at most, and an exclusion is never cut
     short.
 
+    And one round per arrival (no restart storm): a step that completes a round
+    leaves nobody waiting. A node still waiting then did not join the round
+    that formed without it; left waiting, it would make the participants regroup
+    at once, and again after every round it does not join (a node stuck after
+    announcing itself, its heartbeat still moving, costs a round each time). So
+    the participants regroup for waiting nodes only for one that asked to join
+    after their round formed: a bounded number of rounds per real arrival.
+
     With ``steps``, ``before -> after`` spans that many steps (a simulator that
     checks a state whole every few writes): each property above holds across
     several steps when it holds across each, but for the count of failures, of
-    which ``steps`` steps may count ``steps``.
+    which ``steps`` steps may count ``steps``, and the one about completions,
+    checked for one step only (a node may wait once the round formed).
     """
     problems: list[str] = []
     if after.restarts != before.restarts or after.charged_through != before.charged_through:
@@ -171,6 +190,11 @@ def check_transition(
         problems.append("a closed rendezvous was reopened")
     if after.round < before.round:
         problems.append(f"round went back from {before.round} to {after.round}")
+    if steps == 1 and after.complete and after.wait_list and not before.complete:
+        problems.append(
+            f"round {after.round} completed with {sorted(map(str, after.wait_list))} still "
+            "waiting: they would make it regroup at once for nodes it formed without"
+        )
     if before.complete and not after.complete and before.round == after.round:
         problems.append(f"complete round {after.round} became incomplete without advancing")
     if before.complete and after.complete and before.round == after.round:

@@ -14,6 +14,9 @@ from its membership in the shared state (:func:`lifecycle_state`)::
                                \\--add_to_redundancy_list--> redundant (round complete, full)
     joining [announced] / waiting --admitted (a peer's batch)--> the same destinations
     complete --finish--> training --remove_from_participants (exit)--> exited
+    training --leave (for good)--> exited
+    participant --complete [quorum, last call over or everyone back]--> complete
+    waiting --round_completed (formed without it)--> redundant
     training/evicted --exclude--> exited; joining [excluded] --add_to_redundancy_list--> redundant
     training/evicted --charge_restart--> (stays): the workers failed, the budget counts it
     any live state --crash--> crashed; --timeout--> failed; --closed--> closed
@@ -151,7 +154,19 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         Lifecycle.COMPLETE,
         conditions=["quorum", "last_call_over", "not_closed"],
     ),
+    # A regroup that expects nobody else (every participant of the last round not
+    # known gone is back, and nobody else joined, waits or may join as a spare):
+    # the last call would wait for nobody.
+    _edge(
+        "mark_rendezvous_complete",
+        Lifecycle.PARTICIPANT,
+        Lifecycle.COMPLETE,
+        conditions=["quorum", "all_back", "not_closed"],
+    ),
     _edge("round_completed", Lifecycle.PARTICIPANT, Lifecycle.COMPLETE),
+    # A node still waiting when a round forms without it stands by: waiting, it
+    # would make every round it does not join regroup at once for it.
+    _edge("round_completed", Lifecycle.WAITING, Lifecycle.REDUNDANT),
     # Batched admission: a peer's write admits a joiner that announced itself in the
     # round's intent log (and is not a member yet), or a waiting node once the next
     # round is open, with the decision the node's own join would make.
@@ -235,6 +250,8 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         conditions=["timed_out", "within_rollback"],
     ),
     _edge("remove_from_participants", Lifecycle.TRAINING, Lifecycle.EXITED, unless=["timed_out"]),
+    # An agent that stops leaves for good: the next round does not wait for it.
+    _edge("leave", [Lifecycle.TRAINING, Lifecycle.EXITED], Lifecycle.EXITED, unless=["timed_out"]),
     # A failed health check: the node leaves its round (its workers stop) and sits
     # out the next rounds; a node in no round only records its exclusion.
     _edge(
@@ -326,6 +343,8 @@ class Guards(NamedTuple):
     announced: bool = False
     #: the node excluded itself, and its exclusion runs past this round
     excluded: bool = False
+    #: the open round is a regroup that expects nobody else
+    all_back: bool = False
 
     @classmethod
     def of(cls, view: View) -> Guards:
@@ -350,6 +369,18 @@ class Guards(NamedTuple):
         )
         deadline = view.deadline
         closed, complete = state.closed, state.complete
+        # A regroup expects nobody else once every participant of the last complete
+        # round that is not known gone is back and nobody else joined (the state
+        # keeps both: returning, regroup), nobody waits, and no redundant node may
+        # join (only one whose exclusion runs past this round may not).
+        spare_may_join = any(state.excluded.get(n, 0) <= state.round for n in state.redundancy_list)
+        all_back = (
+            not complete
+            and state.regroup
+            and not state.returning
+            and not state.wait_list
+            and not spare_may_join
+        )
         round_full = count >= s.max_nodes
         # (every field in order, one construction: the checker evaluates the
         # guards of each new step)
@@ -368,6 +399,7 @@ class Guards(NamedTuple):
                 deadline is not None and now <= deadline + s.rollback_period,  # within_rollback
                 node in view.pending,  # announced
                 bool(state.excluded) and state.excluded.get(node, 0) > state.round,  # excluded
+                all_back,
             ),
         )
 
@@ -427,6 +459,9 @@ class _Node:
 
     def excluded(self) -> bool:
         return self._g("excluded")
+
+    def all_back(self) -> bool:
+        return self._g("all_back")
 
 
 def _machine_kwargs() -> dict[str, Any]:

@@ -17,6 +17,7 @@ from ..core import (
     ExitOp,
     JoinOp,
     KeepAliveOp,
+    LeaveOp,
     NodeDesc,
     NodeView,
     Operator,
@@ -117,7 +118,7 @@ class Agent(Backend):
             after = ExitOp() if isinstance(op, ChargeRestartOp) else JoinOp()
             self._begin(node, after, node.deadline, Phase.JOINING, fresh=True)
             return True
-        if isinstance(op, ExitOp) and action is Action.FINISH:
+        if isinstance(op, (ExitOp, LeaveOp)) and action is Action.FINISH:
             if node.leaving:
                 self._stop(node)
                 self._at(self.now + self.config.restart_delay, "arrive", node.slot)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..core import ChargeRestartOp, CloseOp, ExcludeOp, ExitOp
+from ..core import ChargeRestartOp, CloseOp, ExcludeOp, LeaveOp
 from .lifecycle import Name, Phase
 from .sim_executor import Executor
 from .sim_node import SimNode
@@ -93,7 +93,7 @@ class Faults(Executor):
         self.report.leaves += 1
         self._log(node, "leaves")
         deadline = node.local(self.now) + self.settings.close_timeout
-        self._begin(node, ExitOp(), deadline, Phase.EXITING, fresh=False)
+        self._begin(node, LeaveOp(), deadline, Phase.EXITING, fresh=False)
         node.leaving = True
         self._drive(node)
 

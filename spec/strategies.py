@@ -68,7 +68,8 @@ def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> Rend
     participants, rest = nodes[:count], nodes[count:]
     complete = s.min_nodes <= count and draw(st.booleans())
     ranks = draw(st.permutations(range(count))) if complete else [0] * count
-    split = draw(st.integers(0, len(rest)))
+    # (nobody waits beside a full complete round)
+    split = 0 if complete and count >= s.max_nodes else draw(st.integers(0, len(rest)))
     heartbeats = {n: draw(st.integers(1, 9)) for n in nodes}
     state = RendezvousState(
         round=draw(st.integers(0, 3)),
@@ -100,7 +101,10 @@ def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> Rend
         state = state.evolve(
             restarts=restarts, charged_through=through, closed=state.closed or spent
         )
-    return state
+    # Who returns from the last complete round: any non-participants, not excluded.
+    others = [n for n in rest + outsiders if n not in state.excluded]
+    returning = draw(st.lists(st.sampled_from(others), unique=True)) if others else []
+    return state.evolve(returning=frozenset(returning), regroup=draw(st.booleans()))
 
 
 @st.composite

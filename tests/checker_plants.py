@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from rallypoint.core import RendezvousState, driver, operators
+from rallypoint.core import RendezvousState, Settings, actions, driver, operators
 from rallypoint.core.actions import Action
 from rallypoint.spec.check import CheckResult
 
@@ -50,3 +50,29 @@ def assert_same_space(first: CheckResult, second: CheckResult) -> None:
         second.depth,
     )
     assert first.lifecycle_edges == second.lifecycle_edges
+
+
+def keep_the_waiters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round completes with its waiting nodes still waiting (the rule before
+    waiters a round formed without stood by): a node that never joins makes every
+    round regroup for it again, a restart storm."""
+    real = actions._mark_complete
+
+    def complete(state: RendezvousState, settings: Settings) -> RendezvousState:
+        done = real(state, settings)
+        if not state.wait_list:
+            return done
+        return done.evolve(
+            wait_list=state.wait_list,
+            redundancy_list=done.redundancy_list - state.wait_list,
+        )
+
+    monkeypatch.setattr(actions, "_mark_complete", complete)
+
+
+def wait_out_every_last_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A regroup waits out its last call even when everyone expected is back
+    (the rule before: only max_nodes completed a round at once)."""
+    rows = tuple(row for row in operators.JOIN_TABLE if "everyone expected back" not in row.name)
+    assert len(rows) == len(operators.JOIN_TABLE) - 1
+    monkeypatch.setattr(operators, "JOIN_TABLE", rows)

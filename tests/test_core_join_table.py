@@ -174,6 +174,34 @@ def test_last_call_is_timed_from_this_nodes_own_sighting():
     assert decide(later) is Action.MARK_RENDEZVOUS_COMPLETE
 
 
+def _regroup_after_a_leave(min_nodes: int = 3):
+    """Four nodes (max 4) in a complete round; node(3) leaves for good and the
+    other three leave it to rejoin: the next round opens as a regroup."""
+    s = settings(min_nodes, 4, last_call_timeout=10.0)
+    state = step(completed(4, s), node(3), Action.LEAVE, s)
+    for i in range(3):
+        state = step(state, node(i), Action.REMOVE_FROM_PARTICIPANTS, s)
+    assert not state.complete and state.round == 1 and state.regroup
+    assert state.returning == {node(0), node(1), node(2)}
+    return s, state
+
+
+def test_a_regroup_with_every_survivor_back_completes_without_its_last_call():
+    s, state = _regroup_after_a_leave()
+    state = joined([node(0), node(1), node(2)], s, state)
+    assert state.last_call is not None and not state.returning
+    # At once: the last call would only wait for node(3), which left for good.
+    assert decide(ctx(node(0), state, s, now=0.0)) is Action.MARK_RENDEZVOUS_COMPLETE
+    assert join_row(ctx(node(0), state, s), FAR).name.startswith("participant, quorum, everyone")
+
+
+def test_a_regroup_waits_its_last_call_while_a_survivor_is_still_returning():
+    s, state = _regroup_after_a_leave(min_nodes=2)
+    state = joined([node(0), node(1)], s, state)  # node(2) has not rejoined yet
+    assert state.returning == {node(2)} and state.last_call is not None
+    assert decide(ctx(node(0), state, s, now=0.0)) is Action.SYNC
+
+
 def test_open_round_admits_a_newcomer():
     s = settings()
     assert decide(ctx(node(0), RendezvousState(), s)) is Action.ADD_TO_PARTICIPANTS

@@ -296,6 +296,11 @@ def _reference_complete(state: RendezvousState, s: Settings) -> RendezvousState:
         world_size=len(ranks),
         participants=ranks,
         last_ranks=ranks if s.stable_ranks else {},
+        returning=frozenset(),
+        regroup=True,
+        # a node still waiting did not join the round: it stands by
+        wait_list=frozenset(),
+        redundancy_list=state.redundancy_list | state.wait_list,
     )
 
 
@@ -314,6 +319,10 @@ def _reference_apply(
             return "already joined"
         if len(state.participants) >= s.max_nodes:
             return "round is full"
+        if node in state.returning:
+            state = state.evolve(returning=state.returning - {node})
+        elif state.regroup:
+            state = state.evolve(regroup=False, returning=frozenset())
         state = state.evolve(
             wait_list=state.wait_list - {node},
             redundancy_list=state.redundancy_list - {node},
@@ -342,11 +351,17 @@ def _reference_apply(
         if node not in state.participants:
             return "not a participant"
         state = state.evolve(participants=state.participants.delete(node), heartbeats=without)
+        if state.complete:
+            state = state.evolve(returning=state.returning | {node})
         return _reference_epilogue(state, s)
     if action is a.REMOVE_FROM_WAIT_LIST:
         if node not in state.wait_list:
             return "not waiting"
-        return state.evolve(wait_list=state.wait_list - {node}, heartbeats=without)
+        return state.evolve(
+            wait_list=state.wait_list - {node},
+            heartbeats=without,
+            returning=state.returning - {node},
+        )
     if action is a.REMOVE_FROM_REDUNDANCY_LIST:
         if node not in state.redundancy_list:
             return "not redundant"
@@ -375,11 +390,24 @@ def _reference_apply(
             heartbeats=without,
             wait_list=state.wait_list - {node},
             redundancy_list=state.redundancy_list - {node},
+            returning=state.returning - {node},
         )
         if node not in state.participants:
             return state
         state = state.evolve(participants=state.participants.delete(node))
         return _reference_epilogue(state, s)
+    if action is a.LEAVE:
+        if node not in state.members() and node not in state.returning:
+            return "neither a member nor returning"
+        member = node in state.participants
+        state = state.evolve(
+            participants=state.participants.delete(node) if member else state.participants,
+            wait_list=state.wait_list - {node},
+            redundancy_list=state.redundancy_list - {node},
+            returning=state.returning - {node},
+            heartbeats=without,
+        )
+        return _reference_epilogue(state, s) if member else state
     assert action is a.KEEP_ALIVE
     if node not in state.heartbeats:
         return "has no heartbeat entry"
@@ -407,7 +435,7 @@ def test_each_effect_gives_the_state_its_field_by_field_definition_gives(state, 
     assert "_hash" not in vars(new) or vars(new)["_hash"] == hash(expected)
     for name in ("participants", "heartbeats", "last_ranks", "excluded"):
         assert isinstance(getattr(new, name), Map)
-    for name in ("wait_list", "redundancy_list"):
+    for name in ("wait_list", "redundancy_list", "returning"):
         assert isinstance(getattr(new, name), frozenset)
 
 

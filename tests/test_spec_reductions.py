@@ -65,10 +65,15 @@ def _without_local_normal_forms(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_finished_nodes_and_forgotten_crashes_lose_no_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    reduced, reduced_result, reduced_states = _search(CRASHING)
+    # Without subsumption: which states it skips depends on the order states are
+    # reached in, which the normal forms change (with the regroup record, two
+    # states of a timed-out joiner were stored by the search without them and not
+    # by the one with them; without subsumption both reach the same images).
+    unsubsumed = dataclasses.replace(CRASHING, subsumption=False)
+    reduced, reduced_result, reduced_states = _search(unsubsumed)
     with monkeypatch.context() as patch:
         _without_local_normal_forms(patch)
-        _, full_result, full_states = _search(CRASHING)
+        _, full_result, full_states = _search(unsubsumed)
     assert reduced_result.ok and full_result.ok and full_result.complete
     # every state of the full search has its normal form in the reduced one, and
     # the reduced one reaches nothing else (up to the ranks' order: a renamed
@@ -325,7 +330,8 @@ def test_one_construction_paths_build_what_the_constructors_build() -> None:
     assert View._fields == (
         "node", "state", "settings", "now", "own", "last_call", "deadline", "pending"
     )  # fmt: skip
-    assert len(Guards._fields) == 12 and Guards._fields[-2:] == ("announced", "excluded")
+    assert len(Guards._fields) == 13
+    assert Guards._fields[-3:] == ("announced", "excluded", "all_back")
 
 
 @pytest.mark.parametrize("config", [CRASHING, SMALL], ids=["crashing", "small"])
