@@ -858,8 +858,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _remove_empty(log_root)
         print(f"rallypoint run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    from ._reaper import become_subreaper
     from .api import record_end
 
+    become_subreaper()  # orphaned helpers of the workers come back here (agent/workers.py)
     agent = ElasticAgent(config, worker_argv(args), handler, log_root=log_root)
     try:
         result = agent.run()
