@@ -39,6 +39,7 @@ from dataclasses import dataclass
 TOKEN_ENV = "RALLYPOINT_WORKER_TOKEN"
 _TOKEN_KEY = TOKEN_ENV.encode() + b"="
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 #: a SIGKILL sweep gives up after this many passes that still found new carriers
 _MAX_PASSES = 50
 
@@ -58,6 +59,19 @@ def become_subreaper() -> bool:
         return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
+
+
+def is_subreaper() -> bool:
+    """Whether this process is a child subreaper (see :func:`become_subreaper`)."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        flag = ctypes.c_int(0)
+        ok = int(libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+    return ok and flag.value != 0
 
 
 @dataclass(frozen=True)

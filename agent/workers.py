@@ -385,8 +385,10 @@ class WorkerGroup:
         """Send ``sig`` to every worker's process tree now, without waiting (a
         preempted agent lets them checkpoint while it leaves the rendezvous)."""
         with self._lock:
-            for worker in self.workers:
-                _signal_tree(_tree(worker.pid, worker.token), sig)
+            trees = [_tree(w.pid, w.token) for w in self.workers]
+            for tree in trees:
+                _signal_tree(tree, sig)
+            _signal_strays(trees, sig)
 
     def _kill_trees(
         self,
@@ -402,6 +404,8 @@ class WorkerGroup:
         for tree in trees:
             if sig is not None:
                 _signal_tree(tree, sig)
+        if sig is not None:
+            _signal_strays(trees, sig)
         deadline = time.monotonic() + grace
         pause = 0.001
         while any(w.poll() is None for w in chosen):
@@ -412,7 +416,7 @@ class WorkerGroup:
             pause = min(pause * 2, 0.05)
         for tree in trees:
             _signal_tree(tree, signal.SIGKILL)
-        _collect_adopted(trees, {w.pid for w in chosen})
+        _collect_adopted(trees, _signal_strays(trees, signal.SIGKILL))
 
     def _stop(self, grace: float, sig: signal.Signals | None = signal.SIGTERM) -> None:
         if self.workers or self.spares:
@@ -456,14 +460,12 @@ class WorkerGroup:
 
 @dataclass
 class _Tree:
-    """A worker's process group, its descendants now, and the processes that
-    carry its token wherever they are."""
+    """A worker's process group and its descendants now; its token names the
+    processes it started wherever they went (:func:`_signal_strays`)."""
 
     pgid: int
     members: list[psutil.Process]
     token: str = ""
-    #: (pid, start time) of the token carriers SIGKILLed so far
-    killed: set[tuple[int, int]] = field(default_factory=set)
 
 
 def _tree(pid: int, token: str = "") -> _Tree:
@@ -481,43 +483,54 @@ def _signal_tree(tree: _Tree, sig: signal.Signals) -> None:
     for proc in tree.members:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(sig)
-    if not tree.token or sys.platform != "linux":
-        return
-    # The worker's processes that left its tree: a helper whose parent died, a daemon.
+
+
+def _signal_strays(trees: Sequence[_Tree], sig: signal.Signals) -> set[tuple[int, int]]:
+    """``sig`` to the processes the workers of ``trees`` started that left their
+    trees (a helper whose parent died, a daemon), found by token in one sweep for
+    all (SIGKILL: to every carrier, until none is left; any other signal: once, to
+    the carriers that :func:`_signal_tree` did not reach). Returns the (pid, start
+    time) of the processes signalled."""
+    tokens = {tree.token for tree in trees if tree.token}
+    if not tokens or sys.platform != "linux":
+        return set()
     if sig == signal.SIGKILL:
-        tree.killed |= _reaper.sweep({tree.token})
-    else:  # once, to whatever the two sends above missed
-        _reaper.sweep(
-            {tree.token}, sig, skip_pids={p.pid for p in tree.members}, skip_pgids={tree.pgid}
-        )
+        return _reaper.sweep(tokens)
+    members = {proc.pid for tree in trees for proc in tree.members}
+    return _reaper.sweep(tokens, sig, skip_pids=members, skip_pgids={t.pgid for t in trees})
 
 
-def _collect_adopted(trees: Sequence[_Tree], workers: Collection[int], bound: float = 5.0) -> None:
-    """Reap the killed processes of ``trees`` that were reparented to this agent
-    (its workers' child subreaper), waiting up to ``bound`` s for them to die.
+def _collect_adopted(
+    trees: Sequence[_Tree], killed: Collection[tuple[int, int]], bound: float = 5.0
+) -> None:
+    """Reap the processes of ``trees`` that were reparented to this agent (its
+    workers' child subreaper), waiting up to ``bound`` s for them to die.
 
-    A child is one of them if it was killed as a token carrier (same pid and start
-    time), or if it is in the session or process group of a worker not yet reaped
-    (no other process can hold that id then). Any other child is left alone: its
-    owner in this process reaps it. The workers themselves are reaped by their
+    A child is one of them if it was ``killed`` as a token carrier (same pid and
+    start time), or if it is in the session or process group of a worker not yet
+    reaped (no other process can hold that id then; one still alive, which cleared
+    its environment, is SIGKILLed here: as a child, its pid is its own until reaped).
+    Any other child is left alone: its owner in this process reaps it. The workers
+    themselves (each its group's and session's leader) are reaped by their
     :class:`subprocess.Popen`.
     """
-    if sys.platform != "linux":
-        return
-    killed = set().union(*(tree.killed for tree in trees))
+    if not _reaper.is_subreaper():
+        return  # orphans go to another subreaper or init
     leaders = {tree.pgid for tree in trees}
     me = os.getpid()
     deadline = time.monotonic() + bound
     while True:
         dying = False
         for child in _reaper.children(me):
-            if child.pid in workers:
+            if child.pid in leaders:
                 continue
-            if (child.pid, child.start) not in killed and not (
-                child.sid in leaders or child.pgid in leaders
-            ):
+            in_a_worker_session = child.sid in leaders or child.pgid in leaders
+            if (child.pid, child.start) not in killed and not in_a_worker_session:
                 continue
             if not child.zombie:
+                if in_a_worker_session:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
                 dying = True  # SIGKILLed: gone in a moment
                 continue
             with contextlib.suppress(ChildProcessError):
