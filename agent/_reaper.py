@@ -164,7 +164,7 @@ def signal_carrier(pid: int, tokens: Collection[str], sig: int) -> bool:
             return False
         signal.pidfd_send_signal(pidfd, sig)
         return True
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
     finally:
         os.close(pidfd)
@@ -174,7 +174,7 @@ def _signal_carrier_by_start(pid: int, tokens: Collection[str], sig: int) -> boo
     before = proc_stat(pid)
     if before is None or token_of(pid) not in tokens or proc_stat(pid) != before:
         return False
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
         return True
     return False

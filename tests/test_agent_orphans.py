@@ -178,6 +178,10 @@ def test_a_sweep_signals_token_carriers_only(tmp_path: Path) -> None:
         while _reaper.token_of(marked.pid) != token and time.monotonic() < deadline:
             time.sleep(0.01)  # until it has exec'd
         assert not _reaper.signal_carrier(other.pid, {token}, signal.SIGKILL)
+        assert _reaper.signal_carrier(marked.pid, {token}, 0)  # 0: only checks
+        # The same checks without a pidfd (kernels before 5.3), by start time.
+        assert not _reaper._signal_carrier_by_start(other.pid, {token}, signal.SIGKILL)
+        assert _reaper._signal_carrier_by_start(marked.pid, {token}, 0)
         killed = _reaper.sweep({token})
         assert [pid for pid, _ in killed] == [marked.pid]
         # Dead, not yet reaped: a zombie carries no token and is not signalled again.
