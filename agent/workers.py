@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -241,6 +241,9 @@ class WorkerGroup:
         #: stopped with the group
         self.spares: list[WorkerProcess] = []
         self._watchdog: _Watchdog | None = None
+        #: (pid, start time) of the workers' strays signalled and not yet collected:
+        #: one that died of a forwarded signal is a zombie with no token left to show
+        self._strays: set[tuple[int, int]] = set()
         #: held by stop() and fence(): a fence from the lease guard's thread never
         #: signals workers that stop() is reaping
         self._lock = threading.Lock()
@@ -388,7 +391,7 @@ class WorkerGroup:
             trees = [_tree(w.pid, w.token) for w in self.workers]
             for tree in trees:
                 _signal_tree(tree, sig)
-            _signal_strays(trees, sig)
+            self._strays |= _signal_strays(trees, sig)
 
     def _kill_trees(
         self,
@@ -405,7 +408,7 @@ class WorkerGroup:
             if sig is not None:
                 _signal_tree(tree, sig)
         if sig is not None:
-            _signal_strays(trees, sig)
+            self._strays |= _signal_strays(trees, sig)
         deadline = time.monotonic() + grace
         pause = 0.001
         while any(w.poll() is None for w in chosen):
@@ -416,7 +419,9 @@ class WorkerGroup:
             pause = min(pause * 2, 0.05)
         for tree in trees:
             _signal_tree(tree, signal.SIGKILL)
-        _collect_adopted(trees, _signal_strays(trees, signal.SIGKILL))
+        killed = _signal_strays(trees, signal.SIGKILL)
+        self._strays |= killed
+        _collect_adopted(trees, self._strays, killed)
 
     def _stop(self, grace: float, sig: signal.Signals | None = signal.SIGTERM) -> None:
         if self.workers or self.spares:
@@ -501,22 +506,35 @@ def _signal_strays(trees: Sequence[_Tree], sig: signal.Signals) -> set[tuple[int
 
 
 def _collect_adopted(
-    trees: Sequence[_Tree], killed: Collection[tuple[int, int]], bound: float = 5.0
+    trees: Sequence[_Tree],
+    strays: set[tuple[int, int]],
+    killed: set[tuple[int, int]],
+    bound: float = 5.0,
 ) -> None:
     """Reap the processes of ``trees`` that were reparented to this agent (its
-    workers' child subreaper), waiting up to ``bound`` s for them to die.
+    workers' child subreaper), waiting up to ``bound`` s for the ``killed`` ones to
+    die; then forget the ``strays`` that are gone.
 
-    A child is one of them if it was ``killed`` as a token carrier (same pid and
-    start time), or if it is in the session or process group of a worker not yet
-    reaped (no other process can hold that id then; one still alive, which cleared
-    its environment, is SIGKILLed here: as a child, its pid is its own until reaped).
-    Any other child is left alone: its owner in this process reaps it. The workers
-    themselves (each its group's and session's leader) are reaped by their
-    :class:`subprocess.Popen`.
+    A child is one of them if it is one of the ``strays`` signalled as token
+    carriers (same pid and start time), or if it is in the session or process group
+    of a worker not yet reaped (no other process can hold that id then; one still
+    alive, which cleared its environment, is SIGKILLed here: as a child, its pid is
+    its own until reaped). Any other child is left alone: its owner in this process
+    reaps it. The workers themselves (each its group's and session's leader) are
+    reaped by their :class:`subprocess.Popen`.
     """
-    if not _reaper.is_subreaper():
-        return  # orphans go to another subreaper or init
-    leaders = {tree.pgid for tree in trees}
+    if _reaper.is_subreaper():
+        _reap_adopted({tree.pgid for tree in trees}, strays, killed, bound)
+    # Forget the strays that are gone (reaped here, or by a parent that outlived them).
+    for pid, start in list(strays):
+        stat = _reaper.proc_stat(pid)
+        if stat is None or stat.start != start:
+            strays.discard((pid, start))
+
+
+def _reap_adopted(
+    leaders: set[int], strays: set[tuple[int, int]], killed: set[tuple[int, int]], bound: float
+) -> None:
     me = os.getpid()
     deadline = time.monotonic() + bound
     while True:
@@ -524,17 +542,19 @@ def _collect_adopted(
         for child in _reaper.children(me):
             if child.pid in leaders:
                 continue
+            identity = (child.pid, child.start)
             in_a_worker_session = child.sid in leaders or child.pgid in leaders
-            if (child.pid, child.start) not in killed and not in_a_worker_session:
+            if identity not in strays and not in_a_worker_session:
                 continue
-            if not child.zombie:
-                if in_a_worker_session:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(child.pid, signal.SIGKILL)
+            if child.zombie:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(child.pid, os.WNOHANG)
+            elif in_a_worker_session:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGKILL)
+                dying = True
+            elif identity in killed:
                 dying = True  # SIGKILLed: gone in a moment
-                continue
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(child.pid, os.WNOHANG)
         if not dying or time.monotonic() >= deadline:
             return
         time.sleep(0.01)

@@ -4,8 +4,8 @@ SIGTERM (it stops them itself, and collects them as their child subreaper) or is
 SIGKILLed (its watchdog stops them).
 
 Real ``rallypoint run`` agents on 127.0.0.1 (the ``cluster`` fixture kills every
-process a test started, even after a failed assertion); the helpers ignore SIGINT,
-SIGTERM and SIGHUP, as daemons do, so only the agent's SIGKILL ends them.
+process a test started, even after a failed assertion). The helper ignores SIGINT,
+SIGTERM and SIGHUP, so only the agent's SIGKILL ends it; the daemon obeys SIGTERM.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ from rallypoint.agent import _reaper
 
 WAIT = 90.0
 
-# argv: PIDFILE. Ignores the stop signals, records its pid, runs until SIGKILLed.
+# argv: PIDFILE [obeys-sigterm]. Ignores the stop signals (but SIGTERM if told),
+# records its pid, runs until killed.
 HELPER = """
 import os, signal, sys, time
 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(sig, signal.SIG_IGN)
+    if not (sig == signal.SIGTERM and sys.argv[2:] == ["obeys-sigterm"]):
+        signal.signal(sig, signal.SIG_IGN)
 with open(sys.argv[1] + ".tmp", "w") as fp:
     fp.write(str(os.getpid()))
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])
@@ -38,9 +40,10 @@ while True:
     time.sleep(0.1)
 """
 
-# argv: OUT [fail-first]. Starts a helper in its own session and a double-forked
-# daemon, writes OUT/started.<restart count> with the three pids, then runs until
-# stopped; with fail-first, the first attempt's worker then exits 3.
+# argv: OUT [fail-first]. Starts a helper in its own session that ignores the stop
+# signals and a double-forked daemon that obeys SIGTERM, writes OUT/started.<restart
+# count> with the three pids, then runs until stopped; with fail-first, the first
+# attempt's worker then exits 3.
 WORKER = """
 import json, os, subprocess, sys, time
 
@@ -58,7 +61,7 @@ child = os.fork()
 if child == 0:
     os.setsid()
     if os.fork() == 0:
-        os.execv(sys.executable, [sys.executable, helper, pidfile("daemon")])
+        os.execv(sys.executable, [sys.executable, helper, pidfile("daemon"), "obeys-sigterm"])
     os._exit(0)
 os.waitpid(child, 0)
 deadline = time.monotonic() + 60
@@ -143,8 +146,9 @@ def test_the_agent_stops_and_collects_a_failed_workers_helpers_before_restarting
     cluster: Cluster,
 ) -> None:
     """The first attempt's worker exits 3, leaving its helper and daemon behind as
-    the agent's children: they are stopped and reaped before the second attempt
-    starts, so the agent holds no zombie while the job runs on."""
+    the agent's children: they are stopped (the daemon by SIGTERM, the helper by
+    SIGKILL) and reaped before the second attempt starts, so the agent holds no
+    zombie while the job runs on."""
     worker = _scripts(cluster.dir)
     agent = cluster.start(
         [*_agent_args(worker, cluster.dir, "--max-restarts", "1"), "fail-first"], "a"
