@@ -625,11 +625,13 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     if args.module:
         return [python, "-u", "-m", script, *rest]
     if args.run_path:
+        # In this interpreter, as torchrun runs it (a function; PYTHON_EXEC is not
+        # used), and ended as function workers end (see agent/_function_worker.py).
         code = (
-            "import runpy, sys; sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')"
+            "import sys; from rallypoint.agent._function_worker import run_path; "
+            "run_path(sys.argv[1], sys.argv[2:])"
         )
-        return [python, "-u", "-c", code, os.path.abspath(script), *rest]
+        return [sys.executable, "-u", "-c", code, os.path.abspath(script), *rest]
     return [python, "-u", script, *rest]
 
 
@@ -856,8 +858,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _remove_empty(log_root)
         print(f"rallypoint run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    from ._reaper import become_subreaper
     from .api import record_end
 
+    become_subreaper()  # orphaned helpers of the workers come back here (agent/workers.py)
     agent = ElasticAgent(config, worker_argv(args), handler, log_root=log_root)
     try:
         result = agent.run()

@@ -7,19 +7,24 @@ SIGKILLs whatever is left. On Linux each worker also asks the kernel to SIGKILL 
 when the agent dies (``PR_SET_PDEATHSIG``, set by util-linux's ``setpriv`` just
 before it execs the worker), so even a SIGKILLed agent leaves no worker behind.
 
+What a worker starts is stopped with it, wherever it went: each worker carries a
+random token in its environment that its descendants inherit, so a helper in a
+session of its own or a double-forked daemon is found and stopped by its token even
+after it left the worker's tree (``agent/_reaper.py``). ``rallypoint run`` makes the
+agent the workers' child subreaper, so such orphans are reparented to the agent,
+which collects them once they are stopped.
+
 The parent-death signal reaches the worker only, not what the worker started (data
 loader processes, a helper it launched): those would outlive a SIGKILLed agent. So
 each started group of workers also has a *watchdog*, a tiny separate process in a
 session of its own that holds the read end of a pipe whose write end only the agent
-holds. The agent tells it each worker's process group when it starts one and tells
-it to forget them once they are stopped; when the pipe reaches end-of-file while
-groups are still registered, the agent died without stopping them (any death, even
-SIGKILL, closes its descriptors), and the watchdog SIGKILLs those process groups.
-An exited worker is only reaped once the watchdog has forgotten its group
-(:meth:`WorkerProcess.poll` looks at the exit without collecting it), so the number
-the watchdog holds can never name another process's group.
-A descendant that moved itself into another process group or session is outside
-this net; the agent's own stop still finds it while its parent lives.
+holds. The agent tells it each worker (process group and token) when it starts one
+and tells it to forget them once they are stopped; when the pipe reaches end-of-file
+while workers are still registered, the agent died without stopping them (any death,
+even SIGKILL, closes its descriptors), and the watchdog SIGKILLs every process that
+carries one of their tokens, checking each pid before it signals it.
+An exited worker is only reaped once the watchdog has forgotten it
+(:meth:`WorkerProcess.poll` looks at the exit without collecting it).
 
 Output: per local rank and stream, ``redirect`` sends it to the attempt's log file
 only, ``tee`` to the file and to the agent's console with torchrun's prefix
@@ -45,6 +50,7 @@ from typing import IO
 
 import psutil
 
+from . import _reaper
 from .config import Std
 from .errors import ProcessFailure
 
@@ -64,31 +70,10 @@ _PDEATHSIG_SHIM = (
 )
 
 
-# The watchdog of one group of workers (see the module docstring). It reads lines
-# "+PGID" (watch) and "-PGID" (forget) from the pipe on fd argv[1]; at end-of-file it
-# SIGKILLs every process group still watched and exits. Started with -I -S: no site
-# imports, a few milliseconds; the agent does not wait for it to start (its lines
-# wait in the pipe).
-_WATCHDOG = r"""
-import os, signal, sys
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-fd, groups, rest = int(sys.argv[1]), set(), b""
-while True:
-    data = os.read(fd, 4096)
-    if not data:
-        break
-    *lines, rest = (rest + data).split(b"\n")
-    for line in lines:
-        if line[:1] == b"+":
-            groups.add(int(line[1:]))
-        elif line[:1] == b"-":
-            groups.discard(int(line[1:]))
-for pgid in groups:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
-"""
+# The watchdog of one group of workers (see the module docstring): a script that
+# imports only the standard library, run with -I -S (no site imports, a few
+# milliseconds); the agent does not wait for it to start (its lines wait in the pipe).
+_WATCHDOG = _reaper.__file__
 
 
 @functools.cache
@@ -140,6 +125,8 @@ class WorkerProcess:
     exit_time: float | None = None
     threads: list[threading.Thread] = field(default_factory=list)
     files: list[IO[bytes]] = field(default_factory=list)
+    #: in the worker's environment, inherited by whatever it starts (agent/_reaper.py)
+    token: str = ""
 
     @property
     def pid(self) -> int:
@@ -209,7 +196,7 @@ class _Watchdog:
         read_end, self._fd = os.pipe()  # neither end is inherited by the workers
         try:
             self.popen: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(read_end)],
+                [sys.executable, "-I", "-S", _WATCHDOG, str(read_end)],
                 pass_fds=(read_end,),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -226,14 +213,15 @@ class _Watchdog:
         with contextlib.suppress(OSError):  # the watchdog died: nothing more to do
             os.write(self._fd, line.encode())
 
-    def watch(self, pgid: int) -> None:
-        self._send(f"+{pgid}\n")
+    def watch(self, pgid: int, token: str) -> None:
+        self._send(f"+{pgid} {token}\n")
 
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}\n")
 
     def close(self) -> None:
-        """End the watchdog (it kills the groups still watched, normally none)."""
+        """End the watchdog (it kills what the workers still watched started,
+        normally none are)."""
         os.close(self._fd)
         popen, self.popen = self.popen, None
         if popen is not None:
@@ -253,6 +241,9 @@ class WorkerGroup:
         #: stopped with the group
         self.spares: list[WorkerProcess] = []
         self._watchdog: _Watchdog | None = None
+        #: (pid, start time) of the workers' strays signalled and not yet collected:
+        #: one that died of a forwarded signal is a zombie with no token left to show
+        self._strays: set[tuple[int, int]] = set()
         #: held by stop() and fence(): a fence from the lease guard's thread never
         #: signals workers that stop() is reaping
         self._lock = threading.Lock()
@@ -269,7 +260,7 @@ class WorkerGroup:
                 worker = _start_one(launch)
                 self.workers.append(worker)
                 if self._watchdog is not None:
-                    self._watchdog.watch(worker.pid)  # its process group
+                    self._watchdog.watch(worker.pid, worker.token)
         except BaseException:
             self.stop(grace=0.0)
             raise
@@ -295,7 +286,7 @@ class WorkerGroup:
         spare = _start_one(launch)
         self.spares.append(spare)
         if self._watchdog is not None:
-            self._watchdog.watch(spare.pid)
+            self._watchdog.watch(spare.pid, spare.token)
         return spare
 
     def adopt(self, spare: WorkerProcess, launch: WorkerLaunch) -> None:
@@ -348,7 +339,7 @@ class WorkerGroup:
         with self._lock:
             worker = self.worker(local_rank)
             if worker is not None:
-                _signal_tree(_tree(worker.pid), signal.SIGKILL)
+                _signal_tree(_tree(worker.pid, worker.token), signal.SIGKILL)
 
     def poll(self) -> dict[int, int | None]:
         """Exit code per local rank (None while the worker runs)."""
@@ -397,8 +388,10 @@ class WorkerGroup:
         """Send ``sig`` to every worker's process tree now, without waiting (a
         preempted agent lets them checkpoint while it leaves the rendezvous)."""
         with self._lock:
-            for worker in self.workers:
-                _signal_tree(_tree(worker.pid), sig)
+            trees = [_tree(w.pid, w.token) for w in self.workers]
+            for tree in trees:
+                _signal_tree(tree, sig)
+            self._strays |= _signal_strays(trees, sig)
 
     def _kill_trees(
         self,
@@ -410,10 +403,12 @@ class WorkerGroup:
         to ``grace`` s for them to exit, then SIGKILL to what is left of the trees
         (nothing is reaped)."""
         chosen = self.workers if workers is None else workers
-        trees = [_tree(w.pid) for w in chosen]
+        trees = [_tree(w.pid, w.token) for w in chosen]
         for tree in trees:
             if sig is not None:
                 _signal_tree(tree, sig)
+        if sig is not None:
+            self._strays |= _signal_strays(trees, sig)
         deadline = time.monotonic() + grace
         pause = 0.001
         while any(w.poll() is None for w in chosen):
@@ -424,6 +419,9 @@ class WorkerGroup:
             pause = min(pause * 2, 0.05)
         for tree in trees:
             _signal_tree(tree, signal.SIGKILL)
+        killed = _signal_strays(trees, signal.SIGKILL)
+        self._strays |= killed
+        _collect_adopted(trees, self._strays, killed)
 
     def _stop(self, grace: float, sig: signal.Signals | None = signal.SIGTERM) -> None:
         if self.workers or self.spares:
@@ -467,16 +465,20 @@ class WorkerGroup:
 
 @dataclass
 class _Tree:
+    """A worker's process group and its descendants now; its token names the
+    processes it started wherever they went (:func:`_signal_strays`)."""
+
     pgid: int
     members: list[psutil.Process]
+    token: str = ""
 
 
-def _tree(pid: int) -> _Tree:
+def _tree(pid: int, token: str = "") -> _Tree:
     members: list[psutil.Process] = []
     with contextlib.suppress(psutil.Error):
         root = psutil.Process(pid)
         members = [root, *root.children(recursive=True)]
-    return _Tree(pgid=pid, members=members)
+    return _Tree(pgid=pid, members=members, token=token)
 
 
 def _signal_tree(tree: _Tree, sig: signal.Signals) -> None:
@@ -486,6 +488,76 @@ def _signal_tree(tree: _Tree, sig: signal.Signals) -> None:
     for proc in tree.members:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(sig)
+
+
+def _signal_strays(trees: Sequence[_Tree], sig: signal.Signals) -> set[tuple[int, int]]:
+    """``sig`` to the processes the workers of ``trees`` started that left their
+    trees (a helper whose parent died, a daemon), found by token in one sweep for
+    all (SIGKILL: to every carrier, until none is left; any other signal: once, to
+    the carriers that :func:`_signal_tree` did not reach). Returns the (pid, start
+    time) of the processes signalled."""
+    tokens = {tree.token for tree in trees if tree.token}
+    if not tokens or sys.platform != "linux":
+        return set()
+    if sig == signal.SIGKILL:
+        return _reaper.sweep(tokens)
+    members = {proc.pid for tree in trees for proc in tree.members}
+    return _reaper.sweep(tokens, sig, skip_pids=members, skip_pgids={t.pgid for t in trees})
+
+
+def _collect_adopted(
+    trees: Sequence[_Tree],
+    strays: set[tuple[int, int]],
+    killed: set[tuple[int, int]],
+    bound: float = 5.0,
+) -> None:
+    """Reap the processes of ``trees`` that were reparented to this agent (its
+    workers' child subreaper), waiting up to ``bound`` s for the ``killed`` ones to
+    die; then forget the ``strays`` that are gone.
+
+    A child is one of them if it is one of the ``strays`` signalled as token
+    carriers (same pid and start time), or if it is in the session or process group
+    of a worker not yet reaped (no other process can hold that id then; one still
+    alive, which cleared its environment, is SIGKILLed here: as a child, its pid is
+    its own until reaped). Any other child is left alone: its owner in this process
+    reaps it. The workers themselves (each its group's and session's leader) are
+    reaped by their :class:`subprocess.Popen`.
+    """
+    if _reaper.is_subreaper():
+        _reap_adopted({tree.pgid for tree in trees}, strays, killed, bound)
+    # Forget the strays that are gone (reaped here, or by a parent that outlived them).
+    for pid, start in list(strays):
+        stat = _reaper.proc_stat(pid)
+        if stat is None or stat.start != start:
+            strays.discard((pid, start))
+
+
+def _reap_adopted(
+    leaders: set[int], strays: set[tuple[int, int]], killed: set[tuple[int, int]], bound: float
+) -> None:
+    me = os.getpid()
+    deadline = time.monotonic() + bound
+    while True:
+        dying = False
+        for child in _reaper.children(me):
+            if child.pid in leaders:
+                continue
+            identity = (child.pid, child.start)
+            in_a_worker_session = child.sid in leaders or child.pgid in leaders
+            if identity not in strays and not in_a_worker_session:
+                continue
+            if child.zombie:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(child.pid, os.WNOHANG)
+            elif in_a_worker_session:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGKILL)
+                dying = True
+            elif identity in killed:
+                dying = True  # SIGKILLed: gone in a moment
+        if not dying or time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
 
 
 def kill_tree(pid: int, grace: float = 0.0) -> None:
@@ -567,10 +639,11 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
     with contextlib.suppress(FileNotFoundError):
         os.remove(launch.error_file)
     routes = _route_streams(launch)
+    token = _reaper.new_token()
     try:
         popen = subprocess.Popen(
             die_with_agent(launch.argv),
-            env=dict(launch.env),
+            env={**launch.env, _reaper.TOKEN_ENV: token},
             stdin=subprocess.DEVNULL,
             stdout=routes.streams[Std.OUT],
             stderr=routes.streams[Std.ERR],
@@ -581,7 +654,9 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
         for fp in routes.files:
             fp.close()
         raise OSError(exc.errno, f"cannot start worker {launch.argv[0]!r}: {exc.strerror}") from exc
-    worker = WorkerProcess(launch=launch, popen=popen, start_time=time.time(), files=routes.files)
+    worker = WorkerProcess(
+        launch=launch, popen=popen, start_time=time.time(), files=routes.files, token=token
+    )
     for bit, log, sink, copy in routes.pumps:
         source = popen.stdout if bit == Std.OUT else popen.stderr
         assert source is not None  # PIPE was requested for this stream

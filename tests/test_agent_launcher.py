@@ -161,7 +161,8 @@ def test_worker_argv_modes(script: str) -> None:
     ]
     assert worker_argv(parse(["--no-python", "echo", "a"])) == ["echo", "a"]
     run_path = worker_argv(parse(["--run-path", script, "a"]))
-    assert run_path[-2:] == [os.path.abspath(script), "a"] and "runpy" in run_path[3]
+    assert run_path[-2:] == [os.path.abspath(script), "a"] and "run_path" in run_path[3]
+    assert run_path[0] == sys.executable
 
 
 def test_parse_helpers() -> None:

@@ -46,7 +46,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 RALLYPOINT = [sys.executable, "-m", "rallypoint.run"]
 
 #: What rallypoint adds to the worker environment (docs/agent.md, "Worker environment").
-ADDITIONS = {"RALLYPOINT_ROUND"}
+ADDITIONS = {"RALLYPOINT_ROUND", "RALLYPOINT_WORKER_TOKEN"}
 #: Values that differ between any two runs (ports, ids, paths), compared by shape.
 PER_RUN = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 
