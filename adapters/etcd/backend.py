@@ -201,8 +201,7 @@ class EtcdBackend(BackendBase):
                 cause = self._diagnose()
         return RendezvousConnectionError(
             self._describe(
-                f"etcd failed ({error_text(exc)}{after})"
-                + ("" if cause is None else f": {cause}"),
+                f"etcd failed ({error_text(exc)}{after})" + ("" if cause is None else f": {cause}"),
                 "that the etcd server is running and reachable at this address "
                 "(etcdctl --endpoints=<endpoint> endpoint health), and that read_timeout "
                 "is longer than its outages",

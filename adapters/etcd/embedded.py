@@ -255,7 +255,7 @@ class EmbeddedMember:
                 )
                 client.remove_member(member.id)
         client.add_member([self.peer_url])
-        entries = []
+        entries: list[str] = []
         for member in client.members:
             urls = list(member.peer_urls)
             name = member.name or (self.name if self.peer_url in urls else "")
