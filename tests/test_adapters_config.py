@@ -99,7 +99,7 @@ def test_the_launchers_backend_names_derive_from_the_adapters_table() -> None:
     assert torch_names == {f"torch-{kind}" for kind in kinds} | {"static"}
     # Ports: etcd's is filled in (the adapters' default); every other needs one.
     for name, port in agent_config.DEFAULT_PORTS.items():
-        etcd = name in ("etcd", "rallypoint-etcd", "torch-etcd")
+        etcd = name in adapters_config.ETCD_BACKENDS | {"torch-etcd"}
         assert port == (adapters_config.DEFAULT_PORTS["etcd"] if etcd else None), name
 
 

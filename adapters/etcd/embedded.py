@@ -68,6 +68,8 @@ log = logging.getLogger(__name__)
 
 #: The longest a member waits at the end for agents still using the cluster.
 LINGER_S = 10.0
+#: How long a stopping member may take before it is killed.
+_STOP_GRACE = 1.0
 #: How long one probe of another member waits for an answer.
 _PROBE_TIMEOUT = 2.0
 
@@ -390,13 +392,17 @@ class EmbeddedMember:
             return
         self._stopped = True
         proc, self._proc = self._proc, None
+        started = time.monotonic()
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
-                proc.wait(timeout=10)
+                # The last members wait seconds for a quorum that is gone before
+                # they exit; their data is thrown away, nothing is lost by a kill.
+                proc.wait(timeout=_STOP_GRACE)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        log.debug("etcd member %s stopped in %.2f s", self.name, time.monotonic() - started)
         self._keeper_stop.set()
         shutil.rmtree(self.data_dir, ignore_errors=True)
         self.log_file.unlink(missing_ok=True)
@@ -512,7 +518,8 @@ class Presence:
         except Exception as exc:
             log.debug("embedded etcd: marking %s done: %s", self._node, error_text(exc))
             return
-        deadline = time.monotonic() + wait
+        started = time.monotonic()
+        deadline = started + wait
         while time.monotonic() < deadline:
             try:
                 pending = self._pending()
@@ -524,6 +531,8 @@ class Presence:
             with contextlib.suppress(Exception):
                 self._call(lambda c: c.refresh_lease(lease.id))
             time.sleep(0.1)
+        log.debug("embedded etcd: %s waited %.2f s for the others", self._node,
+                  time.monotonic() - started)  # fmt: skip
         with contextlib.suppress(Exception):
             self._call(lambda c: c.revoke_lease(lease.id))
 
