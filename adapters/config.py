@@ -723,6 +723,12 @@ def _embedded(params: RendezvousParameters, endpoint: str, local_addr: str) -> E
     """
     members = tuple(parse_endpoints(endpoint, DEFAULT_PORTS["etcd"]))
     names = [format_endpoint(*m) for m in members]
+    users = sorted(k for k in ("user", "password", "password_file") if k in params.config)
+    if users:
+        raise ConfigError(
+            f"rendezvous options {', '.join(users)}: the embedded etcd has no users (they "
+            "are for an external etcd); keep other hosts out with TLS (cacert, cert, key)"
+        )
     taken = {(host, port + 1) for host, port in members}
     for name, (host, port) in zip(names, members, strict=True):
         if port >= 65535 or port == 0 or (host, port) in taken:

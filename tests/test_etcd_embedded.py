@@ -109,6 +109,11 @@ def test_bad_member_lists_and_members_are_one_line_errors(
     assert "\n" not in str(caught.value)
 
 
+def test_the_embedded_etcd_has_no_users() -> None:
+    with pytest.raises(ConfigError, match="has no users"):
+        parse_params(_params("127.0.0.1:23790", "r", 1, member="0", user="u", password="p"))
+
+
 def test_member_options_belong_to_the_embedded_backend_only() -> None:
     with pytest.raises(ConfigError, match="did you mean 'member'"):
         parse_params(_params("127.0.0.1:23790", "r", 1, membr="0"))
