@@ -61,6 +61,8 @@ while True:
     time.sleep(1)
 """
 
+#: The setup the others are compared with.
+BASE = "rallypoint etcd-embedded"
 SETUPS = {
     "rallypoint etcd-embedded": ("rallypoint.run", "etcd-embedded"),
     "rallypoint c10d": ("rallypoint.run", "c10d"),
@@ -139,7 +141,12 @@ def measure(setup: str, workdir: Path, give_up: float, start_timeout: float = 12
     worker.write_text(WORKER)
     data.mkdir()
     if "embedded" in SETUPS[setup][1]:
-        endpoint = ",".join(f"127.0.0.1:{_free_port(pair=True)}" for _ in range(NODES))
+        ports: list[int] = []
+        while len(ports) < NODES:
+            port = _free_port(pair=True)
+            if not {port - 1, port, port + 1} & set(ports):
+                ports.append(port)
+        endpoint = ",".join(f"127.0.0.1:{port}" for port in ports)
     else:
         endpoint = f"127.0.0.1:{_free_port()}"
     agents: list[tuple[subprocess.Popen[bytes], IO[bytes]]] = []
@@ -159,6 +166,10 @@ def measure(setup: str, workdir: Path, give_up: float, start_timeout: float = 12
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{setup}: no round of {NODES} within {start_timeout} s")
+            for index, (popen, _) in enumerate(agents):
+                if popen.poll() is not None:
+                    tail = (run_dir / f"agent{index}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{setup}: agent {index} exited {popen.returncode}\n{tail}")
             time.sleep(0.02)
         lost, _ = agents[0]
         killed = time.time()
@@ -191,7 +202,7 @@ def _line(setup: str, results: list[Result], give_up: float, base: float | None)
     )
     if len(regrouped) == len(results):
         median = statistics.median(regrouped)
-        ratio = f"  ({median / base:.2f}x the embedded etcd)" if base else ""
+        ratio = f"  ({median / base:.2f}x the embedded etcd)" if base and setup != BASE else ""
         return f"{setup:36s} survivors training again after {median:.2f} s [{runs}]{ratio}"
     lost = [r for r in results if r.lost_s is not None]
     if lost and len(lost) == len(results):
@@ -216,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for setup in setups:  # interleaved: load changes hit every setup alike
                 results[setup].append(measure(setup, Path(tmp), args.give_up))
-    base_runs = [r.regrouped_s for r in results.get("rallypoint etcd-embedded", [])]
+    base_runs = [r.regrouped_s for r in results.get(BASE, [])]
     done = [x for x in base_runs if x is not None]
     base = statistics.median(done) if done and len(done) == len(base_runs) else None
     print(f"host node SIGKILL -> survivors training again ({NODES} nodes, --nnodes 2:{NODES}, "
