@@ -282,6 +282,26 @@ def test_three_members_rendezvous_then_stop_and_leave_nothing(
 
 
 @pytest.mark.integration
+def test_a_member_that_starts_late_joins_the_running_cluster(
+    etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler]
+) -> None:
+    endpoint = ",".join(f"127.0.0.1:{p}" for p in _ports(3))
+    params = [_params(endpoint, "late", 3, member=str(i), data_dir=str(tmp_path)) for i in range(3)]
+    embedded_handlers.extend(_make_all(params[:2]))  # two of three: a quorum
+    late = create_handler(params[2])  # removes its never-started entry, adds itself anew
+    embedded_handlers.append(late)
+    states = sorted(
+        arg.split("=", 1)[1]
+        for proc in _etcd_processes(tmp_path)
+        for arg in proc.cmdline()
+        if arg.startswith("--initial-cluster-state=")
+    )
+    assert states == ["existing", "new", "new"]
+    infos = join_all(embedded_handlers, 120)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+
+
+@pytest.mark.integration
 def test_a_stale_data_dir_is_removed_at_start(
     etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler]
 ) -> None:

@@ -194,7 +194,7 @@ class EmbeddedMember:
         self.log_file.unlink(missing_ok=True)
         self.data_dir.mkdir(mode=0o700, parents=True)
         try:
-            initial, state = self._initial_cluster()
+            initial, state = self._initial_cluster(timeout)
             self.joined_as = state
             self._launch(initial, state)
             self._wait_serving(timeout)
@@ -229,21 +229,36 @@ class EmbeddedMember:
                 log.debug("member %d: %s", index, error_text(exc))
         return None
 
-    def _initial_cluster(self) -> tuple[str, str]:
+    def _initial_cluster(self, timeout: float) -> tuple[str, str]:
         """(``--initial-cluster``, ``--initial-cluster-state``): the static list
-        when no cluster has a quorum; else this member re-added to the running one."""
+        when no cluster has a quorum; else this member re-added to the running one.
+
+        etcd refuses a reconfiguration ("unhealthy cluster") until the members
+        that keep the quorum have been connected for 5 s (a cluster just
+        bootstrapped, a member just replaced): that is retried for ``timeout``.
+        """
         static = ",".join(
             f"{member_name(host, port)}={self._peer_url(i)}"
             for i, (host, port) in enumerate(self.embedded.members)
         )
-        client = self._quorum_client()
-        if client is None:
-            return static, "new"
-        try:
-            return self._rejoin(client), "existing"
-        finally:
-            with contextlib.suppress(Exception):
-                client.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            client = self._quorum_client()
+            if client is None:
+                return static, "new"
+            try:
+                return self._rejoin(client), "existing"
+            except Exception as exc:
+                if classify(exc) is None or time.monotonic() >= deadline:
+                    raise RendezvousConnectionError(
+                        f"the embedded etcd member {self.name} cannot rejoin the running "
+                        f"cluster ({error_text(exc)}); its other members must be healthy"
+                    ) from exc
+                log.info("embedded etcd: rejoining the cluster: %s; retrying", error_text(exc))
+            finally:
+                with contextlib.suppress(Exception):
+                    client.close()
+            time.sleep(0.5)
 
     def _rejoin(self, client: Any) -> str:
         """Remove this member's predecessor (same peer URL) and add it anew, by
