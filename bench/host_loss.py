@@ -24,7 +24,12 @@ measured interleaved in the same run:
 
 Usage::
 
-    python bench/host_loss.py [--repeats 3] [--give-up 60] [--setups all|a,b]
+    python bench/host_loss.py [--repeats 3] [--give-up 60] [--setups all|a,b] [--collective]
+
+``--collective``: the workers all-reduce over gloo (their start stamp is written once
+the process group is up), so a lost peer fails them as it fails a real job's
+collectives, and torch's agent then restarts them (a local failure) into a new
+rendezvous: the figure then includes importing torch and initialising gloo.
 
 One line per setup: median over repeats (runs in brackets), and the ratio to the
 embedded etcd where the other setup regrouped.
@@ -63,6 +68,20 @@ while True:
 
 #: The setup the others are compared with.
 BASE = "rallypoint etcd-embedded"
+#: With ``--collective``: the workers all-reduce over gloo, so a lost peer fails
+#: them (as a real job's collectives would) and torch's agent restarts them.
+COLLECTIVE_WORKER = r"""
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=10))
+with open(sys.argv[1], "a") as fp:
+    fp.write(f"{os.getppid()} {os.environ['WORLD_SIZE']} {time.time()!r}\n")
+while True:
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.05)
+"""
+
 SETUPS = {
     "rallypoint etcd-embedded": ("rallypoint.run", "etcd-embedded"),
     "rallypoint c10d": ("rallypoint.run", "c10d"),
@@ -133,12 +152,18 @@ def _stamps(path: Path) -> list[tuple[int, int, float]]:
     return out
 
 
-def measure(setup: str, workdir: Path, give_up: float, start_timeout: float = 120.0) -> Result:
+def measure(
+    setup: str,
+    workdir: Path,
+    give_up: float,
+    start_timeout: float = 120.0,
+    collective: bool = False,
+) -> Result:
     """One run of ``setup``: start, kill agent 0's node, watch the survivors."""
     run_dir = workdir / f"{setup.replace(' ', '-')}-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir()
     worker, stamps, data = run_dir / "worker.py", run_dir / "stamps", run_dir / "etcd"
-    worker.write_text(WORKER)
+    worker.write_text(COLLECTIVE_WORKER if collective else WORKER)
     data.mkdir()
     if "embedded" in SETUPS[setup][1]:
         ports: list[int] = []
@@ -217,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--give-up", type=float, default=60.0)
     parser.add_argument("--setups", default="all", help="comma-separated, or all")
+    parser.add_argument(
+        "--collective",
+        action="store_true",
+        help="workers all-reduce over gloo (a lost peer fails them; stamps after init)",
+    )
     args = parser.parse_args(argv)
     setups = list(SETUPS) if args.setups == "all" else args.setups.split(",")
     unknown = [s for s in setups if s not in SETUPS]
@@ -226,12 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rallypoint-host-loss-") as tmp:
         for _ in range(args.repeats):
             for setup in setups:  # interleaved: load changes hit every setup alike
-                results[setup].append(measure(setup, Path(tmp), args.give_up))
+                results[setup].append(
+                    measure(setup, Path(tmp), args.give_up, collective=args.collective)
+                )
     base_runs = [r.regrouped_s for r in results.get(BASE, [])]
     done = [x for x in base_runs if x is not None]
     base = statistics.median(done) if done and len(done) == len(base_runs) else None
+    workers = "gloo all-reduce workers" if args.collective else "sleeping workers"
     print(f"host node SIGKILL -> survivors training again ({NODES} nodes, --nnodes 2:{NODES}, "
-          f"{args.repeats} repeats, loopback)")  # fmt: skip
+          f"{workers}, {args.repeats} repeats, loopback)")  # fmt: skip
     for setup in setups:
         print(_line(setup, results[setup], args.give_up, base))
     return 0
