@@ -14,11 +14,15 @@ for the parameters. Nothing here imports torch.
 both are accepted, as in torch. Defaults are those of the core's
 :class:`~rallypoint.core.Settings` (torch's c10d rendezvous).
 
-Unlike torch's handlers, an option this handler does not read is an error naming
-the closest known one: a misspelt ``join_timout=5`` silently left the join timeout
-at 600 s. torch's handlers cannot do this because ``RendezvousParameters`` is one
-bag shared by every backend and torch's launcher puts ``timeout`` in it for all of
-them (``torch/distributed/launcher/api.py``); that key is accepted and ignored.
+Options are sorted by :func:`check_options`, one rule for every backend, torch's
+included: a key the backend reads is used; a key that some other backend reads
+(any key torch 2.13's handlers read, :data:`TORCH_OPTIONS`, or one of rallypoint's,
+:data:`OPTIONS`) is accepted with a one-line warning that it is ignored here, since
+torchrun hands every key to every backend and its handlers skip what they do not
+read; any other key is an error naming the closest known one (a misspelt
+``join_timout=5`` would silently leave the join timeout at 600 s), and so is a
+TLS or credential option the backend would ignore (the connection would not be
+protected as asked).
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import logging
 import os
 import re
 import socket
 import tempfile
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,16 +52,20 @@ __all__ = [
     "MAX_RUN_ID_LENGTH",
     "MAX_SECONDS",
     "OPTIONS",
+    "TORCH_OPTIONS",
     "ConfigError",
     "EmbeddedEtcd",
     "EtcdAuth",
     "EtcdTLS",
     "RendezvousConfig",
     "RendezvousConfigError",
+    "backend_options",
     "check_backend",
     "check_host",
     "check_local_addr",
+    "check_options",
     "check_protocol",
+    "check_resolves",
     "check_run_id",
     "check_seconds",
     "format_endpoint",
@@ -64,7 +73,10 @@ __all__ = [
     "parse_endpoints",
     "parse_params",
     "split_scheme",
+    "torch_options",
 ]
+
+log = logging.getLogger(__name__)
 
 #: rallypoint's backends: each name ``params.backend`` (or ``--rdzv-backend``) may
 #: give -> the kind of store behind it. The plain names and the torchrun entry points.
@@ -105,7 +117,8 @@ _READ_TIMEOUT = 60.0
 #: torch's etcd-v2 backend names for the TLS options -> the names used here.
 _ETCD_ALIASES = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
 
-#: Keys torch's launcher adds to every backend's parameters, whatever the user wrote.
+#: Keys torch's launcher adds to every backend's parameters, whatever the user
+#: wrote: under torchrun a warning about them would say nothing about the user's input.
 _LAUNCHER_KEYS = frozenset({"timeout"})
 
 _TRUE = {"1", "true", "t", "yes", "y", "on"}
@@ -389,6 +402,39 @@ def check_local_addr(addr: str) -> None:
     )
 
 
+#: getaddrinfo's answers that say the name does not exist (not that the resolver
+#: could not be asked).
+_NO_SUCH_NAME = frozenset({socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)})
+
+
+def check_resolves(hosts: Sequence[str], option: str) -> None:
+    """Refuse ``hosts`` (one store, or the members of one etcd cluster) when the
+    resolver says that none of them exists.
+
+    A store client retries a name that does not resolve for its whole timeout
+    (torch's static store: 600 s under ``rallypoint run``) before it fails. A name
+    the resolver could not look up right now (no DNS server answered) passes: it
+    may resolve in a moment. When some members of a list exist, the others are
+    logged and left to failover (a member's record may be back when it is).
+
+    Raises:
+        ConfigError: the resolver answered that no host of ``hosts`` exists.
+    """
+    missing: list[str] = []
+    for host in hosts:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            if exc.errno in _NO_SUCH_NAME:
+                missing.append(f"{option} {host!r} does not resolve ({exc.strerror or exc})")
+        except (OSError, UnicodeError):
+            pass
+    if missing and len(missing) == len(hosts):
+        raise ConfigError(f"{missing[0]}; give a host name or address every node can resolve")
+    for line in missing:
+        log.warning("%s; using the other members", line)
+
+
 # --- torch's RendezvousParameters -------------------------------------------------------
 
 
@@ -528,20 +574,133 @@ OPTIONS: dict[str, frozenset[str]] = {
 #: The embedded etcd's options on top of the etcd backend's: which member this
 #: node runs (``member``: its index in the list, its ``host:port``, or ``none``)
 #: and where members keep their data (``data_dir``).
-OPTIONS["etcd-embedded"] = OPTIONS["etcd"] | {"member", "data_dir"}
+#: It has no users (``user``, ``password``: the cluster has no authentication).
+OPTIONS["etcd-embedded"] = (OPTIONS["etcd"] - {"user", "password", "password_file"}) | {
+    "member",
+    "data_dir",
+}
 
 
-def _check_keys(keys: Iterable[object], kind: str, backend_name: str) -> None:
-    known = OPTIONS[kind]
-    for key in sorted(str(k) for k in keys):
-        if key in known or key in _LAUNCHER_KEYS:
+def backend_options(backend: str) -> frozenset[str]:
+    """The ``--rdzv-conf`` keys rallypoint's ``backend`` (a name of
+    :data:`BACKENDS`) reads."""
+    return OPTIONS["etcd-embedded" if backend in EMBEDDED_BACKENDS else BACKENDS[backend]]
+
+
+#: Every rendezvous option torch 2.13's handlers read -> the torch backends that
+#: read it (``c10d`` and ``etcd-v2``: its dynamic rendezvous; ``etcd``: its etcd-v1
+#: rendezvous; ``static``). A test reads the keys from torch's own source.
+TORCH_OPTIONS: dict[str, tuple[str, ...]] = {
+    "join_timeout": ("c10d", "etcd-v2"),
+    "last_call_timeout": ("c10d", "etcd", "etcd-v2"),
+    "close_timeout": ("c10d", "etcd-v2"),
+    "heartbeat_timeout": ("c10d", "etcd-v2"),
+    "keep_alive_interval": ("c10d", "etcd-v2"),
+    "keep_alive_max_attempt": ("c10d", "etcd-v2"),
+    "read_timeout": ("c10d", "etcd-v2"),
+    "is_host": ("c10d",),
+    "store_type": ("c10d",),
+    "protocol": ("etcd", "etcd-v2"),
+    "cacert": ("etcd",),
+    "cert": ("etcd",),
+    "key": ("etcd",),
+    "ca_cert": ("etcd-v2",),
+    "ssl_cert": ("etcd-v2",),
+    "ssl_cert_key": ("etcd-v2",),
+    "etcd_prefix": ("etcd",),
+    "timeout": ("etcd", "static"),
+    "rank": ("static",),
+}
+
+#: Every option some backend reads, torch's or rallypoint's.
+_KNOWN_OPTIONS = frozenset(TORCH_OPTIONS).union(*OPTIONS.values())
+
+#: Options that ask for a protected connection to the store (with ``protocol=https``).
+_PROTECTION_OPTIONS = frozenset(
+    {"cacert", "cert", "key", *_ETCD_ALIASES, "user", "password", "password_file"}
+)
+
+#: What the warning about an ignored key says, where "read by <backends>" is not
+#: enough to act on.
+_IGNORED_MEANINGS = {
+    "timeout": "torch's etcd-v1 rendezvous reads it as the join timeout, its static one as "
+    "the store's timeout; the join timeout is join_timeout",
+    "rank": "torch's static rendezvous reads it; the node rank is --node-rank",
+    "etcd_prefix": "torch's etcd-v1 rendezvous keeps its keys under it; rallypoint's etcd "
+    "backend keeps them under /rallypoint/<run id>/",
+}
+
+
+def torch_options(backend: str) -> frozenset[str]:
+    """The rendezvous options torch's ``backend`` handler (``c10d``, ``etcd``,
+    ``etcd-v2``, ``static``) reads."""
+    return frozenset(key for key, readers in TORCH_OPTIONS.items() if backend in readers)
+
+
+def _ignored_meaning(key: str) -> str:
+    if key in _IGNORED_MEANINGS:
+        return _IGNORED_MEANINGS[key]
+    readers = []
+    if key in TORCH_OPTIONS:
+        readers.append(f"torch's {'/'.join(TORCH_OPTIONS[key])}")
+    ours = sorted(kind for kind, known in OPTIONS.items() if key in known)
+    if ours:
+        readers.append(f"rallypoint's {'/'.join(ours)}")
+    return f"read by {' and '.join(readers)} backends"
+
+
+def _asks_for_protection(key: str, value: object) -> bool:
+    if key == "protocol":
+        return str(value).strip().lower() == "https"
+    return key in _PROTECTION_OPTIONS
+
+
+def check_options(
+    config: Mapping[str, object],
+    read: Collection[str],
+    backend: str,
+    option: str = "rendezvous option",
+) -> dict[str, str]:
+    """Sort the options ``config`` against what ``backend`` reads.
+
+    A key in ``read`` is the backend's. A key another backend reads (torch's,
+    :data:`TORCH_OPTIONS`, or rallypoint's, :data:`OPTIONS`) is accepted, as
+    torchrun accepts it, and gets a warning: torchrun hands every key to every
+    backend, and job scripts carry keys of the backend they were written for.
+    Two kinds of key are refused: one no backend reads (a misspelling), and one
+    that asks for a protected connection (``protocol=https``, TLS files, etcd
+    credentials) where ``backend`` does not read it, since the job would run
+    unprotected while its user believes otherwise (torch ignores them).
+
+    Returns:
+        {key: the one-line warning for it}, for each accepted key ``backend``
+        does not read (it must then be ignored).
+
+    Raises:
+        ConfigError: a key no backend reads, naming the closest known key; a
+            protection ``backend`` cannot give, naming the backends that read it.
+    """
+    notes: dict[str, str] = {}
+    for key, value in sorted(config.items()):
+        if key in read:
             continue
-        close = difflib.get_close_matches(key, known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        if _asks_for_protection(key, value):
+            raise ConfigError(
+                f"{option} {key}: the {backend} backend does not read it, so its connection "
+                f"would not be protected as asked ({_ignored_meaning(key)})"
+            )
+        if key in _KNOWN_OPTIONS:
+            notes[key] = (
+                f"{option} {key} is ignored by the {backend} backend ({_ignored_meaning(key)})"
+            )
+            continue
+        close = difflib.get_close_matches(key, _KNOWN_OPTIONS, n=1)
+        did_you_mean = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(
-            f"unknown rendezvous option {key!r} for the {backend_name} backend; "
-            f"{hint}known options: {', '.join(sorted(known))}"
+            f"{option} {key!r} is unknown to the {backend} backend; "
+            f"{did_you_mean}known options: {', '.join(sorted(read))}"
         )
+    return notes
 
 
 def _settings(params: RendezvousParameters) -> Settings:
@@ -651,11 +810,21 @@ def _etcd_conf(config: Mapping[str, object]) -> dict[str, object]:
 
 def _etcd_access(params: RendezvousParameters) -> tuple[str, EtcdTLS | None, EtcdAuth | None]:
     """The member list (without scheme), TLS and authentication of an etcd backend;
-    a malformed list fails here, before anything starts."""
+    a malformed list, or one whose members' names all do not exist, fails here,
+    before anything starts."""
     scheme, endpoint = split_scheme(params.endpoint)
-    parse_endpoints(endpoint, DEFAULT_PORTS["etcd"])
+    members = parse_endpoints(endpoint, DEFAULT_PORTS["etcd"])
     conf = _etcd_conf(params.config)
-    return endpoint, _etcd_tls(conf, scheme), _etcd_auth(conf)
+    tls, auth = _etcd_tls(conf, scheme), _etcd_auth(conf)
+    check_resolves([host for host, _ in members], f"{_ENDPOINT} host")
+    return endpoint, tls, auth
+
+
+def _check_options(params: RendezvousParameters) -> None:
+    notes = check_options(params.config, backend_options(params.backend), params.backend)
+    for key, note in notes.items():
+        # torch's launcher adds these whether or not the user wrote them.
+        log.log(logging.DEBUG if key in _LAUNCHER_KEYS else logging.WARNING, "%s", note)
 
 
 def parse_params(params: RendezvousParameters) -> RendezvousConfig:
@@ -663,16 +832,19 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
 
     Raises:
         ConfigError: an unknown backend name (the message lists the accepted
-            ones), an unknown option (the message suggests the closest known
-            one), an option of the wrong type or range, a run id with '/', a
-            local address that is not this host's, a malformed etcd endpoint
-            list, or (etcd) contradicting or incomplete TLS and authentication
-            options or an unreadable file.
+            ones), an option no backend reads (the message suggests the closest
+            known one), an option of the wrong type or range, a run id with '/',
+            a local address that is not this host's, a malformed endpoint or
+            etcd endpoint list, an endpoint host the resolver says does not
+            exist (etcd: every member's), or (etcd) contradicting or incomplete
+            TLS and authentication options or an unreadable file.
+
+    An option another backend reads is logged as ignored (:func:`check_options`).
     """
     check_backend(params.backend, BACKENDS)
     kind = BACKENDS[params.backend]
     embedded_mode = params.backend in EMBEDDED_BACKENDS
-    _check_keys(params.config, "etcd-embedded" if embedded_mode else kind, params.backend)
+    _check_options(params)
     check_run_id(params.run_id)
     settings = _settings(params)
     local_addr = _local_addr(params)
@@ -683,6 +855,9 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     endpoint, tls, auth = params.endpoint, None, None
     if kind == "etcd":
         endpoint, tls, auth = _etcd_access(params)
+    elif store_type == "tcp":
+        host, _ = parse_endpoint(endpoint, DEFAULT_PORTS["c10d"], backend=params.backend)
+        check_resolves([host], f"{_ENDPOINT} host")
     ttl = get("ttl")
     embedded = _embedded(params, endpoint, local_addr) if embedded_mode else None
     return RendezvousConfig(
@@ -723,12 +898,6 @@ def _embedded(params: RendezvousParameters, endpoint: str, local_addr: str) -> E
     """
     members = tuple(parse_endpoints(endpoint, DEFAULT_PORTS["etcd"]))
     names = [format_endpoint(*m) for m in members]
-    users = sorted(k for k in ("user", "password", "password_file") if k in params.config)
-    if users:
-        raise ConfigError(
-            f"rendezvous options {', '.join(users)}: the embedded etcd has no users (they "
-            "are for an external etcd); keep other hosts out with TLS (cacert, cert, key)"
-        )
     taken = {(host, port + 1) for host, port in members}
     for name, (host, port) in zip(names, members, strict=True):
         if port >= 65535 or port == 0 or (host, port) in taken:

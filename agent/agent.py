@@ -164,6 +164,7 @@ class ElasticAgent:
                 config.live_timeout,
                 config.progress_timeout,
                 self.recorder,
+                spares=config.live_spare,
             )
             if config.live
             else None

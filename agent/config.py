@@ -44,6 +44,7 @@ __all__ = [
     "MAX_NPROC_PER_NODE",
     "MAX_RUN_ID_LENGTH",
     "MAX_SECONDS",
+    "MAX_WORLD_SIZE",
     "NUMA_BINDING_MODES",
     "SHUTDOWN_TIMEOUT_ENV",
     "START_METHODS",
@@ -56,10 +57,12 @@ __all__ = [
     "check_nnodes",
     "check_nproc",
     "check_run_id",
+    "check_world_size",
     "numa_command_prefix",
     "parse_endpoint",
     "parse_signals",
     "parse_std",
+    "rdzv_options_read",
 ]
 
 logger = logging.getLogger("rallypoint.agent")
@@ -112,6 +115,10 @@ NUMA_BINDING_MODES = ("node", "socket", "exclusive", "core-complex")
 #: fails here instead of exhausting memory in the per-rank tables.
 MAX_NPROC_PER_NODE = 4096
 
+#: Largest world size (``--nnodes`` max times ``--nproc-per-node``): ranks and
+#: world sizes are 32-bit integers in torch (its stores and process groups).
+MAX_WORLD_SIZE = 2**31 - 1
+
 #: The launcher's names for the options of the rendezvous, in messages.
 _BACKEND_FLAG = "--rdzv-backend"
 _ENDPOINT_FLAG = "--rdzv-endpoint"
@@ -137,6 +144,29 @@ DEFAULT_PORTS: dict[str, int | None] = {
     name: rdzv_config.DEFAULT_PORTS["etcd"] if kind == "etcd" else None
     for name, kind in {**rdzv_config.BACKENDS, **TORCH_BACKENDS}.items()
 }
+
+
+_CONF_FLAG = "--rdzv-conf"
+
+#: rallypoint's rendezvous options that the launcher sets from its own flags: in
+#: ``--rdzv-conf`` they would be overridden (torchrun has no such keys).
+_FLAG_OPTIONS = {
+    "local_addr": "--local-addr",
+    "restart_budget": "--restart-scope job (with --max-restarts)",
+    "exclusion_rounds": "--exclusion-rounds",
+}
+
+
+def rdzv_options_read(backend: str) -> frozenset[str]:
+    """The ``--rdzv-conf`` keys the handler of ``backend`` reads: rallypoint's
+    (:data:`rallypoint.adapters.config.OPTIONS`) or torch's
+    (:func:`rallypoint.adapters.config.torch_options`), less those the launcher
+    sets from its flags (``rank``: ``--node-rank``)."""
+    if BACKENDS[backend] == "rallypoint":
+        read = rdzv_config.backend_options(backend)
+    else:
+        read = rdzv_config.torch_options(TORCH_BACKENDS[backend])
+    return read - _FLAG_OPTIONS.keys() - {"rank"}
 
 
 def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
@@ -182,6 +212,21 @@ def check_nnodes(min_nodes: int, max_nodes: int) -> None:
     if min_nodes > max_nodes:
         raise ConfigError(
             f"--nnodes {min_nodes}:{max_nodes}: the minimum is larger than the maximum"
+        )
+
+
+def check_world_size(max_nodes: int, nproc: int) -> None:
+    """Refuse a ``--nnodes`` whose largest world size torch cannot hold
+    (:data:`MAX_WORLD_SIZE`): torch's static store failed with a dump of its
+    binding's arguments.
+
+    Raises:
+        ConfigError: naming the largest ``--nnodes`` for ``nproc`` workers per node.
+    """
+    if max_nodes * nproc > MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"--nnodes {max_nodes}: with {nproc} worker(s) per node the world size would "
+            f"exceed {MAX_WORLD_SIZE} (torch's largest); at most {MAX_WORLD_SIZE // nproc} nodes"
         )
 
 
@@ -396,6 +441,8 @@ class LaunchConfig:
             stopped and started again (``--live-timeout``).
         progress_timeout: seconds a live worker may go without committing a step
             before it counts as failed (``--progress-timeout``; 0: never).
+        live_spare: with ``live``, keep one warm spare process per node (torch
+            imported) to take a lost worker's place (``--no-live-spare``: none).
     """
 
     min_nodes: int
@@ -441,6 +488,7 @@ class LaunchConfig:
     live: bool = False
     live_timeout: float = 30.0
     progress_timeout: float = 0.0
+    live_spare: bool = True
     #: ``signals_to_handle`` parsed (set by validation).
     stop_signals: tuple[signal.Signals, ...] = field(init=False, default=())
 
@@ -459,6 +507,7 @@ class LaunchConfig:
         self.duplicate_stderr_filters = list(self.duplicate_stderr_filters or [])
         check_nnodes(self.min_nodes, self.max_nodes)
         check_nproc(self.nproc_per_node)
+        check_world_size(self.max_nodes, self.nproc_per_node)
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         check_seconds(self.monitor_interval, "--monitor-interval")
@@ -524,13 +573,7 @@ class LaunchConfig:
         rdzv_config.check_backend(self.rdzv_backend, BACKENDS, _BACKEND_FLAG)
         if self.rdzv_endpoint.strip():
             parse_endpoint(self.rdzv_endpoint, self.rdzv_backend)
-        if BACKENDS[self.rdzv_backend] == "rallypoint" and "timeout" in self.rdzv_configs:
-            # Accepted from torch's launcher, which always adds it; from a user it
-            # would be silently ignored.
-            raise ConfigError(
-                f"--rdzv-conf timeout: the {self.rdzv_backend} backend has no such option "
-                "(torch's static and etcd-v1 rendezvous do); use join_timeout"
-            )
+        self._check_rdzv_configs()
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port must be between 0 and 65535, got {self.master_port}")
         check_host(self.master_addr, "--master-addr")
@@ -544,6 +587,19 @@ class LaunchConfig:
             raise ConfigError(
                 f"--node-rank {self.node_rank} is out of range 0..{self.max_nodes - 1}"
             )
+
+    def _check_rdzv_configs(self) -> None:
+        """``--rdzv-conf``'s keys (their values: when the handler is built). One
+        torchrun accepts but this backend does not read is dropped with a warning
+        (:func:`rallypoint.adapters.config.check_options`)."""
+        for key, flag in _FLAG_OPTIONS.items():
+            if key in self.rdzv_configs:
+                raise ConfigError(f"--rdzv-conf {key}: give it as {flag}")
+        notes = rdzv_config.check_options(
+            self.rdzv_configs, rdzv_options_read(self.rdzv_backend), self.rdzv_backend, _CONF_FLAG
+        )
+        for note in notes.values():
+            logger.warning("%s", note)
 
     def _check_devices(self) -> None:
         if self.bind_gpus and len(self.visible_devices) < self.nproc_per_node:
@@ -584,6 +640,29 @@ class LaunchConfig:
             return self.rdzv_endpoint
         host, port = parse_endpoint(self.rdzv_endpoint, self.rdzv_backend)
         return format_endpoint(host, port)
+
+    def check_endpoint_resolves(self) -> None:
+        """Refuse a store host name the resolver says does not exist: the
+        endpoint's (an etcd list: when none of its members' does), or the static
+        store's ``--master-addr``. Store clients retry such a name for their
+        whole timeout (:func:`rallypoint.adapters.config.check_resolves`).
+
+        Raises:
+            ConfigError: naming the flag and the host.
+        """
+        if self.standalone or str(self.rdzv_configs.get("store_type", "")).strip() == "file":
+            return
+        endpoint = self.rendezvous_endpoint()
+        if self.is_static and not self.rdzv_endpoint.strip():
+            option = "--master-addr"
+        else:
+            option = f"{_ENDPOINT_FLAG} host"
+        if self.rdzv_backend in rdzv_config.ETCD_BACKENDS:
+            members = rdzv_config.parse_endpoints(endpoint, DEFAULT_PORTS[self.rdzv_backend])
+            hosts = [host for host, _ in members]
+        else:
+            hosts = [parse_endpoint(endpoint, self.rdzv_backend)[0]]
+        rdzv_config.check_resolves(hosts, option)
 
     def _resolve_shutdown_timeout(self) -> None:
         check_seconds(self.stop_grace, "--stop-grace", allow_zero=True)

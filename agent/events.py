@@ -185,6 +185,11 @@ def events_main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--node", action="append", help="only these nodes (as printed)")
     parser.add_argument("--json", action="store_true", help="print JSON lines, not a table")
+    parser.add_argument(
+        "--recoveries",
+        action="store_true",
+        help="one row per live regroup: where its time went, phase by phase",
+    )
     args = parser.parse_args(list(argv))
     try:
         events = read_events(args.files)
@@ -199,8 +204,64 @@ def events_main(argv: Sequence[str]) -> int:
         for event in events:
             print(event.to_json())
         return 0
+    if args.recoveries:
+        _print_recoveries(events)
+        return 0
     _print_table(events)
     return 0
+
+
+#: a live regroup's phases, in order: (column, the field that holds its seconds)
+_PHASES = (
+    ("rendezvous done", "rendezvous"),
+    ("workers told", "told_s"),
+    ("group formed", "group_s"),
+    ("state in place", "state_s"),
+    ("first step", "first_step_s"),
+)
+
+
+def _print_recoveries(events: Sequence[AgentEvent]) -> None:
+    """Each ``live_regroup`` with the ``round`` event of the same node and round (its
+    ``since_failure_s``: the rendezvous done), in seconds since the failure was
+    noticed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    joined = {
+        (e.node, e.round): e.fields.get("since_failure_s")
+        for e in events
+        if e.kind is EventKind.ROUND
+    }
+    table = Table(
+        title="live regroups: seconds since the failure was noticed", title_justify="left"
+    )
+    for column in (
+        "node",
+        "round",
+        "handed",
+        "started",
+        *(name for name, _ in _PHASES),
+        "state from",
+    ):
+        table.add_column(column, justify="left" if column == "node" else "right")
+    for e in events:
+        if e.kind is not EventKind.LIVE_REGROUP:
+            continue
+        times = {**e.fields, "rendezvous": joined.get((e.node, e.round))}
+        table.add_row(
+            e.node,
+            str(e.round),
+            str(e.fields.get("handed", "")),
+            str(e.fields.get("started", "")),
+            *(_seconds(times.get(key)) for _, key in _PHASES),
+            ",".join(map(str, e.fields.get("state_from", []))) or "-",
+        )
+    Console().print(table)
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
 
 
 def _print_table(events: Sequence[AgentEvent]) -> None:

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .config import Std
 from .events import EventKind, EventRecorder
 from .live_channel import (
     BEAT_PERIOD,
@@ -39,7 +42,7 @@ from .live_channel import (
     StatusFile,
     encode_message,
 )
-from .workers import WorkerGroup, WorkerLaunch
+from .workers import WorkerGroup, WorkerLaunch, WorkerProcess, stream_targets
 
 __all__ = ["LiveWorkers"]
 
@@ -53,6 +56,19 @@ class _Channel:
     write_fd: int
     read_fd: int | None
     status: StatusFile
+    #: the descriptor number the worker knows its end by
+    child_fd: int = -1
+
+    def __post_init__(self) -> None:
+        if self.read_fd is not None:
+            self.child_fd = self.read_fd
+
+    def close_read_end(self) -> None:
+        """The worker holds its end now (or never will)."""
+        if self.read_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.read_fd)
+            self.read_fd = None
 
     def send(self, message: LiveMessage) -> bool:
         try:
@@ -111,6 +127,8 @@ class LiveWorkers:
         live_timeout: float,
         progress_timeout: float,
         recorder: EventRecorder,
+        *,
+        spares: bool = True,
     ) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._dir = directory
@@ -125,36 +143,129 @@ class LiveWorkers:
         #: local ranks killed for making no progress (their exit is a failure)
         self.stalled: set[int] = set()
         self._regroup: _Regroup | None = None
+        #: keep a warm spare worker ready (see :mod:`rallypoint.agent._warm_worker`)
+        self.spares = spares
+        self._spare: tuple[WorkerProcess, _Channel] | None = None
+        #: a launch of this agent's, which warm spares are made like
+        self._template: WorkerLaunch | None = None
 
     # ------------------------------------------------------------ starting
 
     def start(self, group: WorkerGroup, launches: Sequence[WorkerLaunch]) -> None:
-        """Start ``launches`` afresh (replacing their local ranks' workers), each with
-        a new channel."""
-        prepared = [self._with_channel(launch) for launch in launches]
+        """Start ``launches`` (replacing their local ranks' workers): the first by
+        adopting the warm spare, if one is ready; the others afresh. Each gets a new
+        channel."""
+        cold = list(launches)
+        if cold and self._adopt_spare(group, cold[0]):
+            cold.pop(0)
+        prepared = []
+        for launch in cold:
+            self._forget(launch.local_rank)
+            channel = self._channels[launch.local_rank] = self._new_channel(f"{launch.local_rank}")
+            prepared.append(self._with_channel(launch, channel))
         try:
             group.replace(prepared)
         finally:
             for launch in prepared:  # the worker holds its end now (or never will)
-                channel = self._channels[launch.local_rank]
-                if channel.read_fd is not None:
-                    os.close(channel.read_fd)
-                    channel.read_fd = None
+                self._channels[launch.local_rank].close_read_end()
 
-    def _with_channel(self, launch: WorkerLaunch) -> WorkerLaunch:
-        self._forget(launch.local_rank)
+    def _new_channel(self, name: str) -> _Channel:
         read_fd, write_fd = os.pipe()  # not inheritable: only pass_fds hands read_fd on
-        path = os.path.join(self._dir, f"status-{launch.local_rank}")
-        self._channels[launch.local_rank] = _Channel(
-            write_fd, read_fd, StatusFile(path, create=True)
-        )
-        env = {
-            **launch.env,
-            FD_ENV: str(read_fd),
-            STATUS_ENV: path,
+        path = os.path.join(self._dir, f"status-{name}")
+        return _Channel(write_fd, read_fd, StatusFile(path, create=True))
+
+    def _channel_env(self, channel: _Channel, env: Mapping[str, str]) -> dict[str, str]:
+        return {
+            **env,
+            FD_ENV: str(channel.child_fd),
+            STATUS_ENV: channel.status.path,
             TIMEOUT_ENV: f"{self.live_timeout:g}",
         }
-        return dataclasses.replace(launch, env=env, pass_fds=(*launch.pass_fds, read_fd))
+
+    def _with_channel(self, launch: WorkerLaunch, channel: _Channel) -> WorkerLaunch:
+        assert channel.read_fd is not None
+        return dataclasses.replace(
+            launch,
+            env=self._channel_env(channel, launch.env),
+            pass_fds=(*launch.pass_fds, channel.read_fd),
+        )
+
+    # --------------------------------------------------------- warm spares
+
+    def _warm_argv(self, launch: WorkerLaunch) -> list[str] | None:
+        """The command line a warm spare runs for workers like ``launch`` (None: such
+        a worker cannot be warmed: not ``python -u ...``, or its output is teed)."""
+        argv = list(launch.argv)
+        python = os.environ.get("PYTHON_EXEC") or sys.executable
+        if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
+            return None
+        if stream_targets(launch) is None:
+            return None
+        return [python, "-u", "-m", "rallypoint.agent._warm_worker"]
+
+    def prepare_spare(self, group: WorkerGroup, template: WorkerLaunch) -> None:
+        """Start a warm spare for workers like ``template`` unless one is ready (or
+        they cannot be warmed, or spares are off)."""
+        if not self.spares or self._spare is not None:
+            return
+        argv = self._warm_argv(template)
+        if argv is None:
+            return
+        channel = self._new_channel("spare")
+        assert channel.read_fd is not None
+        launch = dataclasses.replace(
+            template,
+            local_rank=-1,
+            global_rank=-1,
+            argv=[*argv, str(channel.read_fd)],
+            env=dict(template.env),
+            redirect=Std.NONE,
+            tee=Std.NONE,
+            console=True,
+            duplicate_stdout=None,
+            duplicate_stderr=None,
+            pass_fds=(*template.pass_fds, channel.read_fd),
+        )
+        try:
+            process = group.start_spare(launch)
+        except OSError as exc:
+            logger.warning("cannot start a warm spare worker (%s); going on without", exc)
+            channel.close()
+            return
+        finally:
+            channel.close_read_end()
+        self._spare = (process, channel)
+
+    def _adopt_spare(self, group: WorkerGroup, launch: WorkerLaunch) -> bool:
+        """Make the warm spare ``launch``'s worker (True), if one is ready and fits."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return False
+        process, channel = spare
+        targets = stream_targets(launch)
+        if targets is None or self._warm_argv(launch) is None or process.poll() is not None:
+            group.discard(process)
+            channel.close()
+            return False
+        adoption = {
+            "env": self._channel_env(channel, launch.env),
+            "argv": list(launch.argv[2:]),
+            "stdout": targets[0],
+            "stderr": targets[1],
+        }
+        try:
+            os.write(channel.write_fd, (json.dumps(adoption) + "\n").encode())
+        except OSError:
+            group.discard(process)
+            channel.close()
+            return False
+        self._forget(launch.local_rank)
+        group.adopt(process, launch)
+        self._channels[launch.local_rank] = channel
+        logger.info(
+            "local rank %d: a warm spare (pid %d) took over", launch.local_rank, process.pid
+        )
+        return True
 
     def _forget(self, local_rank: int) -> None:
         channel = self._channels.pop(local_rank, None)
@@ -189,6 +300,7 @@ class LiveWorkers:
                 self._handed[rank] = (launch, now + self.live_timeout)
             else:
                 fresh.append(launch)
+        self._template = launches[0] if launches else self._template
         if fresh:
             self.start(group, fresh)
         handed = len(launches) - len(fresh)
@@ -222,7 +334,9 @@ class LiveWorkers:
                 self.start(group, [launch])
         if self.progress_timeout > 0:
             self._check_progress(group, now)
-        self._report_regroup(now)
+        if self._report_regroup() and self._template is not None:
+            # Only now: a spare importing torch would slow the regroup it is for.
+            self.prepare_spare(group, self._template)
 
     def _check_progress(self, group: WorkerGroup, now: float) -> None:
         """Kill the workers that hold their round up: no step for the progress timeout
@@ -259,13 +373,15 @@ class LiveWorkers:
             self.stalled.add(rank)
             group.kill(rank)
 
-    def _report_regroup(self, now: float) -> None:
+    def _report_regroup(self) -> bool:
+        """Emit the ``live_regroup`` event once every worker made its first step of
+        the round it was moved to; True when it did."""
         regroup = self._regroup
         if regroup is None:
-            return
+            return False
         statuses = [c.status.read() for c in self._channels.values()]
         if not statuses or any(s.round != regroup.round or s.first_step_at <= 0 for s in statuses):
-            return
+            return False
         self._regroup = None
         origin = regroup.noticed if regroup.noticed is not None else regroup.told
 
@@ -286,6 +402,7 @@ class LiveWorkers:
             state_bytes=sum(s.state_bytes for s in statuses),
             step=max(s.step for s in statuses),
         )
+        return True
 
     def statuses(self) -> dict[int, object]:
         """Each local rank's last status (for tests and diagnostics)."""
@@ -294,3 +411,6 @@ class LiveWorkers:
     def close(self) -> None:
         for rank in list(self._channels):
             self._forget(rank)
+        if self._spare is not None:
+            self._spare[1].close()
+            self._spare = None

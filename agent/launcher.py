@@ -446,8 +446,12 @@ def _add_recovery_flags(opt: _AddFlag) -> None:
         action=env,
         type=float,
         default=0.0,
-        help="seconds a live worker may go without a step before it counts as failed "
-        "(0: never).",
+        help="seconds a live worker may go without a step before it counts as failed (0: never).",
+    )
+    opt(
+        "--no-live-spare",
+        action=flag,
+        help="with --live, keep no warm spare process (torch imported) for a lost worker.",
     )
 
 
@@ -463,6 +467,7 @@ def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
         "live": args.live,
         "live_timeout": args.live_timeout,
         "progress_timeout": args.progress_timeout,
+        "live_spare": not args.no_live_spare,
     }
 
 
@@ -558,6 +563,12 @@ def _parse_nproc(text: str) -> int:
 
 
 def _parse_rdzv_conf(text: str) -> dict[str, str]:
+    unquoted = text.strip()
+    if len(unquoted) >= 2 and unquoted[0] == unquoted[-1] and unquoted[0] in "'\"":
+        # Shell quotes kept in an argument list (torch's own launcher tests pass
+        # "--rdzv-conf='join_timeout=5,...'"): no key starts with a quote.
+        logger.warning("--rdzv-conf %s: reading it without its quotes", text)
+        text = unquoted[1:-1]
     result: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -819,6 +830,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # input is reported at once rather than after torch's 2-5 s import.
             args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
             config = config_from_args(args)
+            # A store host that does not exist fails now too, before torch loads.
+            _interruptible(config.check_endpoint_resolves)
             log_root = make_log_root(config.log_dir, config.run_id)
             from .agent import AgentState, ElasticAgent
             from .errors import format_failures

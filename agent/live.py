@@ -221,6 +221,7 @@ class Job:
             except Exception as exc:
                 if not self._is_lost_peer(exc):
                     raise
+                self._report(Phase.JOINING)
                 self._leave_group()
                 self._next_round(exc)
                 continue
@@ -230,6 +231,7 @@ class Job:
             if not rnd.interrupted:
                 self._report(Phase.DONE)
                 return
+            self._report(Phase.JOINING)  # waiting for the next round is not a stall
             self._leave_group()
             self._next_round(rnd.failure)
 
@@ -372,16 +374,19 @@ class Job:
     # -------------------------------------------------------------- failures
 
     def _on_message(self, message: LiveMessage) -> None:
-        """On the inbox thread: a new round. With NCCL a collective waiting for a lost
-        peer never returns by itself, so abort the communicator when the agent says a
-        member is lost, or when the loop has not reached a step boundary shortly."""
+        """On the inbox thread: a new round. A collective waiting for a lost peer may
+        never return by itself (NCCL; gloo across a cut network), so break the round
+        (:meth:`abort`) at once when the agent says a member is lost, else when the
+        loop has not left the round well after the ranks' agreement was due."""
         rnd = self._current
         if rnd is None:
             return
         if message.lost:
             rnd.abort()
             return
-        timer = threading.Timer(2 * CHECK_PERIOD + 2 * rnd.step_seconds, rnd.abort)
+        # The agreement needs up to two check periods and a step or two: well past
+        # that, the loop is stuck in a collective that only an abort ends.
+        timer = threading.Timer(4 * CHECK_PERIOD + 4 * rnd.step_seconds, rnd.abort)
         timer.daemon = True
         timer.start()
 
@@ -480,7 +485,8 @@ class Round:
             yield job.step
             job._commit()
             now = time.monotonic()
-            self.step_seconds = 0.8 * self.step_seconds + 0.2 * (now - last)
+            took = now - last
+            self.step_seconds = 0.8 * self.step_seconds + 0.2 * took if self.step_seconds else took
             last = now
             if self._first:
                 self._first = False

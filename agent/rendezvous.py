@@ -32,12 +32,16 @@ from .config import (
     BACKENDS,
     DEFAULT_PORTS,
     TORCH_BACKENDS,
+    ConfigError,
     LaunchConfig,
     parse_endpoint,
+    rdzv_options_read,
 )
 from .errors import AgentError
 
 logger = logging.getLogger("rallypoint.agent")
+
+_CONF_FLAG = "--rdzv-conf"
 
 __all__ = [
     "BACKENDS",
@@ -53,11 +57,16 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
     backend, the endpoint and the options when it was made).
 
     Raises:
-        ConfigError: no endpoint where the backend needs one, or (rallypoint's
-            backends) an unknown or out-of-range ``--rdzv-conf`` option.
+        ConfigError: no endpoint where the backend needs one, an endpoint host
+            (or ``--master-addr``) the resolver says does not exist, or an
+            ``--rdzv-conf`` value the backend's handler cannot take.
+
+    The handler gets only the ``--rdzv-conf`` keys it reads.
     """
     backend = config.rdzv_backend
-    configs: dict[str, Any] = dict(config.rdzv_configs)
+    # Keys this backend does not read were reported by ``config`` (a warning each).
+    read = rdzv_options_read(backend)
+    configs: dict[str, Any] = {k: v for k, v in config.rdzv_configs.items() if k in read}
     if config.is_static:
         configs["rank"] = config.node_rank
     elif config.standalone:
@@ -65,6 +74,8 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
     rallypoint = BACKENDS[backend] == "rallypoint"
     if rallypoint:
         configs.update(config.shared_recovery_settings())
+    if not rallypoint:  # rallypoint's handler checks its endpoint itself
+        config.check_endpoint_resolves()
     params = RendezvousParameters(
         backend=backend if rallypoint else TORCH_BACKENDS[backend],
         endpoint=config.rendezvous_endpoint(),
@@ -78,7 +89,12 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
         from ..adapters import create_handler
 
         return create_handler(params)
-    return get_rendezvous_handler(params)
+    try:
+        return get_rendezvous_handler(params)
+    except ValueError as exc:
+        # torch's handlers parse their options as they are built: a value they
+        # cannot take (read_timeout=abc, timeout=1.5) is the user's input.
+        raise ConfigError(f"{_CONF_FLAG} for the {backend} backend: {exc}") from None
 
 
 class HandlerView:

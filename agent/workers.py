@@ -249,6 +249,9 @@ class WorkerGroup:
 
     def __init__(self) -> None:
         self.workers: list[WorkerProcess] = []
+        #: started processes that are not workers yet (warm spares): never polled,
+        #: stopped with the group
+        self.spares: list[WorkerProcess] = []
         self._watchdog: _Watchdog | None = None
         #: held by stop() and fence(): a fence from the lease guard's thread never
         #: signals workers that stop() is reaping
@@ -261,15 +264,7 @@ class WorkerGroup:
             OSError: a worker's program could not be executed (message names it).
         """
         try:
-            if self._watchdog is None and os.name == "posix":
-                try:
-                    self._watchdog = _Watchdog()
-                except OSError as exc:
-                    logger.warning(
-                        "cannot start the workers' watchdog (%s): processes the workers start "
-                        "may outlive this agent if it is killed",
-                        exc,
-                    )
+            self._ensure_watchdog()
             for launch in launches:
                 worker = _start_one(launch)
                 self.workers.append(worker)
@@ -278,6 +273,52 @@ class WorkerGroup:
         except BaseException:
             self.stop(grace=0.0)
             raise
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None and os.name == "posix":
+            try:
+                self._watchdog = _Watchdog()
+            except OSError as exc:
+                logger.warning(
+                    "cannot start the workers' watchdog (%s): processes the workers start "
+                    "may outlive this agent if it is killed",
+                    exc,
+                )
+
+    def start_spare(self, launch: WorkerLaunch) -> WorkerProcess:
+        """Start a process that becomes a worker later (:meth:`adopt`).
+
+        Raises:
+            OSError: its program could not be executed.
+        """
+        self._ensure_watchdog()
+        spare = _start_one(launch)
+        self.spares.append(spare)
+        if self._watchdog is not None:
+            self._watchdog.watch(spare.pid)
+        return spare
+
+    def adopt(self, spare: WorkerProcess, launch: WorkerLaunch) -> None:
+        """Make ``spare`` the worker of ``launch`` (its local rank's current worker, if
+        any, is stopped for good first)."""
+        with self._lock:
+            old = self.worker(launch.local_rank)
+            if old is not None:
+                self._reap([old], grace=0.0)
+                self.workers.remove(old)
+            self.spares.remove(spare)
+            os.makedirs(launch.log_dir, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(launch.error_file)
+            spare.launch = launch
+            spare.start_time = time.time()
+            self.workers.append(spare)
+
+    def discard(self, spare: WorkerProcess) -> None:
+        """Stop a spare that will not be adopted, for good."""
+        with self._lock:
+            self._reap([spare], grace=0.0)
+            self.spares.remove(spare)
 
     def worker(self, local_rank: int) -> WorkerProcess | None:
         """The current worker of ``local_rank`` (None: there is none)."""
@@ -385,10 +426,11 @@ class WorkerGroup:
             _signal_tree(tree, signal.SIGKILL)
 
     def _stop(self, grace: float, sig: signal.Signals | None = signal.SIGTERM) -> None:
-        if self.workers:
-            self._reap(self.workers, grace, sig)
+        if self.workers or self.spares:
+            self._reap([*self.workers, *self.spares], grace, sig)
         self._close_watchdog()
         self.workers = []
+        self.spares = []
 
     def _reap(
         self,
@@ -468,6 +510,26 @@ class _Routes:
     streams: dict[Std, int | IO[bytes] | None] = field(default_factory=dict)
     pumps: list[_Pump] = field(default_factory=list)
     files: list[IO[bytes]] = field(default_factory=list)
+
+
+def stream_targets(launch: WorkerLaunch) -> tuple[str | None, str | None] | None:
+    """Where a process adopted as ``launch``'s worker points its stdout and stderr
+    itself: a log file, ``os.devnull``, or None for the agent's console. None: the
+    launch tees a stream, which needs the agent's pump from the start."""
+    if launch.tee:
+        return None
+    targets: list[str | None] = []
+    for bit, name, given_path in (
+        (Std.OUT, "stdout", launch.stdout_file),
+        (Std.ERR, "stderr", launch.stderr_file),
+    ):
+        if launch.redirect & bit:
+            targets.append(given_path or os.path.join(launch.log_dir, f"{name}.log"))
+        elif not launch.console:
+            targets.append(os.devnull)
+        else:
+            targets.append(None)
+    return targets[0], targets[1]
 
 
 def _route_streams(launch: WorkerLaunch) -> _Routes:

@@ -89,6 +89,18 @@ def _records(path: Path) -> list[tuple[int, str, int, int, float]]:
     return out
 
 
+def steps_done(path: Path) -> int:
+    """The highest step committed so far (0: none)."""
+    done = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 6:
+                with contextlib.suppress(ValueError):
+                    done = max(done, int(parts[4]))
+    return done
+
+
 def _agent_argv(case: str, fault: str, port: int, run_id: str, host: bool) -> list[str]:
     launcher = "torch.distributed.run" if case == "torchrun" else "rallypoint.run"
     nnodes = {"crash": "3", "hang": "3", "spare": "2"}.get(fault, "2:3")

@@ -9,12 +9,18 @@
 * configuration parsing does not import torch;
 * ``LaunchConfig`` checks the rendezvous options itself, so the Python API refuses
   what the launcher refuses;
-* the three backends keep their name, endpoint, keys and counters the same way.
+* the three backends keep their name, endpoint, keys and counters the same way;
+* one rule for the rendezvous options of every backend, torch's included: the keys
+  torch's handlers read (checked against torch's source) are accepted everywhere,
+  with a warning where ignored; misspellings are refused; docs/agent.md's table is
+  what the launcher does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,16 +165,19 @@ def test_run_ids_are_checked_alike() -> None:
         ({"rdzv_backend": "etcd", "rdzv_endpoint": "h1,h1"}, "named twice"),
         ({"rdzv_backend": "torch-etcd", "rdzv_endpoint": "h1,h2"}, "takes one HOST:PORT"),
         (
-            {"rdzv_backend": "etcd", "rdzv_endpoint": "h", "rdzv_configs": {"timeout": "5"}},
-            "has no such option",
+            {"rdzv_backend": "etcd", "rdzv_endpoint": "h", "rdzv_configs": {"join_timout": "5"}},
+            "did you mean 'join_timeout'",
         ),
+        ({"rdzv_configs": {"local_addr": "h"}}, "give it as --local-addr"),
+        ({"min_nodes": 10**11, "max_nodes": 10**11}, "world size would exceed 2147483647"),
     ],
 )
 def test_the_api_refuses_what_the_launcher_refuses(
     options: dict[str, object], expected: str
 ) -> None:
+    options = {"min_nodes": 1, "max_nodes": 1, **options}
     with pytest.raises(ConfigError, match=expected):
-        LaunchConfig(1, 1, 1, **options)  # type: ignore[arg-type]
+        LaunchConfig(nproc_per_node=1, **options)  # type: ignore[arg-type]
 
 
 def test_the_endpoint_a_handler_gets() -> None:
@@ -223,3 +232,147 @@ def test_every_backend_needs_a_run_id_and_names_its_keys_alike() -> None:
         assert backend.stats.ops >= 0 and backend.name and backend.endpoint
         with pytest.raises(ValueError, match="phase must be a non-negative integer"):
             backend.set_state(b"x", None, phase=-1)
+
+
+# ------------------------------------------------ rendezvous options: torchrun's keys
+
+TORCH_RDZV = Path(__import__("torch").__file__).parent / "distributed/elastic/rendezvous"
+
+#: torch's backend -> the files of its handler (the dynamic rendezvous reads the
+#: timeouts and keep-alive options for the c10d and etcd-v2 stores).
+TORCH_HANDLER_FILES = {
+    "c10d": ("dynamic_rendezvous.py", "c10d_rendezvous_backend.py"),
+    "etcd-v2": ("dynamic_rendezvous.py", "etcd_rendezvous_backend.py"),
+    "etcd": ("etcd_rendezvous.py",),
+    "static": ("static_tcp_rendezvous.py",),
+}
+
+_READS = [
+    r'params\.(?:get|get_as_int|get_as_bool)\(\s*"(\w+)"',
+    r'params\.config\.get\(\s*"(\w+)"',
+    r'params\.config\[\s*"(\w+)"\s*\]',
+    r'"(\w+)"\s+in\s+params\.config',
+]
+
+
+def _keys_read_by_torch(backend: str) -> set[str]:
+    keys: set[str] = set()
+    for name in TORCH_HANDLER_FILES[backend]:
+        text = (TORCH_RDZV / name).read_text()
+        for pattern in _READS:
+            keys.update(re.findall(pattern, text))
+        keys.update(f"{k}_timeout" for k in re.findall(r'_get_timeout\(params, "(\w+)"\)', text))
+    return keys
+
+
+@pytest.mark.parametrize("backend", sorted(TORCH_HANDLER_FILES))
+def test_the_table_of_torchs_keys_is_what_torchs_handlers_read(backend: str) -> None:
+    assert _keys_read_by_torch(backend) == set(adapters_config.torch_options(backend))
+
+
+def _launch_config(backend: str, key: str, value: str = "1") -> LaunchConfig:
+    return LaunchConfig(
+        1, 1, 1, rdzv_backend=backend, rdzv_endpoint="127.0.0.1:29400", rdzv_configs={key: value}
+    )
+
+
+def _outcome(backend: str, key: str, value: str, caplog: pytest.LogCaptureFixture) -> str:
+    """What ``rallypoint run`` does with ``--rdzv-conf key=value``: read, warning, refused."""
+    caplog.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="rallypoint"):
+            _launch_config(backend, key, value)
+    except ConfigError as exc:
+        assert str(exc).startswith(f"--rdzv-conf {key}") or f"'{key}'" in str(exc), exc
+        return "refused"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if not warnings:
+        return "read"
+    (warning,) = warnings
+    assert warning.startswith(f"--rdzv-conf {key} is ignored by the {backend} backend (")
+    return "warning"
+
+
+ALL_KEYS = sorted(set(adapters_config.TORCH_OPTIONS).union(*adapters_config.OPTIONS.values()))
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "agent.md"
+
+
+def _docs_table() -> dict[str, dict[str, str]]:
+    """docs/agent.md's table of rendezvous options: key -> {backend: cell}."""
+    lines = DOCS.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| key | `c10d` |"))
+    backends = [c.strip().strip("`") for c in lines[start].strip("|").split("|")][1:-1]
+    table: dict[str, dict[str, str]] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for key in re.findall(r"`(\w+)`", cells[0]) or ["join_timout"]:
+            table[key] = dict(zip(backends, cells[1:-1], strict=True))
+    return table
+
+
+def test_the_docs_table_of_rendezvous_options_is_what_the_launcher_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    table = _docs_table()
+    # Every key some backend reads (torch 2.13's and rallypoint's), and a misspelt one.
+    assert set(table) == {*ALL_KEYS, "join_timout"}
+    assert set(table["join_timeout"]) == set(agent_config.BACKENDS) - {
+        "rallypoint-c10d",
+        "rallypoint-etcd",
+        "rallypoint-etcd-embedded",
+    }
+    for key, cells in table.items():
+        for backend, cell in cells.items():
+            values = ["http", "https"] if key == "protocol" else ["5"]
+            for value in values:
+                expected = "refused" if f"refused for `{value}`" in cell else cell.split(",")[0]
+                assert _outcome(backend, key, value, caplog) == expected, (key, value, backend)
+
+
+@pytest.mark.parametrize("backend", sorted(agent_config.BACKENDS))
+@pytest.mark.parametrize(
+    ("key", "close"),
+    [("join_timout", "join_timeout"), ("timout", "timeout"), ("is_hots", "is_host")],
+)
+def test_a_misspelt_key_is_refused_naming_the_close_match(
+    backend: str, key: str, close: str
+) -> None:
+    with pytest.raises(
+        ConfigError, match=f"'{key}' is unknown to the {backend} backend; did you mean '{close}'"
+    ):
+        _launch_config(backend, key)
+
+
+def test_torchs_timeout_key_with_c10d_names_what_it_does_and_what_to_use(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="rallypoint"):
+        config = _launch_config("c10d", "timeout", "5")
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "timeout is ignored by the c10d backend" in warning
+    assert "the join timeout is join_timeout" in warning
+    assert config.rdzv_configs == {"timeout": "5"}  # kept as given; the handler never gets it
+
+
+def test_the_handler_path_accepts_torchruns_keys_and_warns_about_the_unread_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def parse(backend: str, **conf: str) -> None:
+        parse_params(
+            RendezvousParameters(backend, "127.0.0.1:0", "x", 1, 1, local_addr="127.0.0.1", **conf)
+        )
+
+    with caplog.at_level(logging.WARNING, logger="rallypoint"):
+        # torch's launcher adds timeout to every backend's options: no warning for it.
+        parse("rallypoint-c10d", timeout="900")
+        assert caplog.records == []
+        parse("rallypoint-c10d", etcd_prefix="/x", rank="0")
+        parse("rallypoint-etcd", is_host="true")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3, messages
+    assert all(m.startswith("rendezvous option ") for m in messages)
+    assert "is_host is ignored by the rallypoint-etcd backend" in messages[2]
+    with pytest.raises(ConfigError, match="did you mean 'join_timeout'"):
+        parse("rallypoint-c10d", join_timout="5")

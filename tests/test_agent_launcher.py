@@ -123,7 +123,7 @@ def test_flags_map_to_config(script: str, monkeypatch: pytest.MonkeyPatch) -> No
     args = build_parser().parse_args(
         [
             "--nnodes=2:4", "--nproc_per_node=3", "--rdzv-backend=etcd",
-            "--rdzv-endpoint=etcd.example", "--rdzv-id=job", "--rdzv-conf=join_timeout=9, a=b",
+            "--rdzv-endpoint=etcd.example", "--rdzv-id=job", "--rdzv-conf=join_timeout=9, ttl=5",
             "--role=trainer", "-r", "0:1,2:3", "-t", "2", "--local-ranks-filter=0,2",
             "--monitor-interval=0.5", script, "--lr", "0.1",
         ]
@@ -131,7 +131,7 @@ def test_flags_map_to_config(script: str, monkeypatch: pytest.MonkeyPatch) -> No
     config = config_from_args(args)
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 4, 3)
     assert config.max_restarts == 4
-    assert config.rdzv_configs == {"join_timeout": "9", "a": "b"}
+    assert config.rdzv_configs == {"join_timeout": "9", "ttl": "5"}
     assert parse_endpoint(config.rdzv_endpoint, "etcd") == ("etcd.example", 2379)
     assert config.redirects == {0: Std.OUT, 1: Std.NONE, 2: Std.ALL}
     assert config.tee == {0: Std.ERR, 1: Std.ERR, 2: Std.ERR}

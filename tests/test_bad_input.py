@@ -9,17 +9,19 @@ contacts anything but 127.0.0.1.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from rallypoint.adapters.config import check_resolves, parse_params
 from rallypoint.adapters.config import parse_endpoint as adapter_parse_endpoint
-from rallypoint.adapters.config import parse_params
 from rallypoint.agent import ConfigError, LaunchConfig
 from rallypoint.agent.agent import ElasticAgent
 from rallypoint.agent.launcher import build_parser, config_from_args, main
@@ -147,9 +149,20 @@ def _params(backend: str, **conf: str) -> object:
 def test_misspelt_rdzv_conf_key_names_the_close_match() -> None:
     with pytest.raises(ValueError, match=r"'join_timout'.*did you mean 'join_timeout'"):
         parse_params(_params("c10d", join_timout="5"))  # type: ignore[arg-type]
-    # An option of the other backend is unknown too (it would be ignored).
-    with pytest.raises(ValueError, match="unknown rendezvous option 'is_host' for the etcd"):
+    with pytest.raises(ValueError, match=r"'is_hots' is unknown to the etcd backend"):
+        parse_params(_params("etcd", is_hots="true"))  # type: ignore[arg-type]
+
+
+def test_an_option_of_another_backend_is_accepted_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # torchrun hands is_host to an etcd backend too, which ignores it.
+    with caplog.at_level(logging.WARNING, logger="rallypoint"):
         parse_params(_params("etcd", is_host="true"))  # type: ignore[arg-type]
+    assert [r.getMessage() for r in caplog.records] == [
+        "rendezvous option is_host is ignored by the etcd backend "
+        "(read by torch's c10d and rallypoint's c10d backends)"
+    ]
 
 
 def test_torch_launchers_timeout_key_is_accepted_from_torchrun() -> None:
@@ -170,15 +183,162 @@ def test_misspelt_rdzv_conf_key_is_a_usage_error(
     assert "'join_timout'" in line and "did you mean 'join_timeout'" in line
 
 
-def test_torch_timeout_key_from_a_user_points_to_join_timeout(
+@pytest.mark.parametrize("flag", ["--rdzv-conf", "--rdzv_conf", "PET_RDZV_CONF"])
+def test_torchs_timeout_key_is_accepted_with_one_warning(
+    flag: str, script: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    conf = "timeout=5,join_timeout=5"
+    if flag.startswith("PET_"):
+        monkeypatch.setenv(flag, conf)
+        argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", script]
+    else:
+        argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", flag, conf, script]
+    with caplog.at_level(logging.WARNING, logger="rallypoint"):
+        config = _config(*argv)
+    assert config.rdzv_configs == {"timeout": "5", "join_timeout": "5"}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("--rdzv-conf timeout is ignored by the c10d backend")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--rdzv-backend", "torch-c10d", "--rdzv-endpoint", "127.0.0.1:1"],
+            "--rdzv-conf for the torch-c10d backend: The rendezvous configuration option "
+            "'read_timeout' does not represent a valid integer value.",
+        ),
+        (
+            ["--nnodes", "2", "--master-port", "1"],
+            "--rdzv-conf for the static backend: invalid literal for int()",
+        ),
+    ],
+)
+def test_value_torchs_handler_cannot_take_is_a_usage_error(
+    args: list[str], expected: str, script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conf = "read_timeout=abc" if "torch-c10d" in args else "timeout=abc"
+    assert main([*args, "--rdzv-conf", conf, script]) == 2
+    assert _one_error_line(capsys, "rallypoint run: error:").startswith(
+        f"rallypoint run: error: {expected}"
+    )
+
+
+def test_rdzv_conf_wrapped_in_shell_quotes_is_read_without_them(
+    script: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # torchrun reads "'join_timeout" as a key (and ignores it).
+    conf = "'join_timeout=5,last_call_timeout=1,timeout=5'"
+    with caplog.at_level(logging.WARNING, logger="rallypoint"):
+        config = _config(
+            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-conf", conf, script
+        )
+    assert config.rdzv_configs == {"join_timeout": "5", "last_call_timeout": "1", "timeout": "5"}
+    assert "reading it without its quotes" in caplog.records[0].getMessage()
+
+
+def test_rdzv_conf_key_the_launcher_sets_from_a_flag_names_the_flag(
     script: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # torchrun fails here with a TypeError from RendezvousParameters.
     argv = [
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1",
-        "--rdzv-conf", "timeout=5,is_host=false,read_timeout=1", script,
+        "--rdzv-conf", "local_addr=127.0.0.1", script,
     ]  # fmt: skip
     assert main(argv) == 2
-    assert "use join_timeout" in _one_error_line(capsys, "rallypoint run: error:")
+    line = _one_error_line(capsys, "rallypoint run: error:")
+    assert line.endswith("--rdzv-conf local_addr: give it as --local-addr")
+
+
+# A name the resolver says does not exist (RFC 6761 reserves .invalid).
+NO_SUCH_HOST = "no.such.host.invalid"
+
+
+_ENDPOINT = ["--rdzv-endpoint", f"{NO_SUCH_HOST}:1"]
+_HOST = "--rdzv-endpoint host"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (
+            ["--nnodes", "2", "--master-addr", NO_SUCH_HOST, "--master-port", "1"],
+            {},
+            "--master-addr",
+        ),
+        (["--nnodes", "2"], {"PET_MASTER_ADDR": NO_SUCH_HOST}, "--master-addr"),
+        (["--nnodes", "2", *_ENDPOINT], {}, _HOST),
+        (["--rdzv-backend", "c10d", *_ENDPOINT], {}, _HOST),
+        (["--rdzv_backend", "torch-c10d", *_ENDPOINT], {}, _HOST),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", f"{NO_SUCH_HOST},b.invalid"], {}, _HOST),
+        (["--rdzv-backend", "torch-etcd"], {"PET_RDZV_ENDPOINT": NO_SUCH_HOST}, _HOST),
+    ],
+)
+def test_store_host_that_does_not_exist_is_one_line_at_once(
+    args: list[str],
+    env: dict[str, str],
+    named: str,
+    script: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    assert main([*args, script]) == 2
+    assert time.monotonic() - started < 30  # a store client retried it for 600 s
+    line = _one_error_line(capsys, "rallypoint run: error:")
+    assert f"{named} '{NO_SUCH_HOST}' does not resolve" in line
+
+
+def test_store_host_that_does_not_exist_is_refused_by_the_api_and_the_handler() -> None:
+    from rallypoint.agent.api import elastic_launch
+
+    config = LaunchConfig(2, 2, 1, rdzv_backend="static", master_addr=NO_SUCH_HOST)
+    with pytest.raises(ConfigError, match=f"--master-addr '{NO_SUCH_HOST}' does not resolve"):
+        elastic_launch(config, "true")()
+    # torchrun reaches rallypoint's handler without the launcher's checks.
+    params = _params("c10d")
+    params.endpoint = f"{NO_SUCH_HOST}:1"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=f"rendezvous endpoint host '{NO_SUCH_HOST}'"):
+        parse_params(params)  # type: ignore[arg-type]
+
+
+def test_etcd_member_that_does_not_exist_is_left_to_failover(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="rallypoint"):
+        check_resolves(["127.0.0.1", NO_SUCH_HOST], "rendezvous endpoint host")
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"'{NO_SUCH_HOST}' does not resolve" in warning
+    with pytest.raises(ConfigError, match=f"'{NO_SUCH_HOST}' does not resolve"):
+        check_resolves([NO_SUCH_HOST, "a.invalid"], "rendezvous endpoint host")
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--nnodes", str(10**11)], {}),
+        ([], {"PET_NNODES": str(10**11)}),
+        (
+            ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "--nnodes", f"1:{10**11}"],
+            {},
+        ),
+        (["--nnodes", "600000", "--nproc-per-node", "4096"], {"OMP_NUM_THREADS": "1"}),
+    ],
+)
+def test_nnodes_beyond_torchs_world_size_is_a_usage_error(
+    args: list[str],
+    env: dict[str, str],
+    script: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main([*args, script]) == 2
+    line = _one_error_line(capsys, "rallypoint run: error: --nnodes")
+    assert "world size would exceed 2147483647" in line
 
 
 # ------------------------------------------------ 8. one line, not a traceback

@@ -110,16 +110,19 @@ def test_bad_member_lists_and_members_are_one_line_errors(
 
 
 def test_the_embedded_etcd_has_no_users() -> None:
-    with pytest.raises(ConfigError, match="has no users"):
+    with pytest.raises(ConfigError, match="does not read it, so its connection"):
         parse_params(_params("127.0.0.1:23790", "r", 1, member="0", user="u", password="p"))
 
 
-def test_member_options_belong_to_the_embedded_backend_only() -> None:
+def test_member_options_belong_to_the_embedded_backend_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with pytest.raises(ConfigError, match="did you mean 'member'"):
         parse_params(_params("127.0.0.1:23790", "r", 1, membr="0"))
     plain = RendezvousParameters("etcd", "127.0.0.1:2379", "r", 1, 1, member="0")
-    with pytest.raises(ConfigError, match="unknown rendezvous option 'member'"):
-        parse_params(plain)
+    with caplog.at_level("WARNING", logger="rallypoint.adapters.config"):
+        assert parse_params(plain).embedded is None
+    assert "member is ignored by the etcd backend" in caplog.text
 
 
 def _member(tls: EtcdTLS | None, own: int = 1) -> EmbeddedMember:

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 SCRIPT = str(Path(__file__).resolve().parent / "chaos" / "live_steps.py")
 WAIT = 90.0
-STEPS = 400
+STEPS = 2000
 STEP_TIME = 0.02
 #: a 2 s liveness window: a SIGKILLed node is declared dead quickly
 FAST = "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60,last_call_timeout=0.5"
@@ -144,15 +144,15 @@ def test_a_leaving_node_costs_no_restart(cluster: Cluster) -> None:
     """3 agents x 1 worker (--nnodes 2:3): SIGTERM one agent. It leaves; the two
     survivors go on in a round of 2 with the same processes."""
     endpoint = f"127.0.0.1:{free_port()}"
-    args = _agent_args(endpoint, "live-leave", "2:3", 1)
-    for name in ("a", "b", "c"):
+    host = _agent_args(endpoint, "live-leave", "2:3", 1, f"{FAST},is_host=true")
+    args = _agent_args(endpoint, "live-leave", "2:3", 1, f"{FAST},is_host=false")
+    cluster.start([*host, *_train(cluster)], "a")
+    for name in ("b", "c"):
         cluster.start([*args, *_train(cluster)], name)
     before = _wait_training(cluster, 3)
-    leaver_pid = before[2]
     round_ = _newest_round(cluster)
-    leaver = next(
-        name for name in ("a", "b", "c") if any(p.pid == leaver_pid for p in cluster.tree(name))
-    )
+    leaver = "c"
+    (leaver_pid,) = {p.pid for p in cluster.tree(leaver)} & set(before.values())
     cluster.stop(leaver, signal.SIGTERM)
     after = _wait_training(cluster, 2, round_)
     assert set(after.values()) == set(before.values()) - {leaver_pid}
@@ -301,3 +301,17 @@ def test_the_live_api_without_a_live_agent_runs_one_round(tmp_path: Path) -> Non
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert {r["round"] for r in records if r["event"] == "round"} == {0}
     assert sorted(r["step"] for r in records if r["event"] == "done") == [30, 30]
+
+
+def test_the_gpu_check_runs_in_one_command() -> None:
+    """``python tests/gpu_check.py``: on a machine without CUDA it says it skipped and
+    exits 0; on a GPU machine its exit status counts the failed checks."""
+    import subprocess
+
+    check = Path(__file__).resolve().parent / "gpu_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(check)], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("gpu_check: skipped") or " CUDA device(s): " in first

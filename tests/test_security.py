@@ -293,7 +293,7 @@ def test_tls_and_auth_options_are_parsed_and_the_password_is_not_shown(certs: Ce
 
 def test_c10d_backend_refuses_etcd_only_options() -> None:
     params = RendezvousParameters("c10d", "127.0.0.1:0", "c", 1, 1, protocol="https")
-    with pytest.raises(RendezvousConfigError, match="unknown rendezvous option 'protocol'"):
+    with pytest.raises(RendezvousConfigError, match="protocol: the c10d backend does not read"):
         parse_params(params)
 
 

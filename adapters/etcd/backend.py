@@ -208,9 +208,17 @@ class EtcdBackend(BackendBase):
             )
         )
 
-    def call(self, op: Callable[[Any], _T], written: int = 0, read: int = 0) -> _T:
+    def call(
+        self,
+        op: Callable[[Any], _T],
+        written: int = 0,
+        read: int = 0,
+        *,
+        retry_window: float | None = None,
+    ) -> _T:
         """Run ``op(client)``, count it, and retry it through connection errors for
-        :attr:`retry_window` seconds, each time on a new client (the next member).
+        ``retry_window`` seconds (None: :attr:`retry_window`), each time on a new
+        client (the next member).
 
         ``op`` must be safe to run again after a connection error (the request
         may or may not have been applied): a compare-and-set, or a put of a fixed
@@ -221,6 +229,7 @@ class EtcdBackend(BackendBase):
                 (bad credentials, no permission, ...), or connection errors for
                 the whole retry window, or the backend was closed.
         """
+        window = self._retry_window if retry_window is None else max(0.0, retry_window)
         started: float | None = None
         attempt = 0
         while True:
@@ -237,12 +246,12 @@ class EtcdBackend(BackendBase):
                 now = time.monotonic()
                 if started is None:
                     started = now
-                    self._going_down(exc)
+                    self._going_down(exc, window)
                 self._conn.failed(client, kind)
                 waited = now - started
-                left = self._retry_window - waited
+                left = window - waited
                 if left <= 0:
-                    raise self.failure(exc, waited if self._retry_window > 0 else None) from exc
+                    raise self.failure(exc, waited if window > 0 else None) from exc
                 pause = min(_MAX_RETRY_PAUSE, 0.05 * 2 ** min(attempt, 4))
                 attempt += 1
                 time.sleep(min(self._rng.uniform(pause / 2, pause), left))
@@ -252,18 +261,18 @@ class EtcdBackend(BackendBase):
             self._count(written=written, read=read)
             return result
 
-    def _going_down(self, exc: BaseException) -> None:
+    def _going_down(self, exc: BaseException, window: float) -> None:
         with self._lock:
             if self._down_since is not None:
                 return
             self._down_since = time.monotonic()
             self._outages += 1
-        if self._retry_window > 0:
+        if window > 0:
             log.warning(
                 "etcd at %s failed (%s); retrying for up to %.0f s (endpoints %s)",
                 self._conn.endpoint_in_use,
                 error_text(exc),
-                self._retry_window,
+                window,
                 ",".join(self._conn.endpoints),
             )
 

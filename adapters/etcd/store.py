@@ -34,6 +34,7 @@ __all__ = [
     "MIN_ATTEMPT_TIMEOUT",
     "EtcdStore",
     "attempt_timeout",
+    "connect_bound",
     "create_etcd_backend",
 ]
 
@@ -206,6 +207,13 @@ def attempt_timeout(config: RendezvousConfig) -> float:
     return min(config.read_timeout, max(MIN_ATTEMPT_TIMEOUT, min(MAX_ATTEMPT_TIMEOUT, interval)))
 
 
+def connect_bound(config: RendezvousConfig) -> float:
+    """How long the first contact with etcd may take: the smaller of
+    ``read_timeout`` and ``join_timeout``, the rule of every backend (an
+    unreachable store fails the rendezvous no later than its join timeout)."""
+    return min(config.read_timeout, config.settings.join_timeout)
+
+
 def _connector(
     members: list[tuple[str, int]], config: RendezvousConfig, attempt_timeout: float
 ) -> Callable[[int], Any]:
@@ -306,7 +314,8 @@ def create_etcd_backend(
 
     Every call then rides out connection errors for ``config.read_timeout``
     seconds, moving to the next member of the list after each one; a single
-    request waits :func:`attempt_timeout` seconds for an answer.
+    request waits :func:`attempt_timeout` seconds for an answer. The first
+    contact is given :func:`connect_bound` seconds.
 
     Returns the backend and the store handed to the agent (same connection).
     ``diagnose`` and ``on_close`` go to :class:`EtcdBackend` (the embedded etcd's).
@@ -314,7 +323,7 @@ def create_etcd_backend(
     Raises:
         ConfigError: a malformed endpoint or endpoint list.
         RendezvousConnectionError: etcd does not answer a status request and a
-            read of this run's state within ``read_timeout`` (TLS,
+            read of this run's state within :func:`connect_bound` (TLS,
             authentication and permission failures at once; the message says
             what to check).
     """
@@ -324,10 +333,13 @@ def create_etcd_backend(
     endpoint = ",".join(labels)
     check = _access_check(config)
 
+    bound = connect_bound(config)
+
     def failed(exc: BaseException) -> RendezvousConnectionError:
         return RendezvousConnectionError(
             describe(
-                f"cannot use etcd ({error_text(exc)})",
+                f"cannot use etcd within {bound:g} s (the smaller of read_timeout and "
+                f"join_timeout): {error_text(exc)}",
                 run_id=config.settings.run_id,
                 endpoint=endpoint,
                 check=check,
@@ -352,21 +364,43 @@ def create_etcd_backend(
         diagnose=diagnose,
         on_close=on_close,
     )
-    _check_access(backend, failed)
+    _check_access(backend, failed, bound)
     return backend, EtcdStore(backend, timedelta(seconds=config.read_timeout))
 
 
 def _check_access(
-    backend: EtcdBackend, failed: Callable[[BaseException], RendezvousConnectionError]
+    backend: EtcdBackend,
+    failed: Callable[[BaseException], RendezvousConnectionError],
+    bound: float,
 ) -> None:
     """Ask for etcd's status and read this run's state key, so that a server that
-    does not answer, or refuses this client, fails here and not mid-rendezvous."""
+    does not answer, or refuses this client, fails here (within ``bound``
+    seconds) and not mid-rendezvous."""
     state_key = backend.key("state")
+    deadline = time.monotonic() + bound
+
+    def by_deadline(request: Callable[[Any], object]) -> Callable[[Any], object]:
+        def run(client: Any) -> object:
+            # One request may wait an attempt timeout (up to 5 s), longer than a
+            # short join_timeout: this contact's requests wait until the deadline
+            # at most. Nothing else uses the client yet.
+            usual = getattr(client, "timeout", None)
+            if isinstance(usual, (int, float)):
+                client.timeout = max(0.05, min(usual, deadline - time.monotonic()))
+            try:
+                return request(client)
+            finally:
+                if isinstance(usual, (int, float)):
+                    client.timeout = usual
+
+        return run
+
     try:
-        backend.call(lambda c: c.status())
+        backend.call(by_deadline(lambda c: c.status()), retry_window=bound)
         # A status request needs no permission: read this run's key too, so a
         # user without access to the prefix fails here.
-        backend.call(lambda c: c.get_response(state_key))
+        left = deadline - time.monotonic()
+        backend.call(by_deadline(lambda c: c.get_response(state_key)), retry_window=left)
     except RendezvousConnectionError as exc:
         backend.close()
         raise failed(exc.__cause__ or exc) from exc

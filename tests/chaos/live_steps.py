@@ -11,7 +11,7 @@ loads), ``round`` when a round is ready (its step and parameter then), ``step`` 
 each committed step, ``done`` when it finished. Each step sleeps STEP_TIME until
 ``OUT/sprint`` exists. With HANG_AT, the first worker of local rank 0 stops taking
 part at that step: it sleeps without calling into the API (a worker that ignores
-the new round).
+the new round). ``LIVE_STEPS_BACKEND=nccl`` trains on the local rank's CUDA device.
 """
 
 from __future__ import annotations
@@ -46,10 +46,15 @@ def main() -> None:
 
     from rallypoint.agent import live
 
-    param = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    backend = os.environ.get("LIVE_STEPS_BACKEND", "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    param = nn.Parameter(torch.zeros(1, dtype=torch.float64, device=device))
     holder = nn.Module()
     holder.register_parameter("value", param)
-    job = live.Job(model=holder, backend="gloo", timeout=60)
+    job = live.Job(model=holder, backend=backend, timeout=60)
     sprint = os.path.join(out, "sprint")
     for rnd in job.rounds():
         record(
@@ -65,7 +70,7 @@ def main() -> None:
             for step in rnd.steps(steps):
                 if first_life and step == hang_at and rnd.local_rank == 0:
                     time.sleep(3600)
-                total = torch.tensor([float(step + 1)], dtype=torch.float64)
+                total = torch.tensor([float(step + 1)], dtype=torch.float64, device=device)
                 dist.all_reduce(total)
                 with torch.no_grad():
                     param += total / rnd.world_size
