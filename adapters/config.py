@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,16 +47,19 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "DEFAULT_PORTS",
+    "EMBEDDED_BACKENDS",
     "ETCD_BACKENDS",
     "MAX_RUN_ID_LENGTH",
     "MAX_SECONDS",
     "OPTIONS",
     "TORCH_OPTIONS",
     "ConfigError",
+    "EmbeddedEtcd",
     "EtcdAuth",
     "EtcdTLS",
     "RendezvousConfig",
     "RendezvousConfigError",
+    "backend_options",
     "check_backend",
     "check_host",
     "check_local_addr",
@@ -81,7 +85,16 @@ BACKENDS: dict[str, str] = {
     "rallypoint-c10d": "c10d",
     "etcd": "etcd",
     "rallypoint-etcd": "etcd",
+    # The etcd backend on etcd members the agents of the first nodes run themselves
+    # (adapters/etcd/embedded.py): kind "etcd", so the launcher checks its member
+    # list as any etcd endpoint list.
+    "etcd-embedded": "etcd",
+    "rallypoint-etcd-embedded": "etcd",
 }
+
+#: The backends whose etcd members the agents run themselves (docs/adapters.md,
+#: "Embedded etcd"): ``--rdzv-endpoint`` lists every member's ``host:client_port``.
+EMBEDDED_BACKENDS = frozenset({"etcd-embedded", "rallypoint-etcd-embedded"})
 
 #: The port of an endpoint that names only a host, per kind (torch's defaults).
 DEFAULT_PORTS: dict[str, int] = {"c10d": 29400, "etcd": 2379}
@@ -449,6 +462,22 @@ class EtcdAuth:
 
 
 @dataclass(frozen=True)
+class EmbeddedEtcd:
+    """The etcd members the agents run themselves (``etcd-embedded``).
+
+    ``members``: every member's (host, client port) in the order of
+    ``--rdzv-endpoint``; its peer port is the client port + 1 (etcd's 2379/2380).
+    ``own``: the index of the member this node runs, or None (a node that only
+    uses the cluster). ``data_dir``: where each member's private data directory
+    is made (``rallypoint-etcd-<run id>-<member>``).
+    """
+
+    members: tuple[tuple[str, int], ...]
+    own: int | None
+    data_dir: str
+
+
+@dataclass(frozen=True)
 class RendezvousConfig:
     """Everything :func:`rallypoint.adapters.create_handler` reads from the parameters."""
 
@@ -463,6 +492,7 @@ class RendezvousConfig:
     etcd_ttl: float | None
     etcd_tls: EtcdTLS | None = None
     etcd_auth: EtcdAuth | None = None
+    embedded: EmbeddedEtcd | None = None
 
 
 def _bool(value: object, key: str, default: bool | None = None) -> bool | None:
@@ -541,6 +571,20 @@ OPTIONS: dict[str, frozenset[str]] = {
         "password_file",
     },
 }
+#: The embedded etcd's options on top of the etcd backend's: which member this
+#: node runs (``member``: its index in the list, its ``host:port``, or ``none``)
+#: and where members keep their data (``data_dir``).
+#: It has no users (``user``, ``password``: the cluster has no authentication).
+OPTIONS["etcd-embedded"] = (OPTIONS["etcd"] - {"user", "password", "password_file"}) | {
+    "member",
+    "data_dir",
+}
+
+
+def backend_options(backend: str) -> frozenset[str]:
+    """The ``--rdzv-conf`` keys rallypoint's ``backend`` (a name of
+    :data:`BACKENDS`) reads."""
+    return OPTIONS["etcd-embedded" if backend in EMBEDDED_BACKENDS else BACKENDS[backend]]
 
 
 #: Every rendezvous option torch 2.13's handlers read -> the torch backends that
@@ -776,8 +820,8 @@ def _etcd_access(params: RendezvousParameters) -> tuple[str, EtcdTLS | None, Etc
     return endpoint, tls, auth
 
 
-def _check_options(params: RendezvousParameters, kind: str) -> None:
-    notes = check_options(params.config, OPTIONS[kind], params.backend)
+def _check_options(params: RendezvousParameters) -> None:
+    notes = check_options(params.config, backend_options(params.backend), params.backend)
     for key, note in notes.items():
         # torch's launcher adds these whether or not the user wrote them.
         log.log(logging.DEBUG if key in _LAUNCHER_KEYS else logging.WARNING, "%s", note)
@@ -799,7 +843,8 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     """
     check_backend(params.backend, BACKENDS)
     kind = BACKENDS[params.backend]
-    _check_options(params, kind)
+    embedded_mode = params.backend in EMBEDDED_BACKENDS
+    _check_options(params)
     check_run_id(params.run_id)
     settings = _settings(params)
     local_addr = _local_addr(params)
@@ -814,6 +859,7 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
         host, _ = parse_endpoint(endpoint, DEFAULT_PORTS["c10d"], backend=params.backend)
         check_resolves([host], f"{_ENDPOINT} host")
     ttl = get("ttl")
+    embedded = _embedded(params, endpoint, local_addr) if embedded_mode else None
     return RendezvousConfig(
         kind=kind,
         backend_name=params.backend,
@@ -826,4 +872,65 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
         etcd_ttl=None if ttl is None else _seconds(ttl, "ttl", 1.0),
         etcd_tls=tls,
         etcd_auth=auth,
+        embedded=embedded,
     )
+
+
+def _host_is_here(host: str) -> bool:
+    """Whether ``host`` names an address this host can listen on."""
+    try:
+        check_local_addr(host)
+    except ConfigError:
+        return False
+    return True
+
+
+def _embedded(params: RendezvousParameters, endpoint: str, local_addr: str) -> EmbeddedEtcd:
+    """The members of an embedded etcd and which of them this node runs.
+
+    Without ``member``, this node runs the member whose host is ``local_addr``,
+    else the one whose host is an address of this host; none: it only uses the
+    cluster. Several candidates (members on one host differ by port) need
+    ``member``.
+
+    Raises:
+        ConfigError: ``member`` names no member of the list, or it is needed.
+    """
+    members = tuple(parse_endpoints(endpoint, DEFAULT_PORTS["etcd"]))
+    names = [format_endpoint(*m) for m in members]
+    taken = {(host, port + 1) for host, port in members}
+    for name, (host, port) in zip(names, members, strict=True):
+        if port >= 65535 or port == 0 or (host, port) in taken:
+            raise ConfigError(
+                f"rendezvous endpoint {endpoint!r}: member {name} serves clients on port "
+                f"{port} and its peers on port {port + 1}; give each member a client port "
+                "whose next port is free too (the default 2379 uses 2380)"
+            )
+    given = params.config.get("member")
+    own: int | None
+    if given is not None:
+        text = str(given).strip()
+        if text.lower() == "none":
+            own = None
+        elif text.isdigit() and int(text) < len(members):
+            own = int(text)
+        elif text in names:
+            own = names.index(text)
+        else:
+            raise ConfigError(
+                f"rendezvous option member={given!r}: give the index (0..{len(members) - 1}) "
+                f"or the HOST:PORT of one of the members {', '.join(names)}, or none"
+            )
+    else:
+        candidates = [i for i, (host, _) in enumerate(members) if host == local_addr]
+        if not candidates:
+            candidates = [i for i, (host, _) in enumerate(members) if _host_is_here(host)]
+        if len(candidates) > 1:
+            raise ConfigError(
+                f"members {', '.join(names[i] for i in candidates)} are all on this host: "
+                "say which one this node runs with the rendezvous option member=INDEX "
+                "(or member=none)"
+            )
+        own = candidates[0] if candidates else None
+    data_dir = os.path.expanduser(str(params.config.get("data_dir") or "")) or tempfile.gettempdir()
+    return EmbeddedEtcd(members=members, own=own, data_dir=data_dir)

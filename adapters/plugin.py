@@ -1,4 +1,5 @@
-"""torchrun entry points: ``--rdzv-backend rallypoint-c10d`` / ``rallypoint-etcd``.
+"""torchrun entry points: ``--rdzv-backend rallypoint-c10d`` / ``rallypoint-etcd`` /
+``rallypoint-etcd-embedded``.
 
 torch's registry loads each ``torchrun.handlers`` entry point and *calls* it with no
 arguments to obtain the handler creator, so each entry point is a function that
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-__all__ = ["c10d_handler", "etcd_handler"]
+__all__ = ["c10d_handler", "etcd_embedded_handler", "etcd_handler"]
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
@@ -36,4 +37,9 @@ def c10d_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
 
 def etcd_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
     """The creator torchrun registers as ``rallypoint-etcd``."""
+    return _creator()
+
+
+def etcd_embedded_handler() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The creator torchrun registers as ``rallypoint-etcd-embedded``."""
     return _creator()

@@ -163,7 +163,7 @@ def rdzv_options_read(backend: str) -> frozenset[str]:
     (:func:`rallypoint.adapters.config.torch_options`), less those the launcher
     sets from its flags (``rank``: ``--node-rank``)."""
     if BACKENDS[backend] == "rallypoint":
-        read = rdzv_config.OPTIONS[rdzv_config.BACKENDS[backend]]
+        read = rdzv_config.backend_options(backend)
     else:
         read = rdzv_config.torch_options(TORCH_BACKENDS[backend])
     return read - _FLAG_OPTIONS.keys() - {"rank"}

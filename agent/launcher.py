@@ -258,7 +258,7 @@ def _add_job_flags(opt: _AddFlag) -> None:
         help="workers per node: N, gpu (CUDA devices), xpu, cpu, auto (the devices of "
         "torch's current accelerator, else CPUs) or a registered accelerator backend.",
     )
-    opt("--rdzv-backend", action=env, default="static", help="c10d, etcd, torch-c10d, ...")
+    opt("--rdzv-backend", action=env, default="static", help="c10d, etcd, etcd-embedded, ...")
     opt("--rdzv-endpoint", action=env, default="", help="host:port of the backend.")
     opt("--rdzv-id", action=env, default="none", help="the job id all nodes share.")
     opt("--rdzv-conf", action=env, default="", help="k1=v1,k2=v2 backend options.")

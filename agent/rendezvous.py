@@ -2,8 +2,10 @@
 
 :func:`build_handler` maps the launcher's ``--rdzv-backend`` onto a handler:
 
-* ``c10d``, ``etcd`` (and the entry-point names ``rallypoint-c10d``,
-  ``rallypoint-etcd``): rallypoint's own handler, :func:`rallypoint.adapters.create_handler`;
+* ``c10d``, ``etcd``, ``etcd-embedded`` (and the entry-point names
+  ``rallypoint-c10d``, ``rallypoint-etcd``, ``rallypoint-etcd-embedded``): rallypoint's
+  own handler, :func:`rallypoint.adapters.create_handler` (``etcd-embedded`` also
+  starts this node's etcd member, which the handler's ``close`` stops);
 * ``torch-c10d``, ``torch-etcd``: torch's dynamic rendezvous, kept for comparisons
   (``bench/recovery.py``);
 * ``static``: torch's fixed-membership rendezvous (``--rdzv-endpoint``, else

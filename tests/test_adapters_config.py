@@ -105,7 +105,7 @@ def test_the_launchers_backend_names_derive_from_the_adapters_table() -> None:
     assert torch_names == {f"torch-{kind}" for kind in kinds} | {"static"}
     # Ports: etcd's is filled in (the adapters' default); every other needs one.
     for name, port in agent_config.DEFAULT_PORTS.items():
-        etcd = name in ("etcd", "rallypoint-etcd", "torch-etcd")
+        etcd = name in adapters_config.ETCD_BACKENDS | {"torch-etcd"}
         assert port == (adapters_config.DEFAULT_PORTS["etcd"] if etcd else None), name
 
 
@@ -301,14 +301,14 @@ def _docs_table() -> dict[str, dict[str, str]]:
     """docs/agent.md's table of rendezvous options: key -> {backend: cell}."""
     lines = DOCS.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| key | `c10d` |"))
-    backends = [c.strip().strip("`") for c in lines[start].strip("|").split("|")][1:6]
+    backends = [c.strip().strip("`") for c in lines[start].strip("|").split("|")][1:-1]
     table: dict[str, dict[str, str]] = {}
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
         for key in re.findall(r"`(\w+)`", cells[0]) or ["join_timout"]:
-            table[key] = dict(zip(backends, cells[1:6], strict=True))
+            table[key] = dict(zip(backends, cells[1:-1], strict=True))
     return table
 
 
@@ -321,6 +321,7 @@ def test_the_docs_table_of_rendezvous_options_is_what_the_launcher_does(
     assert set(table["join_timeout"]) == set(agent_config.BACKENDS) - {
         "rallypoint-c10d",
         "rallypoint-etcd",
+        "rallypoint-etcd-embedded",
     }
     for key, cells in table.items():
         for backend, cell in cells.items():

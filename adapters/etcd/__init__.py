@@ -1,5 +1,6 @@
 """rallypoint.adapters.etcd: the rendezvous state in etcd v3 (one member or a cluster,
-with failover), and test servers."""
+with failover; or members the agents run themselves, :mod:`.embedded`), and test
+servers."""
 
 from .backend import EtcdBackend
 from .client import EtcdConnection

@@ -62,7 +62,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from ..backend import BackendBase, StateSizeLimit, Token, check_intent_entry
@@ -111,6 +111,11 @@ class EtcdBackend(BackendBase):
         retry_window: how long (seconds) a call keeps retrying through connection
             errors before it raises :class:`RendezvousConnectionError` (0: at the
             first one; the next call still reconnects).
+        diagnose: called when a call gives up, for what is wrong beyond this
+            connection (the embedded etcd: which members lost the quorum); None
+            when it knows nothing more.
+        on_close: called in order by :meth:`close` (once): the embedded etcd
+            says this agent is done, waits for the others, and stops its member.
     """
 
     STATE_CHECK = "that no other program uses the same etcd prefix and run id"
@@ -126,6 +131,8 @@ class EtcdBackend(BackendBase):
         name: str = "rallypoint-etcd",
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         retry_window: float = 0.0,
+        diagnose: Callable[[], str | None] | None = None,
+        on_close: Sequence[Callable[[], None]] = (),
     ) -> None:
         root = f"{key_prefix.rstrip('/')}/{run_id}/"
         super().__init__(run_id, name=name, endpoint=endpoint, root=root)
@@ -144,6 +151,8 @@ class EtcdBackend(BackendBase):
         self._rng = random.Random()
         self._down_since: float | None = None
         self._outages = 0
+        self._diagnose = diagnose
+        self._on_close = list(on_close)
 
     @property
     def retry_window(self) -> float:
@@ -186,9 +195,13 @@ class EtcdBackend(BackendBase):
         """The error to raise for a client exception (``waited``: seconds spent
         retrying before giving up)."""
         after = "" if waited is None else f", still after retrying for {waited:.1f} s"
+        cause = None
+        if self._diagnose is not None and classify(exc) != FATAL:
+            with contextlib.suppress(Exception):
+                cause = self._diagnose()
         return RendezvousConnectionError(
             self._describe(
-                f"etcd failed ({error_text(exc)}{after})",
+                f"etcd failed ({error_text(exc)}{after})" + ("" if cause is None else f": {cause}"),
                 "that the etcd server is running and reachable at this address "
                 "(etcdctl --endpoints=<endpoint> endpoint health), and that read_timeout "
                 "is longer than its outages",
@@ -520,4 +533,14 @@ class EtcdBackend(BackendBase):
         return {node: found.get(node, 0) for node in nodes}
 
     def close(self) -> None:
-        self._conn.close()
+        """Run the ``on_close`` hooks (once, each even if one before failed), then
+        close the connection."""
+        hooks, self._on_close = self._on_close, []
+        try:
+            for hook in hooks:
+                try:
+                    hook()
+                except Exception as exc:
+                    log.warning("closing the etcd backend: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._conn.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -302,7 +302,11 @@ def _access_check(config: RendezvousConfig) -> str:
 
 
 def create_etcd_backend(
-    config: RendezvousConfig, client: Any = None
+    config: RendezvousConfig,
+    client: Any = None,
+    *,
+    diagnose: Callable[[], str | None] | None = None,
+    on_close: Sequence[Callable[[], None]] = (),
 ) -> tuple[EtcdBackend, EtcdStore]:
     """Connect to the etcd cluster named by ``config.endpoint`` (one member or a
     comma-separated list, default port 2379), over TLS with ``config.etcd_tls``
@@ -314,6 +318,7 @@ def create_etcd_backend(
     contact is given :func:`connect_bound` seconds.
 
     Returns the backend and the store handed to the agent (same connection).
+    ``diagnose`` and ``on_close`` go to :class:`EtcdBackend` (the embedded etcd's).
 
     Raises:
         ConfigError: a malformed endpoint or endpoint list.
@@ -356,6 +361,8 @@ def create_etcd_backend(
         ttl=config.etcd_ttl,
         name=config.backend_name,
         retry_window=config.read_timeout,
+        diagnose=diagnose,
+        on_close=on_close,
     )
     _check_access(backend, failed, bound)
     return backend, EtcdStore(backend, timedelta(seconds=config.read_timeout))
