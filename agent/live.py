@@ -232,6 +232,8 @@ class Job:
                 self._report(Phase.DONE)
                 return
             self._report(Phase.JOINING)  # waiting for the next round is not a stall
+            self.abort()
+            rnd.settle()  # no work of the round may be in flight when its groups go
             self._leave_group()
             self._next_round(rnd.failure)
 
@@ -514,6 +516,14 @@ class Round:
         self._check = dist.all_reduce(
             self._flag, op=dist.ReduceOp.MAX, group=self._side, async_op=True
         )
+
+    def settle(self) -> None:
+        """Wait for the round's agreement in flight, if any (once the round is broken
+        it ends at once, with an error that is of no interest any more)."""
+        check, self._check = self._check, None
+        if check is not None:
+            with contextlib.suppress(Exception):
+                check.wait()
 
     def abort(self) -> None:
         """Break the round's communication (:meth:`Job.abort`) while it is open."""
