@@ -230,6 +230,7 @@ class Job:
             self._current = None
             if not rnd.interrupted:
                 self._report(Phase.DONE)
+                rnd.settle()  # the script may keep `rnd`: it must not keep the side group
                 return
             self._report(Phase.JOINING)  # waiting for the next round is not a stall
             self.abort()
@@ -519,11 +520,14 @@ class Round:
 
     def settle(self) -> None:
         """Wait for the round's agreement in flight, if any (once the round is broken
-        it ends at once, with an error that is of no interest any more)."""
+        it ends at once, with an error that is of no interest any more), and let go of
+        the side group: a gloo group that lives on into interpreter exit can abort the
+        process while it is torn down."""
         check, self._check = self._check, None
         if check is not None:
             with contextlib.suppress(Exception):
                 check.wait()
+        self._side = None
 
     def abort(self) -> None:
         """Break the round's communication (:meth:`Job.abort`) while it is open."""
