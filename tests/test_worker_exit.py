@@ -136,6 +136,7 @@ def test_a_function_worker_ends_like_the_interpreter_but_unfinalized(
 # A gloo group that is never destroyed: its teardown at interpreter exit can abort.
 GLOO = """
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -149,7 +150,9 @@ def sum_ranks():
 
 
 if __name__ == "__main__":
-    print("sum", sum_ranks())
+    # One write: the two workers share the console, and an unbuffered print writes
+    # its pieces one by one, so two prints could interleave mid-line.
+    sys.stdout.write(f"sum {sum_ranks()}\n")
 """
 RUNS = 2  # a few jobs; bench/worker_exit.py runs many
 
