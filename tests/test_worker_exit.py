@@ -152,7 +152,7 @@ def sum_ranks():
 if __name__ == "__main__":
     # One write: the two workers share the console, and an unbuffered print writes
     # its pieces one by one, so two prints could interleave mid-line.
-    sys.stdout.write(f"sum {sum_ranks()}\n")
+    sys.stdout.write(f"sum {sum_ranks()}\\n")
 """
 RUNS = 2  # a few jobs; bench/worker_exit.py runs many
 
