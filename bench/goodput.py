@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import psutil
-from resumed import CASES, LIVENESS, WORKER, _free_port, _tree, steps_done
+from resumed import CASES, LIVENESS, WORKER, _free_port, _tree, steps_done, stop_agents
 
 AGENTS = 4
 FAULTS = ("worker SIGKILL", "agent+worker SIGKILL", "agent SIGTERM")
@@ -95,13 +95,7 @@ class _Job:
         self.start(host=False)
 
     def stop(self) -> None:
-        for agent in self.agents:
-            for proc in _tree(agent.pid):
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
+        stop_agents(self.agents)
         for log in self.logs:
             log.close()  # type: ignore[attr-defined]
 

@@ -191,15 +191,20 @@ def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> flo
             time.sleep(0.02)
         return math.inf
     finally:
-        for agent in agents:
-            for proc in _tree(agent.pid):
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
+        stop_agents(agents)
         for log in logs:
             log.close()
+
+
+def stop_agents(agents: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL every agent with all it started, and collect them."""
+    for agent in agents:
+        for proc in _tree(agent.pid):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
 
 
 def _tree(pid: int) -> list[psutil.Process]:

@@ -368,20 +368,16 @@ def _exclude(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousS
     changes: dict[str, object] = {
         "excluded": state.excluded.set(node, max(until, state.excluded.get(node, 0))),
         "heartbeats": _without(state, node),
+        **_off_the_lists(state, node),
     }
-    if node in state.wait_list:
-        changes["wait_list"] = state.wait_list - {node}
-    if node in state.redundancy_list:
-        changes["redundancy_list"] = state.redundancy_list - {node}
-    if node in state.returning:
-        changes["returning"] = state.returning - {node}
     if node not in state.participants:
         return state._derive(changes)
     changes["participants"] = state.participants.delete(node)
     return remove_participant_epilogue(state._derive(changes), s)
 
 
-def _leave(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+def _off_the_lists(state: RendezvousState, node: NodeDesc) -> dict[str, object]:
+    """The changes that take ``node`` off the wait, redundancy and returning lists."""
     changes: dict[str, object] = {}
     if node in state.wait_list:
         changes["wait_list"] = state.wait_list - {node}
@@ -389,6 +385,11 @@ def _leave(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousSta
         changes["redundancy_list"] = state.redundancy_list - {node}
     if node in state.returning:
         changes["returning"] = state.returning - {node}
+    return changes
+
+
+def _leave(state: RendezvousState, node: NodeDesc, s: Settings) -> RendezvousState:
+    changes = _off_the_lists(state, node)
     if node in state.participants:
         changes["participants"] = state.participants.delete(node)
     if not changes:
