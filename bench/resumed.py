@@ -166,9 +166,15 @@ def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> flo
             time.sleep(0.05)
         before = _records(steps)
         victim_rank = world - 1
-        victim_pid = max(r[0] for r in before if r[2] == victim_rank)
+        victim_pid = max((r for r in before if r[2] == victim_rank), key=lambda r: r[4])[0]
         generation = {r[0]: r[1] for r in before}
-        victim_agent = next(a for a in agents if any(p.pid == victim_pid for p in _tree(a.pid)))
+        victim_agent = next(
+            (a for a in agents if any(p.pid == victim_pid for p in _tree(a.pid))), None
+        )
+        if victim_agent is None:
+            raise RuntimeError(
+                f"{case} {fault}: rank {victim_rank}'s worker is gone; see {run_dir}"
+            )
         fault_at = time.time()
         if fault == "crash":
             os.kill(victim_pid, signal.SIGKILL)
