@@ -382,6 +382,7 @@ def _report_resumed(figures: list[str], repeats: int, give_up: float) -> None:
                 for case in CASES:
                     value = measure_resumed(case, RESUMED[figure][0], Path(tmp), give_up)
                     results[figure][case].append(value)
+                    print(f"  {figure} {case}: {_fmt(value, give_up)}", flush=True)
     for figure in figures:
         medians = {case: statistics.median(runs) for case, runs in results[figure].items()}
         for case, runs in results[figure].items():
