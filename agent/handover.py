@@ -404,10 +404,6 @@ class LiveWorkers:
         )
         return True
 
-    def statuses(self) -> dict[int, object]:
-        """Each local rank's last status (for tests and diagnostics)."""
-        return {rank: c.status.read() for rank, c in self._channels.items()}
-
     def close(self) -> None:
         for rank in list(self._channels):
             self._forget(rank)
