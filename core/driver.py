@@ -705,12 +705,15 @@ def _admit_batch(
     now: float,
 ) -> tuple[RendezvousState, tuple[NodeDesc, ...]]:
     """``state`` (this node's own admission applied) with every joiner of the intent
-    log past the cursor, and every waiting node, admitted as the join operator
-    decides for it; the cursor moves past the log."""
+    log past the cursor admitted as the join operator decides for it; the cursor
+    moves past the log.
+
+    A waiting node is admitted only through its own entry in the open round's log,
+    never from the wait list alone: a node that asked to wait and never acts again
+    (its agent stuck, its heartbeat thread alive) would otherwise hold a place in a
+    round it never trains in, and every peer would wait on it."""
     log = view.intents or ()
     pending = {n for n in log[state.intent_cursor :] if n != node}
-    if not state.complete:
-        pending.update(n for n in state.wait_list if n != node)
     admitted = []
     obs = view.observations(node)
     for other in sorted(pending):

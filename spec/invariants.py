@@ -344,7 +344,9 @@ def check_admissions(
       participants), other than the writer, is named in ``admitted``, once, and
       nobody else is;
     * an admitted node had announced itself in the log of the round it is admitted
-      to (an entry past the cursor) or was waiting;
+      to (an entry past the cursor), a waiting node too: a node is never admitted
+      from the wait list alone, or one that never acts again would hold a place in
+      the round;
     * a node admitted (the writer included) while it has an entry past the cursor
       has that entry consumed: the cursor moves past it, so every entry admits its
       node at most once.
@@ -370,10 +372,10 @@ def check_admissions(
             f"{sorted(map(str, named))} as admitted"
         )
     for n in sorted(joined):
-        if n not in pending and n not in sanitized.wait_list:
+        if n not in pending:
             problems.append(
-                f"{writer} admitted {n} to round {written.round}, which neither announced "
-                "itself in that round's intent log (past the cursor) nor was waiting"
+                f"{writer} admitted {n} to round {written.round}, which did not announce "
+                "itself in that round's intent log (past the cursor)"
             )
     newly = sorted(joined | ({writer} if _admitted_by(writer, sanitized, written) else set()))
     for n in newly:

@@ -12,7 +12,7 @@ from its membership in the shared state (:func:`lifecycle_state`)::
     idle/exited --join--> joining --add_to_participants--> participant --complete--> complete
                                \\--add_to_wait_list--> waiting      (round complete, room)
                                \\--add_to_redundancy_list--> redundant (round complete, full)
-    joining [announced] / waiting --admitted (a peer's batch)--> the same destinations
+    joining / waiting [announced] --admitted (a peer's batch)--> the same destinations
     complete --finish--> training --remove_from_participants (exit)--> exited
     training --leave (for good)--> exited
     participant --complete [quorum, last call over or everyone back]--> complete
@@ -27,7 +27,7 @@ node's own lifecycle events (``join``, ``crash``). *Peer* triggers change a node
 lifecycle state through another node's step: ``round_completed`` (a peer marked the
 round complete or filled it), ``declared_dead`` (a sanitize, a peer's or the node's
 own, removed it from the shared state) and ``admitted`` (a peer's write admitted it
-in a batch: it had announced itself in the round's intent log, or it was waiting).
+in a batch: it had announced itself in the round's intent log, waiting or not).
 
 Every edge has guards; the guards of one step are evaluated once into a
 :class:`Guards` tuple from a :class:`View` of the node before the step, so the
@@ -168,8 +168,10 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
     # would make every round it does not join regroup at once for it.
     _edge("round_completed", Lifecycle.WAITING, Lifecycle.REDUNDANT),
     # Batched admission: a peer's write admits a joiner that announced itself in the
-    # round's intent log (and is not a member yet), or a waiting node once the next
-    # round is open, with the decision the node's own join would make.
+    # round's intent log (and is not a member yet), or a waiting node that announced
+    # itself in the open round's log, with the decision the node's own join would
+    # make. Never a waiting node from the wait list alone: one that never acts again
+    # would hold a place in a round it never trains in.
     _edge(
         "admitted",
         Lifecycle.JOINING,
@@ -208,14 +210,14 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         "admitted",
         Lifecycle.WAITING,
         Lifecycle.PARTICIPANT,
-        conditions=["round_open"],
+        conditions=["announced", "round_open"],
         unless=["fills_round", "excluded"],
     ),
     _edge(
         "admitted",
         Lifecycle.WAITING,
         Lifecycle.COMPLETE,
-        conditions=["round_open", "fills_round"],
+        conditions=["announced", "round_open", "fills_round"],
         unless=["excluded"],
     ),
     _edge("finish", Lifecycle.COMPLETE, Lifecycle.TRAINING),

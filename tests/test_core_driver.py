@@ -235,6 +235,28 @@ def test_a_contended_joiner_announces_then_admits_every_logged_joiner_in_one_wri
     assert batch.state.intent_cursor == len(log) + 2
 
 
+def test_a_batch_admits_a_waiting_node_only_through_its_entry_in_the_log() -> None:
+    """A waiting node takes a place in the open round only by acting: its own write
+    or its entry in the round's log. From the wait list alone, a node that never
+    acts again (its agent stuck, its heartbeat alive) would hold a place in a round
+    it never trains in, and every peer would wait on it."""
+    s = settings(2, 5)
+    state = joined([node(0), node(1)], s)
+    state = step(state, node(0), Action.MARK_RENDEZVOUS_COMPLETE, s)
+    state = step(state, node(4), Action.ADD_TO_WAIT_LIST, s)
+    state = step(state, node(5), Action.ADD_TO_WAIT_LIST, s)
+    for n in (node(0), node(1)):  # both leave the round to rejoin: the next one opens
+        state = step(state, n, Action.REMOVE_FROM_PARTICIPANTS, s)
+    assert not state.complete and state.wait_list == {node(4), node(5)}
+    view = after_write(_view(state, me=node(2)), node(2), False, state, 0.0)
+    view = after_announce(view, state.round)
+    view = after_read(view, node(2), state, None, 0.0, [node(5)])
+    write = decide(view, node(2), s, JoinOp(), FAR, 0.0)
+    assert isinstance(write, Write) and write.admitted == (node(5),)
+    assert node(5) in write.state.participants
+    assert node(4) in write.state.wait_list and node(4) not in write.state.participants
+
+
 def test_a_batch_stops_admitting_participants_at_max_nodes() -> None:
     s = settings(2, 3)
     state = RendezvousState()

@@ -417,12 +417,12 @@ def test_the_admission_properties_read_the_states() -> None:
         participants={a: 0, b: 0, c: 0}, heartbeats={a: 1, b: 2, c: 3}, intent_cursor=2
     )
     assert check_admissions(a, before, before, batch, (b, c), (b, c)) == []
-    # d never announced itself and was not waiting
+    # d never announced itself
     sneaky = batch.evolve(
         participants={a: 0, b: 0, c: 0, d: 0}, heartbeats={a: 1, b: 2, c: 3, d: 4}
     )
     problems = check_admissions(a, before, before, sneaky, (b, c, d), (b, c))
-    assert any("neither announced" in p for p in problems)
+    assert any("did not announce" in p for p in problems)
     # the write admits c without saying so
     assert any("names" in p for p in check_admissions(a, before, before, batch, (b,), (b, c)))
     # the cursor stays: b and c could be admitted again
@@ -433,10 +433,13 @@ def test_the_admission_properties_read_the_states() -> None:
     moved = before.evolve(intent_cursor=1)
     assert any("went back" in p for p in check_admissions(a, moved, moved, before, (), (b,)))
     assert any("past the end" in p for p in check_admissions(a, before, before, moved, (), ()))
-    # a waiting node is admitted without an entry
+    # a waiting node is admitted through its entry, never from the wait list alone
     waiting = before.evolve(wait_list={d}, heartbeats={a: 1, d: 2})
-    promoted = waiting.evolve(participants={a: 0, d: 0}, wait_list=set())
-    assert check_admissions(a, waiting, waiting, promoted, (d,), ()) == []
+    promoted = waiting.evolve(participants={a: 0, d: 0}, wait_list=set(), intent_cursor=1)
+    assert check_admissions(a, waiting, waiting, promoted, (d,), (d,)) == []
+    unasked = waiting.evolve(participants={a: 0, d: 0}, wait_list=set())
+    problems = check_admissions(a, waiting, waiting, unasked, (d,), ())
+    assert any("did not announce" in p for p in problems)
     # a new round's cursor counts the new round's log, from 0
     advanced = before.evolve(round=1, participants={}, heartbeats={}, intent_cursor=2)
     assert any(

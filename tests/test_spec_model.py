@@ -190,7 +190,7 @@ def test_write_diagram_without_dot_says_how_to_install(
         write_diagram(tmp_path / "d.png")
 
 
-def test_a_peer_admits_only_an_announced_joiner_or_a_waiting_node(model: LifecycleModel) -> None:
+def test_a_peer_admits_only_a_node_that_announced_itself(model: LifecycleModel) -> None:
     open_round = guards(announced=True, round_open=True)
     assert model.allows("joining", "admitted", "participant", open_round)
     assert not model.allows("joining", "admitted", "participant", guards(round_open=True))
@@ -201,8 +201,11 @@ def test_a_peer_admits_only_an_announced_joiner_or_a_waiting_node(model: Lifecyc
     assert model.allows("joining", "admitted", "waiting", room)
     full = guards(announced=True, round_complete=True, round_full=True)
     assert model.allows("joining", "admitted", "redundant", full)
-    # a waiting node needs no entry; a node that is not joining is never admitted
-    assert model.allows("waiting", "admitted", "participant", guards(round_open=True))
+    # a waiting node needs its entry in the open round's log too: from the wait list
+    # alone it would hold a place even if it never acts again
+    assert model.allows("waiting", "admitted", "participant", open_round)
+    assert not model.allows("waiting", "admitted", "participant", guards(round_open=True))
+    # a node that is not joining or waiting is never admitted
     for source in ("idle", "exited", "evicted", "training", "participant", "redundant"):
         for dest in ("participant", "waiting", "complete"):
             assert not model.allows(source, "admitted", dest, room)
