@@ -18,7 +18,8 @@ check, which leaves a window of microseconds.
 The ``rallypoint run`` agent also makes itself the workers' child subreaper
 (:func:`become_subreaper`): orphans come back to it rather than to init, so it can
 collect them when it stops them (``agent/workers.py``), and their pids stay theirs
-until it does.
+until it does. Each process the agent starts is wrapped by :func:`die_with_agent`,
+so the kernel kills it when the agent dies.
 
 This module imports only the standard library: each group of workers' watchdog runs
 it as a script, ``python -I -S _reaper.py FD`` (see :func:`watch`).
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import secrets
 import select
+import shutil
 import signal
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 TOKEN_ENV = "RALLYPOINT_WORKER_TOKEN"
@@ -42,6 +45,33 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 #: a SIGKILL sweep gives up after this many passes that still found new carriers
 _MAX_PASSES = 50
+
+
+# Sets the parent-death signal, then becomes the worker (same pid). Used only where
+# util-linux's setpriv is missing. No preexec_fn: Python code between fork and exec
+# deadlocks or aborts in a process whose other threads hold locks (gRPC's etcd
+# client does), and it forces fork() where subprocess would otherwise use vfork().
+_PDEATHSIG_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    return shutil.which("setpriv")
+
+
+def die_with_agent(argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped so the kernel SIGKILLs the worker when the agent dies (Linux)."""
+    if sys.platform != "linux":
+        return list(argv)
+    setpriv = _setpriv()
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "KILL", "--", *argv]
+    return [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
 
 
 def new_token() -> str:

@@ -32,7 +32,6 @@ __all__ = [
     "ERROR_FILE_ENV",
     "AgentError",
     "ProcessFailure",
-    "WorkerFailedError",  # noqa: F822 (module __getattr__: defined in .api)
     "format_failures",
     "load_error_file",
     "read_error_file",
@@ -48,16 +47,6 @@ _R = TypeVar("_R")
 
 class AgentError(RuntimeError):
     """The agent could not run the job (bad rendezvous setup, closed job, ...)."""
-
-
-def __getattr__(name: str) -> Any:
-    # WorkerFailedError is also torch's ChildFailedError, so it lives with the API
-    # (which imports torch); workers import this module for record() without torch.
-    if name == "WorkerFailedError":
-        from .api import WorkerFailedError
-
-        return WorkerFailedError
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def write_error_file(path: str, exc: BaseException) -> None:

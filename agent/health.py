@@ -62,6 +62,7 @@ from typing import Literal
 
 import psutil
 
+from . import _reaper
 from ._health_worker import GROUP_STAGES, LOCAL_STAGES, SPEC_ENV
 from .errors import describe_exit
 
@@ -483,16 +484,12 @@ def _run(
     (leftover background jobs go too); at the deadline, also every descendant that
     left the group. ``stop_early``, a callable polled meanwhile, ends it sooner.
     """
-    # Imported here: the launch configuration holds a HealthCheckConfig, and the
-    # workers module reads the configuration's types.
-    from .workers import die_with_agent
-
     out_path = os.path.join(tmp, f"{name}.stdout")
     err_path = os.path.join(tmp, f"{name}.stderr")
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         try:
             popen = subprocess.Popen(
-                die_with_agent(argv),
+                _reaper.die_with_agent(argv),
                 env=dict(env),
                 stdin=subprocess.DEVNULL,
                 stdout=out,

@@ -35,10 +35,8 @@ otherwise).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,41 +52,14 @@ from . import _reaper
 from .config import Std
 from .errors import ProcessFailure
 
-__all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "die_with_agent", "kill_tree"]
+__all__ = ["WorkerGroup", "WorkerLaunch", "WorkerProcess", "kill_tree"]
 
 logger = logging.getLogger("rallypoint.agent")
-
-# Sets the parent-death signal, then becomes the worker (same pid). Used only where
-# util-linux's setpriv is missing. No preexec_fn: Python code between fork and exec
-# deadlocks or aborts in a process whose other threads hold locks (gRPC's etcd
-# client does), and it forces fork() where subprocess would otherwise use vfork().
-_PDEATHSIG_SHIM = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
 
 # The watchdog of one group of workers (see the module docstring): a script that
 # imports only the standard library, run with -I -S (no site imports, a few
 # milliseconds); the agent does not wait for it to start (its lines wait in the pipe).
 _WATCHDOG = _reaper.__file__
-
-
-@functools.cache
-def _setpriv() -> str | None:
-    return shutil.which("setpriv")
-
-
-def die_with_agent(argv: Sequence[str]) -> list[str]:
-    """``argv`` wrapped so the kernel SIGKILLs the worker when the agent dies (Linux)."""
-    if sys.platform != "linux":
-        return list(argv)
-    setpriv = _setpriv()
-    if setpriv is not None:
-        return [setpriv, "--pdeathsig", "KILL", "--", *argv]
-    return [sys.executable, "-c", _PDEATHSIG_SHIM, str(os.getpid()), *argv]
 
 
 @dataclass(frozen=True)
@@ -642,7 +613,7 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
     token = _reaper.new_token()
     try:
         popen = subprocess.Popen(
-            die_with_agent(launch.argv),
+            _reaper.die_with_agent(launch.argv),
             env={**launch.env, _reaper.TOKEN_ENV: token},
             stdin=subprocess.DEVNULL,
             stdout=routes.streams[Std.OUT],

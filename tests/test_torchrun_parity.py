@@ -482,7 +482,7 @@ def test_static_api_uses_the_rdzv_endpoint(tmp_path: Path, free_port: Any) -> No
 def test_elastic_launch_failure_is_torchs_child_failed_error(tmp_path: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from rallypoint.agent.errors import WorkerFailedError
+    from rallypoint.agent.api import WorkerFailedError
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=2, standalone=True,
