@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from chaos.cluster import read_jsonl
+import pytest
+from chaos.cluster import marked_processes, read_jsonl
 
 MARK_ENV = "RALLYPOINT_ETCD_CHAOS_MARK"
 #: ``make chaos`` (RALLYPOINT_CHAOS_FULL=1): the long form of every scenario.
@@ -139,12 +140,17 @@ class Job:
 
     def start(self, name: str, nnodes: str = "2:3") -> None:
         """Start agent ``name`` (``--nnodes nnodes``, one worker)."""
+        self._start(name, nnodes, "etcd", RDZV_CONF, max_restarts=3)
+
+    def _start(
+        self, name: str, nnodes: str, backend: str, rdzv_conf: str, max_restarts: int
+    ) -> None:
         argv = [
             sys.executable, "-m", "rallypoint.run", "--nnodes", nnodes,
-            "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+            "--nproc-per-node", "1", "--rdzv-backend", backend,
             "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
             "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
-            "--max-restarts", "3", "--rdzv-conf", RDZV_CONF,
+            "--max-restarts", str(max_restarts), "--rdzv-conf", rdzv_conf,
             str(self.script), str(self.ckpt), str(self.steps), str(self.step_time),
         ]  # fmt: skip
         env = dict(os.environ, **{MARK_ENV: self.mark})
@@ -246,16 +252,7 @@ class Job:
     # -- what is left -----------------------------------------------------------------
 
     def marked(self) -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                if proc.environ().get(MARK_ENV) == self.mark:
-                    found.append(proc)
-            except (psutil.Error, OSError):
-                continue
-        return found
+        return marked_processes(MARK_ENV, self.mark)
 
     def leftovers(self, within: float = 10.0) -> list[str]:
         """The job's processes still alive ``within`` s after every agent exited."""
@@ -304,3 +301,17 @@ def table(outcomes: Sequence[Outcome]) -> str:
             f"| {o.rounds} | {len(o.leftovers)} |"
         )
     return "\n".join(lines)
+
+
+def print_after_tests(request: pytest.FixtureRequest, lines: Sequence[str]) -> None:
+    """Write ``lines`` to pytest's terminal, past its output capture (a scenario
+    table closing a test module)."""
+    plugins = request.config.pluginmanager
+    reporter = plugins.get_plugin("terminalreporter")
+    capture = plugins.get_plugin("capturemanager")
+    if reporter is None:
+        return
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        reporter.write_line("")
+        for line in lines:
+            reporter.write_line(line)

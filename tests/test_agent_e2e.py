@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 import pytest
+from chaos.cluster import kill_tree, marked_processes
 
 #: real processes, servers or sockets: `make test-fast` leaves these out
 pytestmark = pytest.mark.integration
@@ -174,29 +175,11 @@ class Procs:
         (self.dir / "finish").touch()
 
     def marked(self) -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get(MARK_ENV) == self.mark:
-                    found.append(proc)
-            except (psutil.Error, OSError):
-                continue
-        return found
+        return marked_processes(MARK_ENV, self.mark)
 
     def kill_all(self) -> None:
         for popen, _ in self.agents:
-            procs = []
-            try:
-                root = psutil.Process(popen.pid)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                pass
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(popen.pid, signal.SIGKILL)
-            for proc in procs:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-            popen.wait()
+            kill_tree(popen)
         for proc in self.marked():
             with contextlib.suppress(psutil.Error):
                 proc.kill()

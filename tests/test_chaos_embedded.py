@@ -30,7 +30,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import pytest
 from chaos.cluster import free_port
-from chaos_etcd_harness import FULL, MARK_ENV, Job
+from chaos_etcd_harness import FULL, Job, print_after_tests
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -82,26 +81,9 @@ class EmbeddedJob(Job):
         self.data_dir.mkdir()
 
     def start(self, name: str, nnodes: str = "2:3", member: int = 0) -> None:  # type: ignore[override]
-        argv = [
-            sys.executable, "-m", "rallypoint.run", "--nnodes", nnodes,
-            "--nproc-per-node", "1", "--rdzv-backend", "etcd-embedded",
-            "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id,
-            "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
-            "--max-restarts", "5",
-            "--rdzv-conf", f"{RDZV_CONF},member={member},data_dir={self.data_dir}",
-            str(self.script), str(self.ckpt), str(self.steps), str(self.step_time),
-        ]  # fmt: skip
-        env = dict(os.environ, **{MARK_ENV: self.mark})
-        with open(self.dir / f"{name}.log", "ab") as log:
-            self.agents[name] = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=self.dir,
-                start_new_session=True,
-            )
+        """Start agent ``name``, which runs etcd member ``member``."""
+        conf = f"{RDZV_CONF},member={member},data_dir={self.data_dir}"
+        self._start(name, nnodes, "etcd-embedded", conf, max_restarts=5)
 
     def lose_node(self, name: str) -> float:
         """SIGKILL agent ``name``'s process group (its workers): the node is gone.
@@ -159,11 +141,6 @@ def closing_table(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if not _ROWS:
         return
-    plugins = request.config.pluginmanager
-    reporter = plugins.get_plugin("terminalreporter")
-    capture = plugins.get_plugin("capturemanager")
-    if reporter is None:
-        return
     lines = [
         f"embedded etcd chaos ({'full' if FULL else 'reduced'} form):",
         "| scenario | outcome | times | processes left | data dirs left |",
@@ -174,10 +151,7 @@ def closing_table(request: pytest.FixtureRequest) -> Iterator[None]:
             f"| {row.scenario} | {row.outcome} | {'; '.join(row.times)} "
             f"| {row.processes_left} | {row.dirs_left} |"
         )
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        reporter.write_line("")
-        for line in lines:
-            reporter.write_line(line)
+    print_after_tests(request, lines)
 
 
 @pytest.fixture

@@ -29,13 +29,12 @@ appended as JSON lines to the file named by ``RALLYPOINT_CHAOS_REPORT`` if set::
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from chaos_etcd_harness import FULL, Job, Outcome, table
+from chaos_etcd_harness import FULL, Job, Outcome, print_after_tests, table
 
 from rallypoint.adapters.etcd import EtcdCluster, EtcdServer
 
@@ -66,16 +65,8 @@ def closing_table(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if not _OUTCOMES:
         return
-    plugins = request.config.pluginmanager
-    reporter = plugins.get_plugin("terminalreporter")
-    capture = plugins.get_plugin("capturemanager")
-    if reporter is None:
-        return
     text = f"etcd chaos ({'full' if FULL else 'reduced'} form):\n{table(_OUTCOMES)}"
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        reporter.write_line("")
-        for line in text.splitlines():
-            reporter.write_line(line)
+    print_after_tests(request, text.splitlines())
 
 
 @pytest.fixture

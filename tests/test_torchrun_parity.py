@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 import pytest
+from chaos.cluster import kill_tree, marked_processes
 
 from rallypoint.agent import ConfigError, LaunchConfig, elastic_launch
 from rallypoint.agent.launcher import build_parser, config_from_args, main
@@ -145,24 +146,10 @@ class Launchers:
         return torch_run, self.run(RALLYPOINT, ours, f"{name}-rallypoint", ours_env)
 
     def kill(self, popen: subprocess.Popen[bytes]) -> None:
-        procs: list[psutil.Process] = []
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(popen.pid)
-            procs = [root, *root.children(recursive=True)]
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(popen.pid, signal.SIGKILL)
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        popen.wait()
+        kill_tree(popen)
 
     def marked(self) -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                if proc.environ().get(MARK_ENV) == self.mark:
-                    found.append(proc)
-        return found
+        return marked_processes(MARK_ENV, self.mark)
 
     def kill_all(self) -> None:
         for popen in self.popens:

@@ -32,6 +32,8 @@ __all__ = ["procs"]  # the fixture, imported for the tests below
 #: How long the test watches the agents after the node announced itself: the
 #: storm started a round every few milliseconds.
 WATCH_S = 5.0
+
+
 class _AnnounceOnly:
     """The join operator until this node waits; then done: it never joins."""
 

@@ -59,6 +59,36 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def kill_tree(popen: subprocess.Popen[Any]) -> None:
+    """SIGKILL a launched process, its process group and every descendant it has
+    now (those that left the group too), then reap it."""
+    procs: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(popen.pid)
+        procs = [root, *root.children(recursive=True)]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, signal.SIGKILL)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    popen.wait()
+
+
+def marked_processes(variable: str, mark: str) -> list[psutil.Process]:
+    """Every live process whose environment has ``variable=mark`` (zombies excluded):
+    what a test started, wherever it was reparented."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(variable) == mark:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 @dataclass
 class Agent:
     name: str
@@ -176,16 +206,7 @@ class Cluster:
 
     def marked(self) -> list[psutil.Process]:
         """Every live process carrying this test's mark (zombies excluded)."""
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                if proc.environ().get(MARK_ENV) == self.mark:
-                    found.append(proc)
-            except (psutil.Error, OSError):
-                continue
-        return found
+        return marked_processes(MARK_ENV, self.mark)
 
     def leftovers(self, within: float = 10.0) -> list[str]:
         """Processes of this test still alive once every agent has exited and
