@@ -18,7 +18,7 @@ Simulations in your own hypothesis tests take the names below from here::
         report = simulate(config)
         assert report.ok, report.format()
         for round, returned in report.by_round().items():
-            ...  # returned: node slot -> JoinReturn (its rank, the members)
+            ...  # returned: slot -> JoinReturn (.joined: its rank, the members)
 
 See docs/spec.md, "Simulations in your own tests".
 """

@@ -152,16 +152,6 @@ class Checks(EventLoop):
         join's entry in the report's ``returns``. The round's node -> rank map is
         shared by every node that returned on the same state, so the tracker
         merges it once."""
-        self.report.returns.append(
-            JoinReturn(
-                self.now,
-                self._by_desc[desc].slot,
-                desc,
-                joined.round,
-                joined.rank,
-                joined.world_size,
-                joined.participants,
-            )
-        )
+        self.report.returns.append(JoinReturn(self.now, self._by_desc[desc].slot, desc, joined))
         result = RoundResult(joined.round, joined.rank, joined.world_size, joined.participants)
         return self.agreement.add(desc, result)

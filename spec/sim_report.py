@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from immutables import Map
-
-from ..core import NodeDesc
+from ..core import Membership, NodeDesc
 from .sim_config import SimConfig
 
 __all__ = ["JoinReturn", "NodeStats", "RoundStat", "SimReport", "SimViolation"]
@@ -59,25 +57,17 @@ class RoundStat:
 
 @dataclass(frozen=True)
 class JoinReturn:
-    """What one node was told when its join returned, as the handler hands it to
-    the agent: its round, rank and the round's members, and when (simulated
-    seconds). ``slot`` is the node's index in the run (0 .. ``config.nodes - 1``);
-    ``node`` the process (a slot restarted after a crash is a new process, with a
-    new pid)."""
+    """One node's join returned: ``joined`` is what it was told (the core's
+    :class:`~rallypoint.core.Membership`: round, rank, world size and the round's
+    node -> rank map, shared by the round's returns, not copied), as the handler
+    hands it to the agent; ``time`` when (simulated seconds); ``slot`` the node's
+    index in the run (0 .. ``config.nodes - 1``); ``node`` the process (a slot
+    restarted after a crash is a new process, with a new pid)."""
 
     time: float
     slot: int
     node: NodeDesc
-    round: int
-    rank: int
-    world_size: int
-    #: the round's node -> rank map (shared by every return of the round, not copied)
-    participants: Map[NodeDesc, int]
-
-    @property
-    def members(self) -> frozenset[NodeDesc]:
-        """The round's nodes."""
-        return frozenset(self.participants)
+    joined: Membership
 
 
 @dataclass(frozen=True)
@@ -149,8 +139,8 @@ class SimReport:
         and slots in ascending order. A slot appears under a round only if its
         join returned from that round."""
         rounds: dict[int, dict[int, JoinReturn]] = {}
-        for returned in sorted(self.returns, key=lambda r: (r.round, r.slot)):
-            rounds.setdefault(returned.round, {})[returned.slot] = returned
+        for returned in sorted(self.returns, key=lambda r: (r.joined.round, r.slot)):
+            rounds.setdefault(returned.joined.round, {})[returned.slot] = returned
         return rounds
 
     def totals(self) -> NodeStats:

@@ -57,13 +57,14 @@ def test_every_node_of_a_fault_free_round_is_in_the_report() -> None:
     assert report.ok, report.format()
     first = report.by_round()[0]
     assert list(first) == list(range(8))
-    members = first[0].members
+    members = first[0].joined.members
     assert len(members) == 8
     for slot, returned in first.items():
-        assert returned.slot == slot and returned.round == 0 and returned.world_size == 8
+        joined = returned.joined
+        assert returned.slot == slot and joined.round == 0 and joined.world_size == 8
         assert returned.node in members
-        assert returned.participants[returned.node] == returned.rank
-    assert sorted(r.rank for r in first.values()) == list(range(8))
+        assert joined.participants[returned.node] == joined.rank
+    assert sorted(r.joined.rank for r in first.values()) == list(range(8))
     # In the order they returned, all after the nodes' arrival.
     times = [r.time for r in report.returns]
     assert times == sorted(times) and times[0] > 0
@@ -79,19 +80,14 @@ def test_a_restarted_node_returns_as_a_new_process_in_a_later_round() -> None:
     sim.run_until(120.0)
     report = sim.report
     assert report.ok, report.format()
-    later = [r for r in report.returns if r.slot == 0 and r.round > 0]
+    later = [r for r in report.returns if r.slot == 0 and r.joined.round > 0]
     assert later, report.format()
     assert all(r.node != old and r.node.addr == old.addr for r in later)
     # What the report says each training node returned last is what it trains in.
     for node in sim.nodes:
         if node.phase is Phase.TRAINING:
             last = [r for r in report.returns if r.slot == node.slot][-1]
-            assert node.joined is not None
-            assert (last.node, last.round, last.rank) == (
-                node.desc,
-                node.joined.round,
-                node.joined.rank,
-            )
+            assert (last.node, last.joined) == (node.desc, node.joined)
 
 
 def test_the_returns_are_part_of_the_replayed_run() -> None:
