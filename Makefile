@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: this version's CPU build is on local disk; a bare
 	# "torch" requirement would download a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
+	# dev brings the extras run (the launcher, the c10d/etcd adapters) and plot.
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

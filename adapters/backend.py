@@ -3,8 +3,8 @@
 A backend stores one opaque blob per run (the :func:`rallypoint.core.encode_state`
 bytes) under a *fencing token*, and a small counter per node (its heartbeat).
 
-Contract (the shared test suite ``tests/test_adapters_contract.py`` checks it on
-every implementation):
+Contract (docs/backends.md is the checklist; the suite
+:mod:`rallypoint.adapters.contract` checks it on every implementation, and on yours):
 
 * ``get_state()`` returns ``(blob, token)``, or None when no state was ever written.
 * ``set_state(blob, token=None)`` writes ``blob`` only if the stored token still

@@ -821,6 +821,20 @@ def _quiet_agent_cpp_logs() -> None:
         os.environ[_AGENT_ONLY_ENV] = "TORCH_CPP_LOG_LEVEL"
 
 
+def check_run_extra(rdzv_backend: str) -> None:
+    """ConfigError naming the extra ``run`` when what it installs is missing: torch
+    (the core and the spec install without it), and the etcd client for
+    rallypoint's etcd backends."""
+    missing = [] if importlib.util.find_spec("torch") else ["torch"]
+    if rdzv_backend in ETCD_BACKENDS and not importlib.util.find_spec("pyetcd"):
+        missing.append("the etcd client (etcd-sdk-python)")
+    if missing:
+        raise ConfigError(
+            f"{' and '.join(missing)} not installed: 'rallypoint run' needs the extra"
+            " 'run': pip install 'rallypoint[run]'"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rallypoint run`` with ``argv``; return the process exit status."""
     _quiet_agent_cpp_logs()
@@ -831,6 +845,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Parsing and validation import torch only to count GPUs, so that bad
             # input is reported at once rather than after torch's 2-5 s import.
             args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+            check_run_extra(args.rdzv_backend)
             config = config_from_args(args)
             # A store host that does not exist fails now too, before torch loads.
             _interruptible(config.check_endpoint_resolves)

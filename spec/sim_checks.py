@@ -19,7 +19,7 @@ from .invariants import (
 from .lifecycle import Phase
 from .sim_events import EventLoop
 from .sim_node import SimNode
-from .sim_report import RoundStat
+from .sim_report import JoinReturn, RoundStat
 
 __all__ = ["Checks"]
 
@@ -148,8 +148,10 @@ class Checks(EventLoop):
                 self.report.false_death_log.append(self._finding([problem]))
 
     def _agree(self, desc: NodeDesc, done: Done, joined: Membership) -> list[str]:
-        """Agreement of one returned join with the others of its round. The round's
-        node -> rank map is shared by every node that returned on the same state,
-        so the tracker merges it once."""
+        """Agreement of one returned join with the others of its round, and the
+        join's entry in the report's ``returns``. The round's node -> rank map is
+        shared by every node that returned on the same state, so the tracker
+        merges it once."""
+        self.report.returns.append(JoinReturn(self.now, self._by_desc[desc].slot, desc, joined))
         result = RoundResult(joined.round, joined.rank, joined.world_size, joined.participants)
         return self.agreement.add(desc, result)

@@ -1,14 +1,16 @@
 """A simulator run's report: per-node traffic (:class:`NodeStats`), completed
-rounds (:class:`RoundStat`), violations with their traces (:class:`SimViolation`),
-and the report with its rendering (:class:`SimReport`)."""
+rounds (:class:`RoundStat`), what each node's join returned (:class:`JoinReturn`),
+violations with their traces (:class:`SimViolation`), and the report with its
+rendering (:class:`SimReport`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..core import Membership, NodeDesc
 from .sim_config import SimConfig
 
-__all__ = ["NodeStats", "RoundStat", "SimReport", "SimViolation"]
+__all__ = ["JoinReturn", "NodeStats", "RoundStat", "SimReport", "SimViolation"]
 
 
 @dataclass
@@ -54,6 +56,21 @@ class RoundStat:
 
 
 @dataclass(frozen=True)
+class JoinReturn:
+    """One node's join returned: ``joined`` is what it was told (the core's
+    :class:`~rallypoint.core.Membership`: round, rank, world size and the round's
+    node -> rank map, shared by the round's returns, not copied), as the handler
+    hands it to the agent; ``time`` when (simulated seconds); ``slot`` the node's
+    index in the run (0 .. ``config.nodes - 1``); ``node`` the process (a slot
+    restarted after a crash is a new process, with a new pid)."""
+
+    time: float
+    slot: int
+    node: NodeDesc
+    joined: Membership
+
+
+@dataclass(frozen=True)
 class SimViolation:
     """A broken property, when (simulated time) and the events that led to it."""
 
@@ -78,6 +95,8 @@ class SimReport:
     node_steps: int = 0
     events: int = 0
     rounds: list[RoundStat] = field(default_factory=list)
+    #: every returned join, in the order they returned (see :meth:`by_round`)
+    returns: list[JoinReturn] = field(default_factory=list)
     stats: list[NodeStats] = field(default_factory=list)
     crashes: int = 0
     partitions: int = 0
@@ -114,6 +133,15 @@ class SimReport:
     @property
     def steps_per_second(self) -> float:
         return self.node_steps / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def by_round(self) -> dict[int, dict[int, JoinReturn]]:
+        """What each node returned per round: round -> slot -> its return, rounds
+        and slots in ascending order. A slot appears under a round only if its
+        join returned from that round."""
+        rounds: dict[int, dict[int, JoinReturn]] = {}
+        for returned in sorted(self.returns, key=lambda r: (r.joined.round, r.slot)):
+            rounds.setdefault(returned.joined.round, {})[returned.slot] = returned
+        return rounds
 
     def totals(self) -> NodeStats:
         total = NodeStats()

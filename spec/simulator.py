@@ -120,9 +120,10 @@ from __future__ import annotations
 from .sim_config import SimConfig, SimConfigError
 from .sim_faults import Faults
 from .sim_node import SimNode, Task
-from .sim_report import NodeStats, RoundStat, SimReport, SimViolation
+from .sim_report import JoinReturn, NodeStats, RoundStat, SimReport, SimViolation
 
 __all__ = [
+    "JoinReturn",
     "NodeStats",
     "RoundStat",
     "SimConfig",

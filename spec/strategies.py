@@ -4,16 +4,20 @@
 * :func:`rendezvous_settings` -- valid :class:`Settings`;
 * :func:`rendezvous_states` -- shared states that pass :func:`check_state`;
 * :func:`sim_configs` -- simulator configurations with faults (workers' failures
-  and failed health checks among them), skew and drift.
+  and failed health checks among them), skew and drift; any field fixed or drawn
+  from a strategy of yours (``sim_configs(nodes=8)``: always 8 nodes).
 
-Example::
+Example (docs/spec.md, "Simulations in your own tests", has more)::
 
-    @given(sim_configs(max_nodes=16))
+    @given(sim_configs(nodes=st.integers(1, 16)))
     def test_no_split_brain(config):
         assert not simulate(config).violations
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 from hypothesis import strategies as st
 from immutables import Map
@@ -107,28 +111,68 @@ def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> Rend
     return state.evolve(returning=frozenset(returning), regroup=draw(st.booleans()))
 
 
+#: The fields :func:`sim_configs` draws when not given, and from what. The rates are
+#: per node per simulated minute; ``jitter`` is half the drawn ``latency``.
+_SIM_DRAWN: dict[str, st.SearchStrategy[Any]] = {
+    "nodes": st.integers(1, 16),
+    "seed": st.integers(0, 2**32 - 1),
+    "crash_rate": st.sampled_from([0.0, 0.05, 0.2]),
+    "partition_rate": st.sampled_from([0.0, 0.05]),
+    "leave_rate": st.sampled_from([0.0, 0.05]),
+    "conflict_rate": st.sampled_from([0.0, 0.1]),
+    # zero latency: requests, notifications and writes at one instant
+    "latency": st.sampled_from([0.0, 0.002]),
+    "clock_offset": st.sampled_from([0.0, 300.0]),
+    "drift": st.sampled_from([0.0, 0.01]),
+    "worker_failure_rate": st.sampled_from([0.0, 0.1]),
+    "health_failure_rate": st.sampled_from([0.0, 0.05]),
+    "restart_budget": st.sampled_from([None, 1, 3]),
+    "exclusion_rounds": st.integers(1, 2),
+}
+
+#: The fields of SimConfig, the names sim_configs accepts.
+_SIM_FIELDS = frozenset(f.name for f in dataclasses.fields(SimConfig))
+
+
+def sim_configs(
+    *, duration: float | st.SearchStrategy[float] = 120.0, **fixed: Any
+) -> st.SearchStrategy[SimConfig]:
+    """Simulator runs with random faults, clock skew and drift.
+
+    Every keyword is a :class:`SimConfig` field: a value fixes it, a strategy
+    draws it. ``sim_configs(nodes=8)`` always simulates 8 nodes;
+    ``sim_configs(nodes=st.integers(100, 200), crash_rate=0.0)`` 100 to 200 nodes
+    that never crash. Not given, ``nodes`` is drawn from 1 to 16, then
+    ``max_nodes`` from 1 to ``nodes`` (from ``min_nodes`` up when that is given)
+    and ``min_nodes`` from 1 to ``max_nodes``; the seed, the fault rates (crashes,
+    partitions, leaves, CAS conflicts, workers' failures, failed health checks),
+    latency, clock offset, drift, restart budget and exclusion rounds among a few
+    values each (``_SIM_DRAWN``); every other field keeps its default. A name
+    that is not a field is a TypeError at once.
+    """
+    unknown = sorted(set(fixed) - _SIM_FIELDS)
+    if unknown:
+        raise TypeError(f"sim_configs() got fields SimConfig does not have: {', '.join(unknown)}")
+    return _sim_configs(dict(fixed, duration=duration))
+
+
 @st.composite
-def sim_configs(draw: st.DrawFn, max_nodes: int = 16, duration: float = 120.0) -> SimConfig:
-    """Simulator runs with random faults, clock skew and drift."""
-    nodes = draw(st.integers(1, max_nodes))
-    high = draw(st.integers(1, nodes))
-    return SimConfig(
-        nodes=nodes,
-        min_nodes=draw(st.integers(1, high)),
-        max_nodes=high,
-        seed=draw(st.integers(0, 2**32 - 1)),
-        duration=duration,
-        crash_rate=draw(st.sampled_from([0.0, 0.05, 0.2])),
-        partition_rate=draw(st.sampled_from([0.0, 0.05])),
-        leave_rate=draw(st.sampled_from([0.0, 0.05])),
-        conflict_rate=draw(st.sampled_from([0.0, 0.1])),
-        # zero latency: requests, notifications and writes at one instant
-        latency=(latency := draw(st.sampled_from([0.0, 0.002]))),
-        jitter=latency / 2,
-        clock_offset=draw(st.sampled_from([0.0, 300.0])),
-        drift=draw(st.sampled_from([0.0, 0.01])),
-        worker_failure_rate=draw(st.sampled_from([0.0, 0.1])),
-        health_failure_rate=draw(st.sampled_from([0.0, 0.05])),
-        restart_budget=draw(st.sampled_from([None, 1, 3])),
-        exclusion_rounds=draw(st.integers(1, 2)),
-    )
+def _sim_configs(draw: st.DrawFn, fixed: dict[str, Any]) -> SimConfig:
+    def pick(name: str, default: st.SearchStrategy[Any] | None = None) -> Any:
+        """The given value of ``name``, else a draw from ``default``."""
+        value = fixed.get(name, default)
+        return draw(value) if isinstance(value, st.SearchStrategy) else value
+
+    nodes = pick("nodes", _SIM_DRAWN["nodes"])
+    if "min_nodes" in fixed:
+        low = pick("min_nodes")
+        floor = 1 if low is None else low
+        high = pick("max_nodes", st.integers(floor, max(floor, nodes)))
+    else:
+        high = pick("max_nodes", st.integers(1, nodes))
+        low = draw(st.integers(1, nodes if high is None else high))
+    drawn = {name: pick(name, strategy) for name, strategy in _SIM_DRAWN.items()}
+    if "jitter" not in fixed:
+        drawn["jitter"] = drawn["latency"] / 2
+    rest = {name: pick(name) for name in fixed.keys() - drawn.keys() - {"min_nodes", "max_nodes"}}
+    return SimConfig(**{**rest, **drawn, "nodes": nodes, "min_nodes": low, "max_nodes": high})

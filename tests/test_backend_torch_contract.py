@@ -17,17 +17,18 @@ Written from the docstrings of ``RendezvousBackend`` in
   backends, which is what the contract is for.
 
 Runs on memory, c10d (TCPStore, FileStore) and a real etcd server on 127.0.0.1.
+The promises every backend keeps (the token defaults to None, a foreign token
+loses, an unreadable value is a state error catchable as torch's class) are part of
+the backend contract suite, run on the same backends in test_adapters_contract.py.
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 from torch.distributed import FileStore, HashStore, Store, TCPStore
@@ -44,25 +45,21 @@ pytestmark = pytest.mark.integration
 
 _run_ids = itertools.count()
 
-#: A backend of one kind, for one run id. ``Kind.corrupt(backend)`` stores a value
-#: in the backend's state key that the backend did not write (None: not possible).
+#: A backend of one kind, for one run id.
 Make = Callable[[], RendezvousBackend]
 
 
 class Kind:
-    """How to make a backend of one kind, corrupt its state, and get a store."""
+    """How to make a backend of one kind, and a store for torch's handler."""
 
-    def __init__(
-        self, make: Make, corrupt: Callable[[Any], None] | None, store: Callable[[], Store]
-    ) -> None:
+    def __init__(self, make: Make, store: Callable[[], Store]) -> None:
         self.make = make
-        self.corrupt = corrupt
         self.store = store
 
 
 def _memory(tmp_path: Path, request: pytest.FixtureRequest) -> Kind:
     shared, store = MemoryBackend(), HashStore()
-    return Kind(lambda: shared, None, lambda: store)
+    return Kind(lambda: shared, lambda: store)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +83,7 @@ def _tcp(tmp_path: Path, request: pytest.FixtureRequest) -> Kind:
             client(), run_id, endpoint=f"127.0.0.1:{server.port}", wait_store=client()
         )
 
-    def corrupt(backend: Any) -> None:
-        backend.store.set(backend.key("state"), b"not written by rallypoint")
-
-    return Kind(make, corrupt, client)
+    return Kind(make, client)
 
 
 def _file(tmp_path: Path, request: pytest.FixtureRequest) -> Kind:
@@ -101,10 +95,7 @@ def _file(tmp_path: Path, request: pytest.FixtureRequest) -> Kind:
             FileStore(path, -1), run_id, endpoint=path, wait_store=FileStore(path, -1)
         )
 
-    def corrupt(backend: Any) -> None:
-        backend.store.set(backend.key("state"), b"7")
-
-    return Kind(make, corrupt, lambda: FileStore(path, -1))
+    return Kind(make, lambda: FileStore(path, -1))
 
 
 def _etcd(tmp_path: Path, request: pytest.FixtureRequest) -> Kind:
@@ -119,73 +110,16 @@ def _etcd(tmp_path: Path, request: pytest.FixtureRequest) -> Kind:
         made.append(EtcdBackend(client, run_id, endpoint=server.endpoint))
         return made[-1]
 
-    def corrupt(backend: Any) -> None:
-        # What torch's own etcd backend would store there: base64 text.
-        backend.client.put(backend.key("state"), b"gASVAAAAAAAAAAB9lC4=")
-
     def store() -> Store:
         return EtcdStore(made[-1] if made else make())  # type: ignore[arg-type]
 
     request.addfinalizer(lambda: [b.close() for b in made])  # type: ignore[func-returns-value]
-    return Kind(make, corrupt, store)
+    return Kind(make, store)
 
 
 @pytest.fixture(params=[_memory, _tcp, _file, _etcd], ids=["memory", "tcp", "file", "etcd"])
 def kind(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Kind]:
     yield request.param(tmp_path, request)
-
-
-#: Tokens no backend hands out: its tokens are ints (memory: versions; etcd:
-#: revisions) or the stored bytes (c10d).
-FOREIGN_TOKENS = [
-    "a string",
-    b"junk bytes",
-    b"1:ab:blob",  # c10d's format, but never stored
-    object(),
-    2**62,
-    -1,
-    0,
-    3.5,
-    True,
-    (1, 2),
-]
-
-
-def test_the_token_of_set_state_defaults_to_none(kind: Kind) -> None:
-    backend = kind.make()
-    parameter = inspect.signature(backend.set_state).parameters["token"]
-    assert parameter.default is None
-    assert backend.set_state(b"first")[2] is True  # type: ignore[index]
-    # Only if no state exists: the existing one comes back, with its token.
-    stored, token, won = backend.set_state(b"second")  # type: ignore[misc]
-    assert (stored, won) == (b"first", False)
-    assert backend.get_state() == (b"first", token)
-
-
-@pytest.mark.parametrize("foreign", FOREIGN_TOKENS, ids=repr)
-def test_a_token_the_backend_never_handed_out_loses(kind: Kind, foreign: object) -> None:
-    backend = kind.make()
-    # Nothing stored yet: the write loses and there is nothing to return.
-    assert backend.set_state(b"never", foreign) is None
-    assert backend.get_state() is None
-    _, token, won = backend.set_state(b"real")  # type: ignore[misc]
-    assert won
-    assert backend.set_state(b"never", foreign) == (b"real", token, False)
-    assert backend.get_state() == (b"real", token)
-    # The token it did hand out still wins.
-    assert backend.set_state(b"next", token)[2] is True  # type: ignore[index]
-
-
-def test_a_stored_value_the_backend_cannot_read_is_a_state_error(kind: Kind) -> None:
-    if kind.corrupt is None:
-        pytest.skip("nothing but the backend itself can write its state")
-    backend = kind.make()
-    _, token, _ = backend.set_state(b"state")  # type: ignore[misc]
-    kind.corrupt(backend)
-    for call in (backend.get_state, lambda: backend.set_state(b"x", token)):
-        with pytest.raises(torch_api.RendezvousStateError) as caught:
-            call()
-        assert backend.key("state") in str(caught.value)  # type: ignore[attr-defined]
 
 
 def test_an_unreachable_etcd_is_a_connection_error(

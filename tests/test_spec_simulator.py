@@ -254,7 +254,7 @@ def test_encoded_size_is_the_codec_length(first, second) -> None:  # type: ignor
 
 
 @settings(max_examples=5, deadline=None)
-@given(sim_configs(max_nodes=8, duration=90.0))
+@given(sim_configs(nodes=st.integers(1, 8), duration=90.0))
 def test_random_configurations_keep_the_invariants(config: SimConfig) -> None:
     report = simulate(config)
     assert not report.violations, report.format()
