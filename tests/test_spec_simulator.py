@@ -249,6 +249,8 @@ def test_encoded_size_is_the_codec_length(first, second) -> None:  # type: ignor
         | frozenset(second.heartbeats)
         | frozenset(first.excluded)
         | frozenset(second.excluded)
+        | first.returning
+        | second.returning
     )
     assert size.update(second, touched) == len(encode_state(second))
 
