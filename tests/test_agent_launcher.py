@@ -18,9 +18,9 @@ import pytest
 
 from rallypoint.agent import ConfigError, LaunchConfig, elastic_launch, record
 from rallypoint.agent.config import Std, parse_std
+from rallypoint.agent.api import WorkerFailedError
 from rallypoint.agent.errors import (
     ProcessFailure,
-    WorkerFailedError,
     format_failures,
     read_error_file,
     write_error_file,
