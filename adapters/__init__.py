@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .config import (
-    BACKENDS,
+    BACKEND_KINDS,
     ConfigError,
     RendezvousConfig,
     RendezvousConfigError,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .sync import StateSync
 
 __all__ = [
-    "BACKENDS",
+    "BACKEND_KINDS",
     "BackendStats",
     "ConfigError",
     "MemoryBackend",

@@ -4,7 +4,7 @@ torch's ``RendezvousParameters``.
 Two paths reach a rendezvous: ``rallypoint run`` (:mod:`rallypoint.agent.config`
 checks its flags) and torchrun or the Python API (:func:`parse_params` checks
 torch's parameters). Both call the checks here: one table of backend names
-(:data:`BACKENDS`), one endpoint parser (:func:`parse_endpoint`,
+(:data:`BACKEND_KINDS`), one endpoint parser (:func:`parse_endpoint`,
 :func:`parse_endpoints`, :func:`split_scheme`), one run-id, host and duration
 check, and one error type (:class:`ConfigError`). The messages differ only in how
 they name the option: ``--rdzv-endpoint`` for the launcher, "rendezvous endpoint"
@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from ..core import Settings
 
 __all__ = [
-    "BACKENDS",
-    "DEFAULT_PORTS",
+    "BACKEND_KINDS",
+    "DEFAULT_PORT_BY_KIND",
     "EMBEDDED_BACKENDS",
     "ETCD_BACKENDS",
     "MAX_RUN_ID_LENGTH",
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 
 #: rallypoint's backends: each name ``params.backend`` (or ``--rdzv-backend``) may
 #: give -> the kind of store behind it. The plain names and the torchrun entry points.
-BACKENDS: dict[str, str] = {
+BACKEND_KINDS: dict[str, str] = {
     "c10d": "c10d",
     "rallypoint-c10d": "c10d",
     "etcd": "etcd",
@@ -97,11 +97,11 @@ BACKENDS: dict[str, str] = {
 EMBEDDED_BACKENDS = frozenset({"etcd-embedded", "rallypoint-etcd-embedded"})
 
 #: The port of an endpoint that names only a host, per kind (torch's defaults).
-DEFAULT_PORTS: dict[str, int] = {"c10d": 29400, "etcd": 2379}
+DEFAULT_PORT_BY_KIND: dict[str, int] = {"c10d": 29400, "etcd": 2379}
 
 #: rallypoint's etcd backends: their endpoint may list the members of one etcd
 #: cluster (:func:`parse_endpoints`) and name TLS by a scheme (:func:`split_scheme`).
-ETCD_BACKENDS = frozenset(name for name, kind in BACKENDS.items() if kind == "etcd")
+ETCD_BACKENDS = frozenset(name for name, kind in BACKEND_KINDS.items() if kind == "etcd")
 
 #: Longest duration a seconds option takes (a week): the store clients' timeouts
 #: overflow long before infinity, and nobody means them.
@@ -583,8 +583,8 @@ OPTIONS["etcd-embedded"] = (OPTIONS["etcd"] - {"user", "password", "password_fil
 
 def backend_options(backend: str) -> frozenset[str]:
     """The ``--rdzv-conf`` keys rallypoint's ``backend`` (a name of
-    :data:`BACKENDS`) reads."""
-    return OPTIONS["etcd-embedded" if backend in EMBEDDED_BACKENDS else BACKENDS[backend]]
+    :data:`BACKEND_KINDS`) reads."""
+    return OPTIONS["etcd-embedded" if backend in EMBEDDED_BACKENDS else BACKEND_KINDS[backend]]
 
 
 #: Every rendezvous option torch 2.13's handlers read -> the torch backends that
@@ -813,7 +813,7 @@ def _etcd_access(params: RendezvousParameters) -> tuple[str, EtcdTLS | None, Etc
     a malformed list, or one whose members' names all do not exist, fails here,
     before anything starts."""
     scheme, endpoint = split_scheme(params.endpoint)
-    members = parse_endpoints(endpoint, DEFAULT_PORTS["etcd"])
+    members = parse_endpoints(endpoint, DEFAULT_PORT_BY_KIND["etcd"])
     conf = _etcd_conf(params.config)
     tls, auth = _etcd_tls(conf, scheme), _etcd_auth(conf)
     check_resolves([host for host, _ in members], f"{_ENDPOINT} host")
@@ -841,8 +841,8 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
 
     An option another backend reads is logged as ignored (:func:`check_options`).
     """
-    check_backend(params.backend, BACKENDS)
-    kind = BACKENDS[params.backend]
+    check_backend(params.backend, BACKEND_KINDS)
+    kind = BACKEND_KINDS[params.backend]
     embedded_mode = params.backend in EMBEDDED_BACKENDS
     _check_options(params)
     check_run_id(params.run_id)
@@ -856,7 +856,7 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     if kind == "etcd":
         endpoint, tls, auth = _etcd_access(params)
     elif store_type == "tcp":
-        host, _ = parse_endpoint(endpoint, DEFAULT_PORTS["c10d"], backend=params.backend)
+        host, _ = parse_endpoint(endpoint, DEFAULT_PORT_BY_KIND["c10d"], backend=params.backend)
         check_resolves([host], f"{_ENDPOINT} host")
     ttl = get("ttl")
     embedded = _embedded(params, endpoint, local_addr) if embedded_mode else None
@@ -896,7 +896,7 @@ def _embedded(params: RendezvousParameters, endpoint: str, local_addr: str) -> E
     Raises:
         ConfigError: ``member`` names no member of the list, or it is needed.
     """
-    members = tuple(parse_endpoints(endpoint, DEFAULT_PORTS["etcd"]))
+    members = tuple(parse_endpoints(endpoint, DEFAULT_PORT_BY_KIND["etcd"]))
     names = [format_endpoint(*m) for m in members]
     taken = {(host, port + 1) for host, port in members}
     for name, (host, port) in zip(names, members, strict=True):

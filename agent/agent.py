@@ -13,7 +13,7 @@ A restart stops every local worker (SIGTERM, a short grace, SIGKILL) and joins t
 next round. This module holds the loop; its parts live beside it:
 
 * :mod:`.ranks`: the rank agreement through the round's store (:class:`Assignment`);
-* :mod:`.launches`: each worker's environment, command and log files;
+* :mod:`.worker_specs`: each worker's environment, command and log files;
 * :mod:`.monitor`: watching a round (:class:`RoundOutcome`) and the group;
 * :mod:`.charging`: whether a failure spends a restart (:class:`RestartBudget`);
 * :mod:`.exit_barrier`: finishing together;
@@ -47,7 +47,6 @@ from .errors import AgentError, ProcessFailure
 from .events import EventKind, EventRecorder
 from .exit_barrier import acknowledge_close, exit_barrier, wait_for_acknowledgements
 from .handover import LiveWorkers
-from .launches import return_files, round_variables, worker_launches
 from .lease import LeaseGuard, fence_grace
 from .logs import EventLog, StartedWorker, make_log_root
 from .monitor import GroupWatch, RoundOutcome
@@ -55,6 +54,7 @@ from .ranks import Assignment, RoundAbandoned, agree_ranks, choose_master
 from .recovery import Recovery
 from .rendezvous import HandlerView
 from .signals import SignalReceived, ignore_signals, raise_on_signals
+from .worker_specs import return_files, round_variables, worker_launches
 from .workers import WorkerGroup, WorkerLaunch
 
 __all__ = ["AgentState", "Assignment", "ElasticAgent", "RunResult", "SignalReceived"]
@@ -262,7 +262,7 @@ class ElasticAgent:
         while True:
             ended = self._start_round()
             if ended is None:
-                outcome, failures = self.watch.monitor(self.group, self._live_check)
+                outcome, failures = self.watch.wait_for_outcome(self.group, self._live_check)
                 ended = self._after_round(outcome, failures)
             if ended is not None:
                 return ended

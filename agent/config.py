@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from torch.numa.binding import NumaOptions
 
 __all__ = [
-    "BACKENDS",
-    "DEFAULT_PORTS",
+    "BACKEND_IMPLEMENTATIONS",
+    "DEFAULT_PORT_BY_BACKEND",
     "DEFAULT_ROLE",
     "DEFAULT_SIGNALS_TO_HANDLE",
     "DEFAULT_STOP_GRACE",
@@ -56,10 +56,10 @@ __all__ = [
     "check_host",
     "check_nnodes",
     "check_nproc",
-    "check_run_id",
+    "check_rdzv_id",
     "check_world_size",
     "numa_command_prefix",
-    "parse_endpoint",
+    "parse_rdzv_endpoint",
     "parse_signals",
     "parse_std",
     "rdzv_options_read",
@@ -127,22 +127,22 @@ _ENDPOINT_FLAG = "--rdzv-endpoint"
 #: kind of rallypoint's backends (for comparisons) and ``static``, torchrun's
 #: default -> the name torch's handler registry knows each by.
 TORCH_BACKENDS: dict[str, str] = {
-    **{f"torch-{kind}": kind for kind in sorted(set(rdzv_config.BACKENDS.values()))},
+    **{f"torch-{kind}": kind for kind in sorted(set(rdzv_config.BACKEND_KINDS.values()))},
     "static": "static",
 }
 
 #: Accepted ``--rdzv-backend`` values and the implementation behind each:
-#: rallypoint's backends (:data:`rallypoint.adapters.config.BACKENDS`) and torch's.
-BACKENDS: dict[str, str] = {
-    **dict.fromkeys(rdzv_config.BACKENDS, "rallypoint"),
+#: rallypoint's backends (:data:`rallypoint.adapters.config.BACKEND_KINDS`) and torch's.
+BACKEND_IMPLEMENTATIONS: dict[str, str] = {
+    **dict.fromkeys(rdzv_config.BACKEND_KINDS, "rallypoint"),
     **dict.fromkeys(TORCH_BACKENDS, "torch"),
 }
 
 #: Default port when an endpoint names only a host: etcd's, for every etcd backend
 #: (rallypoint's and torch's); None: the port is required.
-DEFAULT_PORTS: dict[str, int | None] = {
-    name: rdzv_config.DEFAULT_PORTS["etcd"] if kind == "etcd" else None
-    for name, kind in {**rdzv_config.BACKENDS, **TORCH_BACKENDS}.items()
+DEFAULT_PORT_BY_BACKEND: dict[str, int | None] = {
+    name: rdzv_config.DEFAULT_PORT_BY_KIND["etcd"] if kind == "etcd" else None
+    for name, kind in {**rdzv_config.BACKEND_KINDS, **TORCH_BACKENDS}.items()
 }
 
 
@@ -162,16 +162,16 @@ def rdzv_options_read(backend: str) -> frozenset[str]:
     (:data:`rallypoint.adapters.config.OPTIONS`) or torch's
     (:func:`rallypoint.adapters.config.torch_options`), less those the launcher
     sets from its flags (``rank``: ``--node-rank``)."""
-    if BACKENDS[backend] == "rallypoint":
+    if BACKEND_IMPLEMENTATIONS[backend] == "rallypoint":
         read = rdzv_config.backend_options(backend)
     else:
         read = rdzv_config.torch_options(TORCH_BACKENDS[backend])
     return read - _FLAG_OPTIONS.keys() - {"rank"}
 
 
-def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
+def parse_rdzv_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
     """``--rdzv-endpoint`` for ``backend``: ``host:port`` (IPv6 as ``[::1]:port``),
-    with the backend's default port filled in (:data:`DEFAULT_PORTS`).
+    with the backend's default port filled in (:data:`DEFAULT_PORT_BY_BACKEND`).
 
     rallypoint's etcd backends (``etcd``, ``rallypoint-etcd``) also take the
     members of one etcd cluster, comma-separated (``h1:2379,h2:2379,h3:2379``):
@@ -185,13 +185,13 @@ def parse_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
             for a backend that takes one endpoint, an empty list entry, or a
             member named twice.
     """
-    port = DEFAULT_PORTS.get(backend)
+    port = DEFAULT_PORT_BY_BACKEND.get(backend)
     if backend in rdzv_config.ETCD_BACKENDS:
         return rdzv_config.parse_endpoints(endpoint, port, option=_ENDPOINT_FLAG)[0]
     return rdzv_config.parse_endpoint(endpoint, port, option=_ENDPOINT_FLAG, backend=backend)
 
 
-def check_run_id(run_id: str) -> None:
+def check_rdzv_id(run_id: str) -> None:
     """Refuse a ``--rdzv-id`` that would break the store's key layout or the log
     directory (:func:`rallypoint.adapters.config.check_run_id`).
 
@@ -512,7 +512,7 @@ class LaunchConfig:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         check_seconds(self.monitor_interval, "--monitor-interval")
         check_seconds(self.exit_barrier_timeout, "--exit-barrier-timeout", allow_zero=True)
-        check_run_id(self.run_id)
+        check_rdzv_id(self.run_id)
         if not self.role:
             raise ConfigError("--role must not be empty")
         self._check_rendezvous()
@@ -552,7 +552,7 @@ class LaunchConfig:
             )
             if used
         ]
-        if wanted and BACKENDS[self.rdzv_backend] != "rallypoint":
+        if wanted and BACKEND_IMPLEMENTATIONS[self.rdzv_backend] != "rallypoint":
             raise ConfigError(
                 f"{', '.join(wanted)} needs rallypoint's rendezvous (--rdzv-backend c10d or "
                 f"etcd), which keeps restarts and exclusions in the shared state; "
@@ -570,9 +570,9 @@ class LaunchConfig:
         """The backend, its endpoint and options, and the addresses; the endpoint's
         presence is checked where it is used (:meth:`rendezvous_endpoint`): a
         config whose handler is built elsewhere needs none."""
-        rdzv_config.check_backend(self.rdzv_backend, BACKENDS, _BACKEND_FLAG)
+        rdzv_config.check_backend(self.rdzv_backend, BACKEND_IMPLEMENTATIONS, _BACKEND_FLAG)
         if self.rdzv_endpoint.strip():
-            parse_endpoint(self.rdzv_endpoint, self.rdzv_backend)
+            parse_rdzv_endpoint(self.rdzv_endpoint, self.rdzv_backend)
         self._check_rdzv_configs()
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port must be between 0 and 65535, got {self.master_port}")
@@ -638,7 +638,7 @@ class LaunchConfig:
             )
         if "," in given:  # etcd cluster members, each checked on construction
             return self.rdzv_endpoint
-        host, port = parse_endpoint(self.rdzv_endpoint, self.rdzv_backend)
+        host, port = parse_rdzv_endpoint(self.rdzv_endpoint, self.rdzv_backend)
         return format_endpoint(host, port)
 
     def check_endpoint_resolves(self) -> None:
@@ -658,10 +658,12 @@ class LaunchConfig:
         else:
             option = f"{_ENDPOINT_FLAG} host"
         if self.rdzv_backend in rdzv_config.ETCD_BACKENDS:
-            members = rdzv_config.parse_endpoints(endpoint, DEFAULT_PORTS[self.rdzv_backend])
+            members = rdzv_config.parse_endpoints(
+                endpoint, DEFAULT_PORT_BY_BACKEND[self.rdzv_backend]
+            )
             hosts = [host for host, _ in members]
         else:
-            hosts = [parse_endpoint(endpoint, self.rdzv_backend)[0]]
+            hosts = [parse_rdzv_endpoint(endpoint, self.rdzv_backend)[0]]
         rdzv_config.check_resolves(hosts, option)
 
     def _resolve_shutdown_timeout(self) -> None:

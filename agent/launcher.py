@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar, cast
 
 from ..adapters.config import ETCD_BACKENDS, check_local_addr, check_protocol, split_scheme
 from .config import (
-    BACKENDS,
+    BACKEND_IMPLEMENTATIONS,
     DEFAULT_SIGNALS_TO_HANDLE,
     DEFAULT_STOP_GRACE,
     NUMA_BINDING_MODES,
@@ -43,7 +43,7 @@ from .config import (
     RestartScope,
     check_nnodes,
     check_nproc,
-    check_run_id,
+    check_rdzv_id,
     parse_std,
 )
 from .health import HealthCheckConfig, HealthCheckConfigError
@@ -715,7 +715,7 @@ def _standalone_by_default(args: argparse.Namespace, max_nodes: int) -> bool:
         return False
     # Its run id is a fresh one; a malformed --rdzv-id is still a mistake worth reporting.
     if args.rdzv_id not in ("none", ""):
-        check_run_id(args.rdzv_id)
+        check_rdzv_id(args.rdzv_id)
     return True
 
 
@@ -858,7 +858,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # torch's backends would also serve (and wait for) the workers' store there.
                 check_local_addr(config.local_addr)
             handler = _interruptible(lambda: build_handler(config))
-            if BACKENDS[config.rdzv_backend] == "torch":
+            if BACKEND_IMPLEMENTATIONS[config.rdzv_backend] == "torch":
                 # A proxy: every attribute but next_rendezvous is the handler's own.
                 handler = cast("RendezvousHandler", _InterruptibleRendezvous(handler))
     except _SetupInterrupted as stop:

@@ -1,7 +1,7 @@
 """Watching a round: this node's workers and, through the rendezvous handler, the
 rest of the group.
 
-:meth:`GroupWatch.monitor` returns once something calls for action, as a
+:meth:`GroupWatch.wait_for_outcome` returns once something calls for action, as a
 :class:`RoundOutcome`; :meth:`GroupWatch.judge_failure` then decides, with fresh
 evidence, whether a local failure spends a restart (the rule is
 :mod:`rallypoint.agent.charging`'s).
@@ -31,7 +31,7 @@ _CLOSED_CHECK_PERIOD = 1.0
 
 
 class RoundOutcome(enum.Enum):
-    """How a round ended, as :meth:`GroupWatch.monitor` saw it (the agent's loop
+    """How a round ended, as :meth:`GroupWatch.wait_for_outcome` saw it (the agent's loop
     turns it into its next step; how the whole run ended is
     :class:`rallypoint.agent.agent.AgentState`)."""
 
@@ -61,7 +61,7 @@ class GroupWatch:
         self._next_closed_check = 0.0
         self.closed = False
 
-    def monitor(
+    def wait_for_outcome(
         self, group: WorkerGroup, look: Callable[[], None] | None = None
     ) -> tuple[RoundOutcome, list[ProcessFailure]]:
         """Watch ``group`` and the rendezvous until something calls for action; the

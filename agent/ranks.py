@@ -24,7 +24,7 @@ from typing import Any
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
-from .config import BACKENDS, LaunchConfig
+from .config import BACKEND_IMPLEMENTATIONS, LaunchConfig
 
 __all__ = [
     "KEY_PREFIX",
@@ -179,7 +179,7 @@ def wait_for_key(store: Store, key: str, dead_peers: Callable[[], Set[Hashable]]
 def choose_master(config: LaunchConfig, handler: RendezvousHandler, info: RendezvousInfo) -> Master:
     """The master address and port of the round's workers, and whether they use the
     agent's store (``TORCHELASTIC_USE_AGENT_STORE``)."""
-    if BACKENDS.get(config.rdzv_backend) == "torch":
+    if BACKEND_IMPLEMENTATIONS.get(config.rdzv_backend) == "torch":
         # torch's handlers decide, as under torchrun: the static one hosts its store
         # at the master address for the whole job; the dynamic ones share the
         # rank-0 agent's store unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, when

@@ -29,12 +29,10 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from .config import (
-    BACKENDS,
-    DEFAULT_PORTS,
+    BACKEND_IMPLEMENTATIONS,
     TORCH_BACKENDS,
     ConfigError,
     LaunchConfig,
-    parse_endpoint,
     rdzv_options_read,
 )
 from .errors import AgentError
@@ -43,13 +41,7 @@ logger = logging.getLogger("rallypoint.agent")
 
 _CONF_FLAG = "--rdzv-conf"
 
-__all__ = [
-    "BACKENDS",
-    "DEFAULT_PORTS",
-    "HandlerView",
-    "build_handler",
-    "parse_endpoint",
-]
+__all__ = ["HandlerView", "build_handler"]
 
 
 def build_handler(config: LaunchConfig) -> RendezvousHandler:
@@ -71,7 +63,7 @@ def build_handler(config: LaunchConfig) -> RendezvousHandler:
         configs["rank"] = config.node_rank
     elif config.standalone:
         configs.setdefault("is_host", True)
-    rallypoint = BACKENDS[backend] == "rallypoint"
+    rallypoint = BACKEND_IMPLEMENTATIONS[backend] == "rallypoint"
     if rallypoint:
         configs.update(config.shared_recovery_settings())
     if not rallypoint:  # rallypoint's handler checks its endpoint itself

@@ -70,7 +70,7 @@ def test_one_error_type_for_a_bad_configuration_value() -> None:
 @pytest.mark.parametrize("endpoint", BAD_SINGLE_ENDPOINTS)
 def test_the_launcher_and_the_handler_refuse_an_endpoint_alike(endpoint: str) -> None:
     with pytest.raises(ConfigError) as by_launcher:
-        agent_config.parse_endpoint(endpoint, "rallypoint-c10d")
+        agent_config.parse_rdzv_endpoint(endpoint, "rallypoint-c10d")
     with pytest.raises(ConfigError) as by_handler:
         adapters_config.parse_endpoint(endpoint, 29400)
     assert type(by_launcher.value) is type(by_handler.value)
@@ -89,7 +89,7 @@ def test_the_launcher_and_the_handler_refuse_an_endpoint_alike(endpoint: str) ->
 )
 def test_an_etcd_member_list_is_refused_alike(endpoints: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected) as by_launcher:
-        agent_config.parse_endpoint(endpoints, "etcd")
+        agent_config.parse_rdzv_endpoint(endpoints, "etcd")
     with pytest.raises(ConfigError, match=expected) as by_handler:
         adapters_config.parse_endpoints(endpoints, 2379)
     assert str(by_launcher.value).removeprefix("--rdzv-endpoint") == str(
@@ -98,15 +98,17 @@ def test_an_etcd_member_list_is_refused_alike(endpoints: str, expected: str) -> 
 
 
 def test_the_launchers_backend_names_derive_from_the_adapters_table() -> None:
-    kinds = set(adapters_config.BACKENDS.values())
-    rallypoint = {n for n, impl in agent_config.BACKENDS.items() if impl == "rallypoint"}
-    torch_names = {n for n, impl in agent_config.BACKENDS.items() if impl == "torch"}
-    assert rallypoint == set(adapters_config.BACKENDS)
+    kinds = set(adapters_config.BACKEND_KINDS.values())
+    rallypoint = {
+        n for n, impl in agent_config.BACKEND_IMPLEMENTATIONS.items() if impl == "rallypoint"
+    }
+    torch_names = {n for n, impl in agent_config.BACKEND_IMPLEMENTATIONS.items() if impl == "torch"}
+    assert rallypoint == set(adapters_config.BACKEND_KINDS)
     assert torch_names == {f"torch-{kind}" for kind in kinds} | {"static"}
     # Ports: etcd's is filled in (the adapters' default); every other needs one.
-    for name, port in agent_config.DEFAULT_PORTS.items():
+    for name, port in agent_config.DEFAULT_PORT_BY_BACKEND.items():
         etcd = name in adapters_config.ETCD_BACKENDS | {"torch-etcd"}
-        assert port == (adapters_config.DEFAULT_PORTS["etcd"] if etcd else None), name
+        assert port == (adapters_config.DEFAULT_PORT_BY_KIND["etcd"] if etcd else None), name
 
 
 @pytest.mark.parametrize(
@@ -151,7 +153,7 @@ def test_unset_options_take_the_core_settings_defaults() -> None:
 def test_run_ids_are_checked_alike() -> None:
     for run_id, expected in [("a/b", "must not contain '/'"), ("x" * 256, "at most 255")]:
         with pytest.raises(ConfigError, match=expected):
-            agent_config.check_run_id(run_id)
+            agent_config.check_rdzv_id(run_id)
         params = RendezvousParameters("c10d", "127.0.0.1:0", run_id, 1, 1)
         with pytest.raises(ConfigError, match=expected):
             parse_params(params)
@@ -318,7 +320,7 @@ def test_the_docs_table_of_rendezvous_options_is_what_the_launcher_does(
     table = _docs_table()
     # Every key some backend reads (torch 2.13's and rallypoint's), and a misspelt one.
     assert set(table) == {*ALL_KEYS, "join_timout"}
-    assert set(table["join_timeout"]) == set(agent_config.BACKENDS) - {
+    assert set(table["join_timeout"]) == set(agent_config.BACKEND_IMPLEMENTATIONS) - {
         "rallypoint-c10d",
         "rallypoint-etcd",
         "rallypoint-etcd-embedded",
@@ -331,7 +333,7 @@ def test_the_docs_table_of_rendezvous_options_is_what_the_launcher_does(
                 assert _outcome(backend, key, value, caplog) == expected, (key, value, backend)
 
 
-@pytest.mark.parametrize("backend", sorted(agent_config.BACKENDS))
+@pytest.mark.parametrize("backend", sorted(agent_config.BACKEND_IMPLEMENTATIONS))
 @pytest.mark.parametrize(
     ("key", "close"),
     [("join_timout", "join_timeout"), ("timout", "timeout"), ("is_hots", "is_host")],

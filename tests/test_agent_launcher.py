@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from rallypoint.agent import ConfigError, LaunchConfig, elastic_launch, record
-from rallypoint.agent.config import Std, parse_std
 from rallypoint.agent.api import WorkerFailedError
+from rallypoint.agent.config import Std, parse_rdzv_endpoint, parse_std
 from rallypoint.agent.errors import (
     ProcessFailure,
     format_failures,
@@ -26,7 +26,6 @@ from rallypoint.agent.errors import (
     write_error_file,
 )
 from rallypoint.agent.launcher import build_parser, config_from_args, main, worker_argv
-from rallypoint.agent.rendezvous import parse_endpoint
 
 #: real processes, servers or sockets: `make test-fast` leaves these out
 pytestmark = pytest.mark.integration
@@ -132,7 +131,7 @@ def test_flags_map_to_config(script: str, monkeypatch: pytest.MonkeyPatch) -> No
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 4, 3)
     assert config.max_restarts == 4
     assert config.rdzv_configs == {"join_timeout": "9", "ttl": "5"}
-    assert parse_endpoint(config.rdzv_endpoint, "etcd") == ("etcd.example", 2379)
+    assert parse_rdzv_endpoint(config.rdzv_endpoint, "etcd") == ("etcd.example", 2379)
     assert config.redirects == {0: Std.OUT, 1: Std.NONE, 2: Std.ALL}
     assert config.tee == {0: Std.ERR, 1: Std.ERR, 2: Std.ERR}
     assert config.local_ranks_filter == frozenset({0, 2})
@@ -167,10 +166,10 @@ def test_worker_argv_modes(script: str) -> None:
 
 def test_parse_helpers() -> None:
     assert parse_std("3", 2, "-t") == {0: Std.ALL, 1: Std.ALL}
-    assert parse_endpoint("[::1]:29400", "c10d") == ("::1", 29400)
-    assert parse_endpoint("h:0", "c10d") == ("h", 0)
+    assert parse_rdzv_endpoint("[::1]:29400", "c10d") == ("::1", 29400)
+    assert parse_rdzv_endpoint("h:0", "c10d") == ("h", 0)
     with pytest.raises(ConfigError, match="out of range"):
-        parse_endpoint("h:70000", "c10d")
+        parse_rdzv_endpoint("h:70000", "c10d")
     with pytest.raises(ConfigError, match="minimum is larger"):
         LaunchConfig(min_nodes=2, max_nodes=1, nproc_per_node=1)
 

@@ -24,12 +24,12 @@ from torch.distributed import HashStore
 from rallypoint.agent.charging import RestartBudget
 from rallypoint.agent.config import LaunchConfig
 from rallypoint.agent.exit_barrier import exit_barrier
-from rallypoint.agent.launches import ROUND_ENV, return_files, worker_launches
 from rallypoint.agent.lease import LeaseGuard, fence_grace
 from rallypoint.agent.logs import EventStatus
 from rallypoint.agent.monitor import GroupWatch, RoundOutcome
 from rallypoint.agent.ranks import Assignment, RoundAbandoned, agree_ranks, assign_ranks
 from rallypoint.agent.rendezvous import HandlerView
+from rallypoint.agent.worker_specs import ROUND_ENV, return_files, worker_launches
 from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
 
 WAIT = 30.0
@@ -214,10 +214,10 @@ SLEEP = "import time; time.sleep(60)"
 def test_the_monitor_reports_success_and_failure(group: WorkerGroup, tmp_path: Path) -> None:
     watch = _watch(ScriptedHandler(), tmp_path)
     _start(group, tmp_path, "pass", "pass")
-    assert watch.monitor(group) == (RoundOutcome.SUCCEEDED, [])
+    assert watch.wait_for_outcome(group) == (RoundOutcome.SUCCEEDED, [])
     group.stop(grace=0.0)
     _start(group, tmp_path, "raise SystemExit(3)", SLEEP)
-    outcome, failures = watch.monitor(group)
+    outcome, failures = watch.wait_for_outcome(group)
     assert outcome is RoundOutcome.FAILED
     assert [(f.local_rank, f.exitcode) for f in failures] == [(0, 3)]
 
@@ -237,7 +237,7 @@ def test_the_monitor_reports_the_group_changing(
     else:
         handler.closed = True
     expected = RoundOutcome.CLOSED if change == "closed" else RoundOutcome.MEMBERSHIP
-    assert watch.monitor(group) == (expected, [])
+    assert watch.wait_for_outcome(group) == (expected, [])
 
 
 # --- the exit barrier --------------------------------------------------------------

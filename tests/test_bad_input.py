@@ -24,8 +24,8 @@ from rallypoint.adapters.config import check_resolves, parse_params
 from rallypoint.adapters.config import parse_endpoint as adapter_parse_endpoint
 from rallypoint.agent import ConfigError, LaunchConfig
 from rallypoint.agent.agent import ElasticAgent
+from rallypoint.agent.config import parse_rdzv_endpoint
 from rallypoint.agent.launcher import build_parser, config_from_args, main
-from rallypoint.agent.rendezvous import parse_endpoint
 from rallypoint.spec.cli import simulate_main, spec_main
 
 #: real processes, servers or sockets: `make test-fast` leaves these out
@@ -68,7 +68,7 @@ BAD_ENDPOINTS = [
 @pytest.mark.parametrize(("endpoint", "expected"), BAD_ENDPOINTS)
 def test_malformed_endpoint_is_refused_by_the_launcher(endpoint: str, expected: str) -> None:
     with pytest.raises(ConfigError, match="--rdzv-endpoint") as caught:
-        parse_endpoint(endpoint, "c10d")
+        parse_rdzv_endpoint(endpoint, "c10d")
     assert expected in str(caught.value)
 
 
@@ -90,7 +90,7 @@ def test_malformed_endpoint_is_refused_by_the_handler(endpoint: str) -> None:
     ],
 )
 def test_wellformed_endpoints_still_parse(endpoint: str, expected: tuple[str, int]) -> None:
-    assert parse_endpoint(endpoint, "etcd") == expected
+    assert parse_rdzv_endpoint(endpoint, "etcd") == expected
     assert adapter_parse_endpoint(endpoint, 2379) == expected
 
 

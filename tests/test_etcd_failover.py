@@ -43,8 +43,7 @@ from rallypoint.adapters.etcd import EtcdBackend, EtcdCluster, EtcdConnection, E
 from rallypoint.adapters.etcd.client import FATAL, REAUTH, RETRY, classify
 from rallypoint.adapters.etcd.server import EtcdServerError, find_etcd_binary
 from rallypoint.adapters.sync import StateSync
-from rallypoint.agent.config import ConfigError
-from rallypoint.agent.config import parse_endpoint as agent_parse_endpoint
+from rallypoint.agent.config import ConfigError, parse_rdzv_endpoint
 from rallypoint.agent.launcher import _split_etcd_scheme
 from rallypoint.core import Membership, encode_state
 
@@ -433,17 +432,17 @@ def test_endpoint_lists_parse_for_etcd_and_are_refused_elsewhere() -> None:
 
 
 def test_the_launcher_checks_every_member_of_an_etcd_list() -> None:
-    assert agent_parse_endpoint("h1:2379,h2:2380,h3", "etcd") == ("h1", 2379)
-    assert agent_parse_endpoint("h1,h2", "rallypoint-etcd") == ("h1", 2379)
+    assert parse_rdzv_endpoint("h1:2379,h2:2380,h3", "etcd") == ("h1", 2379)
+    assert parse_rdzv_endpoint("h1,h2", "rallypoint-etcd") == ("h1", 2379)
     for backend in ("c10d", "rallypoint-c10d", "torch-etcd", "static"):
         with pytest.raises(ConfigError, match="takes one HOST:PORT"):
-            agent_parse_endpoint("h1:1,h2:2", backend)
+            parse_rdzv_endpoint("h1:1,h2:2", backend)
     with pytest.raises(ConfigError, match="empty entry"):
-        agent_parse_endpoint("h1:1,,h2:2", "etcd")
+        parse_rdzv_endpoint("h1:1,,h2:2", "etcd")
     with pytest.raises(ConfigError, match="named twice"):
-        agent_parse_endpoint("h1:1,h1:1", "etcd")
+        parse_rdzv_endpoint("h1:1,h1:1", "etcd")
     with pytest.raises(ConfigError, match="not a number"):
-        agent_parse_endpoint("h1:1,h2:x", "etcd")
+        parse_rdzv_endpoint("h1:1,h2:x", "etcd")
     endpoint, conf = _split_etcd_scheme("etcd", "https://h1:1,https://h2:2/", {})
     assert (endpoint, conf) == ("h1:1,h2:2", {"protocol": "https"})
     with pytest.raises(ConfigError, match="mixes"):

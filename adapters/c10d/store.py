@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from torch.distributed import FileStore, Store, TCPStore
 
-from ..config import DEFAULT_PORTS, RendezvousConfig, parse_endpoint
+from ..config import DEFAULT_PORT_BY_KIND, RendezvousConfig, parse_endpoint
 from ..errors import RendezvousConnectionError, describe
 from .backend import C10dBackend
 
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: torch's default c10d rendezvous port.
-DEFAULT_PORT = DEFAULT_PORTS["c10d"]
+DEFAULT_PORT = DEFAULT_PORT_BY_KIND["c10d"]
 
 #: Pause between connection attempts to a store that refuses them (not up yet).
 _CONNECT_RETRY_SECONDS = 0.25

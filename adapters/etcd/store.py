@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError, Store
 
-from ..config import DEFAULT_PORTS, RendezvousConfig, parse_endpoints
+from ..config import DEFAULT_PORT_BY_KIND, RendezvousConfig, parse_endpoints
 from ..errors import RendezvousConnectionError, describe
 from .backend import EtcdBackend
 from .client import GRPC_OPTIONS, EtcdConnection, error_text
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: etcd's default client port.
-DEFAULT_PORT = DEFAULT_PORTS["etcd"]
+DEFAULT_PORT = DEFAULT_PORT_BY_KIND["etcd"]
 
 
 def _bytes(value: str | bytes | bytearray) -> bytes:
