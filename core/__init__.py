@@ -26,12 +26,19 @@ the node's own monotonic time in seconds (``now``: the only kind of time)::
             case Regroup():           stop workers;   result = None  # rejoins itself
             case Done(action):        break  # left, closed, or ERROR_* (timeout...)
 
-Every operation starts from a stale view (the node reads first); keep-alive
-(beats on its cadence) and watching the round (reading the side counters, declaring
-peers dead, fencing a node whose lease ran out) are instructions the node asks for
-while it is a member. :mod:`rallypoint.core.node` documents what each instruction
-obliges the caller to do and in which order; :mod:`rallypoint.adapters.aio` and
-:class:`rallypoint.adapters.StateSync` are executors of it (asyncio, threads).
+Every operation starts from a stale view (the node reads first). The node keeps
+the operation's deadline (:attr:`RendezvousNode.deadline`; a won ``Write`` may move
+it: a redundant node that becomes a joiner starts a fresh join timeout): an executor
+that cannot reach the store gives up once it passed. Keep-alive (a ``KeepAliveOp``
+pass every quarter keep-alive interval, answering ``Beat`` when one is due) and
+watching the round (``driver.monitor``: side counters read when due, dead peers
+published, a ``Verdict`` the node turns into ``Regroup``; a lease run out answers
+``Regroup(fenced=True)``) are instructions the node asks for while it is a member;
+``Verdict`` reaches the caller only from :meth:`RendezvousNode.watch`, for an agent
+that monitors on its own schedule (``StateSync``). :mod:`rallypoint.core.node`
+documents what each instruction obliges the caller to do and in which order;
+:mod:`rallypoint.adapters.aio` and :class:`rallypoint.adapters.StateSync` are
+executors of it (asyncio, threads).
 
 Underneath, :mod:`rallypoint.core.driver` is the node's loop as pure functions
 (``decide``, ``monitor``, ``after_*``) on a :class:`NodeView`; the decisions under

@@ -37,7 +37,9 @@ What each instruction obliges the caller to do, in this order:
     token :attr:`RendezvousNode.token` held when ``step`` returned the write;
     after a win, publish ``phase`` if it is not None. Then step with
     :class:`WriteResult` (on a loss: what is stored now, and its token). Back off
-    a little (jittered) before stepping after a loss: others are writing too.
+    a little (jittered) before stepping after a loss: others are writing too. A
+    won write may move the operation's deadline (``Write.deadline``: a redundant
+    node that became a joiner); the node keeps it in :attr:`RendezvousNode.deadline`.
 ``Beat()``
     Bump this node's own side heartbeat counter; step with :class:`BeatResult`.
 ``Announce(round)``
@@ -326,6 +328,7 @@ class RendezvousNode:
         self._task = _OPERATION
         self.op = op
         self.deadline = deadline
+        self._write_deadline = None  # (a write still in flight moves no new deadline)
         self._member_op = False
 
     # -- the entry point ---------------------------------------------------------------
