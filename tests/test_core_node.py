@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rallypoint.core import (
     Action,
@@ -185,3 +187,52 @@ def test_a_leave_ends_with_done_and_the_peer_regroups_at_once() -> None:
     assert isinstance(done, Done) and done.action is Action.FINISH and not nodes[1].busy
     (regroup,) = outcomes(seen, A)
     assert isinstance(regroup, Regroup) and regroup.lost == {B}
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    count=st.integers(min_value=2, max_value=4),
+    silent_node=st.integers(min_value=0, max_value=3),
+    silent_from=st.floats(min_value=0.0, max_value=6.0),
+    silent_for=st.floats(min_value=0.5, max_value=8.0),
+)
+def test_members_agree_and_a_cut_off_node_stops_before_a_round_forms_without_it(
+    count: int, silent_node: int, silent_from: float, silent_for: float
+) -> None:
+    """Nodes run the member lifecycle (join, keep-alive, watch, regroup, fence) as
+    the node asks; one loses the store for a while. Every round's nodes agree on
+    it, and a round never completes without a node whose workers still run."""
+    descs = [NodeDesc(f"10.0.0.{i + 1}", 1, 0) for i in range(count)]
+    config = Settings("node", min_nodes=1, max_nodes=count, keep_alive_interval=1.0,
+                      last_call_timeout=0.5, join_timeout=60)  # fmt: skip
+    nodes = [RendezvousNode(desc, config) for desc in descs]
+    for node in nodes:
+        node.join(0.0)
+    cut = descs[silent_node % count]
+
+    def silent(node: RendezvousNode, now: float) -> bool:
+        return node.desc == cut and silent_from <= now < silent_from + silent_for
+
+    seen = drive(nodes, Store(), 16.0, silent=silent)
+    rounds: dict[int, object] = {}
+    for _, _, instruction in seen:
+        if isinstance(instruction, Joined):
+            membership = instruction.membership
+            other = rounds.setdefault(membership.round, membership)
+            assert membership == other._replace(rank=membership.rank)  # type: ignore[attr-defined]
+    for at, _, instruction in seen:
+        if not isinstance(instruction, Joined):
+            continue
+        for desc in descs:
+            if desc in instruction.membership.members:
+                continue
+            before = [
+                i for t, n, i in seen if n == desc and t <= at and isinstance(i, (Joined, Regroup))
+            ]
+            assert not before or isinstance(before[-1], Regroup), (
+                f"round {instruction.membership.round} formed without {desc} at {at} "
+                "while its workers ran"
+            )
+    # once the store is back for long enough, everybody trains together again
+    last = max(rounds)
+    assert all(node.membership is not None and node.membership.round == last for node in nodes)
