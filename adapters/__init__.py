@@ -25,6 +25,7 @@ from .config import (
 )
 
 if TYPE_CHECKING:
+    from .aio import AsyncBackend, AsyncMemoryBackend, AsyncRendezvous, ThreadedBackend
     from .backend import BackendStats, MemoryBackend, RendezvousBackend, StateSizeLimit, Token
     from .errors import (
         RendezvousClosedError,
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND_KINDS",
+    "AsyncBackend",
+    "AsyncMemoryBackend",
+    "AsyncRendezvous",
     "BackendStats",
     "ConfigError",
     "MemoryBackend",
@@ -55,6 +59,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "StateSizeLimit",
     "StateSync",
+    "ThreadedBackend",
     "Token",
     "create_handler",
     "parse_endpoint",
@@ -64,7 +69,7 @@ __all__ = [
 
 #: The modules of the other names (they import torch), in the order __getattr__
 #: looks a name up in them; each loads on first use.
-_LAZY_MODULES = ("backend", "errors", "factory", "handler", "sync")
+_LAZY_MODULES = ("aio", "backend", "errors", "factory", "handler", "sync")
 
 
 def __getattr__(name: str) -> Any:

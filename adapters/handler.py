@@ -8,8 +8,8 @@ round that left it or whose heartbeat stopped, timed on this node's monotonic
 clock), :meth:`RallypointHandler.leave` (leave the round now, so that the peers
 regroup at once), :meth:`RallypointHandler.wait_for_change` (react to a change at
 once instead of polling), the ``round`` and ``endpoint`` properties, and the
-``stable_ranks`` setting. Every decision behind them is the core driver's
-(:mod:`rallypoint.core.driver`); :class:`StateSync` carries it out.
+``stable_ranks`` setting. Every decision behind them is the core's
+(:class:`rallypoint.core.RendezvousNode`); :class:`StateSync` carries it out.
 
 The store handed out by ``next_rendezvous`` is namespaced per run and round
 (``rallypoint/<run_id>/round/<round>``). The workers' bootstrap store

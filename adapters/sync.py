@@ -1,17 +1,22 @@
-"""The sync engine: carry out the driver's instructions against a backend.
+"""The sync engine: carry out a node's instructions against a backend, with threads.
 
-Every decision is the core's (:mod:`rallypoint.core.driver`); this module only
-executes them, with IO, clocks, threads and backoff::
+Every decision is the core's (:class:`rallypoint.core.RendezvousNode`, which holds
+the view and the compare-and-set token); this module only executes its
+instructions, with IO, clocks, threads and backoff, and steps the node with what
+they did::
 
     Read(counters, intents) -> get_state() (+ get_heartbeats() of every member)
-                      (+ intents(round)) -> after_read
-    Write(state)   -> set_state(encode(state), token, phase) -> after_write; a lost
-                      CAS decides again after a short jittered backoff
-    Beat()         -> beat(node) (one small key, the state is not rewritten) -> after_beat
-    Announce(round) -> announce(round, node) (one small append) -> after_announce
+                      (+ intents(round)) -> ReadResult
+    Write(state)   -> set_state(encode(state), the node's token, phase) ->
+                      WriteResult; a lost CAS steps again after a short jittered
+                      backoff
+    Beat()         -> beat(node) (one small key, the state is not rewritten) -> BeatResult
+    Announce(round) -> announce(round, node) (one small append) -> AnnounceResult
     Wait(until, phase) -> wait_for_phase(phase, until - now, at most poll_interval)
-                      -> after_wait
+                      -> WaitResult
     Done / Verdict -> returned to the caller
+
+:mod:`rallypoint.adapters.aio` executes the same instructions under asyncio.
 
 The backend keeps, per member, the state's heartbeat counter and a side counter
 under the node's own key; the driver watches both (see
@@ -31,33 +36,38 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..core import (
     MAX_STATE_BYTES,
     Announce,
-    Beat,
+    AnnounceResult,
+    BeatResult,
     Done,
-    Instruction,
     Membership,
     NodeDesc,
+    NodeInstruction,
     NodeView,
     Operator,
+    Outage,
     Read,
+    ReadResult,
+    RendezvousNode,
     RendezvousState,
     Settings,
     Verdict,
     Wait,
+    WaitResult,
     Write,
+    WriteResult,
     decode_state,
-    driver,
     encode_state,
 )
 from ..core import errors as core_errors
 from .backend import RendezvousBackend, StateSizeLimit, Token
 from .errors import RendezvousConnectionError, RendezvousStateError, describe
 
-__all__ = ["StateSync"]
+__all__ = ["StateSync", "backoff_delay", "size_limit_of"]
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +86,94 @@ _DECODER_LIMIT = StateSizeLimit(
 )
 
 
+def backoff_delay(losses: int, rng: random.Random) -> float:
+    """Seconds to wait after ``losses`` lost compare-and-sets in a row: spreads out
+    a herd of simultaneous joiners without delaying the first retry much (jittered,
+    exponential, capped; the exponent is capped too, so it never overflows)."""
+    exponent = min(losses, _MAX_BACKOFF_EXPONENT)
+    return rng.uniform(0, min(_MAX_BACKOFF, 0.001 * 2**exponent))
+
+
+def wait_timeout(until: float | None, now: float, poll_interval: float) -> float:
+    """How long a Wait(until) blocks at ``now``: just past ``until``, and never
+    longer than ``poll_interval`` (a notification lost with a crashed writer)."""
+    if until is None:
+        return poll_interval
+    return min(poll_interval, max(0.0, until - now) + _WAKE_EPSILON)
+
+
+def size_limit_of(backend: object) -> StateSizeLimit:
+    """The largest state ``backend`` stores, or the decoder's limit if that is lower."""
+    limit = getattr(backend, "state_size_limit", None)
+    if isinstance(limit, StateSizeLimit) and limit.max_bytes < MAX_STATE_BYTES:
+        return limit
+    return _DECODER_LIMIT
+
+
+class Codec:
+    """Decoding and encoding of one node's backend values, with errors that name
+    the key and say what to check (shared by the threaded and asyncio executors)."""
+
+    def __init__(self, backend: object, settings: Settings) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.size_limit = size_limit_of(backend)
+
+    def key(self, suffix: str) -> str:
+        """The backend's full name of this run's key ``suffix``, for messages."""
+        name = getattr(self.backend, "key", None)
+        return str(name(suffix)) if callable(name) else suffix
+
+    def state_error(self, what: str, check: str) -> RendezvousStateError:
+        endpoint = str(getattr(self.backend, "endpoint", "?"))
+        return RendezvousStateError(
+            describe(what, run_id=self.settings.run_id, endpoint=endpoint, check=check)
+        )
+
+    def decode(self, blob: bytes) -> RendezvousState:
+        try:
+            # With this node's settings: a state that is valid only for other node
+            # counts is an error here, not a join that fails later.
+            return decode_state(blob, self.settings)
+        except core_errors.RendezvousStateError as exc:
+            raise self.state_error(
+                f"{exc}, read from key {self.key('state')!r}",
+                "that every node runs the same rallypoint version with the same settings "
+                "and that nothing else writes to this run id; start a fresh run id to recover",
+            ) from exc
+
+    def encode(self, state: RendezvousState) -> bytes:
+        """The blob of ``state``; refuses a state the backend would not store (or
+        nobody could read back), with a message that says whose limit it is, before
+        the write fails there (a TCPStore drops the connection, etcd answers
+        "request is too large")."""
+        blob = encode_state(state)
+        limit = self.size_limit
+        if len(blob) > limit.max_bytes:
+            raise self.state_error(
+                f"the rendezvous state would grow to {len(blob):,} bytes "
+                f"({len(state.members())} nodes), over the limit of {limit.max_bytes:,} bytes "
+                f"of the {getattr(self.backend, 'name', '?')} backend: {limit.reason}",
+                limit.remedy,
+            )
+        return blob
+
+    def intents(self, round_: int, raw_entries: Iterable[bytes]) -> list[NodeDesc]:
+        entries = []
+        for raw in raw_entries:
+            try:
+                entries.append(NodeDesc.parse(bytes(raw).decode("ascii")))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise self.state_error(
+                    f"the intent log of round {round_} (key {self.key(f'intents/{round_}')!r}) "
+                    f"holds an entry that is not a node ({exc})",
+                    "that nothing else writes to this run id",
+                ) from exc
+        return entries
+
+
 class StateSync:
-    """One node's view of the shared state, and the executor of its driver.
+    """One node's :class:`RendezvousNode`, and the executor of its instructions.
 
     Args:
         backend: where the state lives.
@@ -93,8 +189,9 @@ class StateSync:
         on_instruction: called with every instruction before it is carried out
             (tracing, and the conformance tests).
 
-    Thread-safe: the view is replaced under a lock that is never held while
-    waiting on the backend.
+    Thread-safe: one operation (or monitor pass) drives the node at a time; the
+    node is stepped under a lock that is never held while waiting on the backend,
+    so queries (:meth:`must_fence`, :attr:`view`) answer meanwhile.
     """
 
     def __init__(
@@ -107,7 +204,7 @@ class StateSync:
         rng: random.Random | None = None,
         poll_interval: float = 1.0,
         retry_window: float = 0.0,
-        on_instruction: Callable[[Instruction], None] | None = None,
+        on_instruction: Callable[[NodeInstruction], None] | None = None,
     ) -> None:
         self.backend = backend
         self.node = node
@@ -117,22 +214,16 @@ class StateSync:
         self._poll_interval = poll_interval
         self._retry_window = retry_window
         self._on_instruction = on_instruction
-        # The view changes in place (see NodeView): every change, and every
-        # decision on it, is made under this lock, and each change bumps _version.
+        # The node (view, token) changes in place: every step of it is made under
+        # this lock; _driving lets one operation drive it at a time.
         self._lock = threading.Lock()
-        self._view = NodeView()
-        self._version = 0
-        self._token: Token | None = None
-        self._read_at: float | None = None
-        self._registered = False
+        self._driving = threading.RLock()
+        self._core = RendezvousNode(node, settings)
         self._outages_seen = getattr(backend, "outages", None)
+        self._codec = Codec(backend, settings)
         #: Counters of CAS attempts and losses, for benchmarks.
         self.cas_attempts = 0
         self.cas_losses = 0
-        limit = getattr(backend, "state_size_limit", None)
-        self._size_limit: StateSizeLimit = (
-            limit if limit is not None and limit.max_bytes < MAX_STATE_BYTES else _DECODER_LIMIT
-        )
 
     # -- the view ----------------------------------------------------------------
 
@@ -141,54 +232,45 @@ class StateSync:
         """What this node knows (blob, counters, sightings), as a copy: the view
         itself changes with every read and write."""
         with self._lock:
-            return self._view.copy()
+            return self._core.view.copy()
 
     @property
     def state(self) -> RendezvousState:
         """The last read or written state."""
         with self._lock:
-            return self._view.state
+            return self._core.view.state
 
     @property
     def token(self) -> Token | None:
         with self._lock:
-            return self._token
+            return self._core.token
 
     def now(self) -> float:
         return self._clock()
 
     def key(self, suffix: str) -> str:
         """The backend's full name of this run's key ``suffix``, for messages."""
-        name = getattr(self.backend, "key", None)
-        return str(name(suffix)) if callable(name) else suffix
-
-    def _state_error(self, what: str, check: str) -> RendezvousStateError:
-        return RendezvousStateError(
-            describe(what, run_id=self.settings.run_id, endpoint=self.backend.endpoint, check=check)
-        )
-
-    def _decode(self, blob: bytes) -> RendezvousState:
-        try:
-            # With this node's settings: a state that is valid only for other node
-            # counts is an error here, not a join that fails later.
-            return decode_state(blob, self.settings)
-        except core_errors.RendezvousStateError as exc:
-            raise self._state_error(
-                f"{exc}, read from key {self.key('state')!r}",
-                "that every node runs the same rallypoint version with the same settings "
-                "and that nothing else writes to this run id; start a fresh run id to recover",
-            ) from exc
+        return self._codec.key(suffix)
 
     # -- carrying out instructions ----------------------------------------------------
+
+    def _feed(self, result: ReadResult | WriteResult | BeatResult | AnnounceResult) -> None:
+        """Step the node with what an instruction did (an outage first, if the
+        backend reports one since: before these counters are observed)."""
+        self._after_outage()
+        now = self._clock()
+        with self._lock:
+            self._core.feed(result, now)
 
     def _read(self, counters: bool, intents: bool = False, state: bool = True) -> None:
         if state:
             result = self.backend.get_state()
-            blob = None if result is None else self._decode(result[0])
+            blob = None if result is None else self._codec.decode(result[0])
+            token = None if result is None else result[1]
         else:
+            # The state the lost compare-and-set returned stays, with its token.
             with self._lock:
-                token, blob = self._token, self._view.state
-            result = None if token is None else (b"", token)
+                token, blob = self._core.token, self._core.view.state
         side = None
         if counters and blob is not None and blob.heartbeats:
             raw = self.backend.get_heartbeats([str(n) for n in blob.heartbeats])
@@ -197,92 +279,35 @@ class StateSync:
             side = {}
         log = None
         if intents:
-            log = self._intents(0 if blob is None else blob.round)
-        self._after_outage()  # before these counters are observed
-        now = self._clock()
-        with self._lock:
-            self._token = None if result is None else result[1]
-            self._read_at = now
-            self._view = driver.after_read(self._view, self.node, blob, side, now, log)
-            self._version += 1
+            round_ = 0 if blob is None else blob.round
+            log = self._codec.intents(round_, self.backend.intents(round_))
+        self._feed(ReadResult(blob, token, side, log))
 
-    def _intents(self, round_: int) -> list[NodeDesc]:
-        entries = []
-        for raw in self.backend.intents(round_):
-            try:
-                entries.append(NodeDesc.parse(bytes(raw).decode("ascii")))
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise self._state_error(
-                    f"the intent log of round {round_} (key {self.key(f'intents/{round_}')!r}) "
-                    f"holds an entry that is not a node ({exc})",
-                    "that nothing else writes to this run id",
-                ) from exc
-        return entries
-
-    def _write(self, write: Write, version: int) -> bool:
-        with self._lock:
-            if self._version != version:
-                return False  # another thread changed the view: decide again
-            token = self._token
-        blob = encode_state(write.state)
-        self._check_size(blob, write.state)
+    def _write(self, write: Write, token: Token | None) -> bool:
+        blob = self._codec.encode(write.state)
         self.cas_attempts += 1
-        started = self._clock()  # a won write renews this node's lease from here
         result = self.backend.set_state(blob, token, phase=write.phase)
         won = result is not None and result[2]
-        stored = None if result is None else self._decode(result[0])
-        self._after_outage()
-        now = self._clock()
-        with self._lock:
-            self._token = None if result is None else result[1]
-            self._read_at = now
-            self._view = driver.after_write(self._view, self.node, won, stored, now, started)
-            self._version += 1
+        stored = None if result is None else self._codec.decode(result[0])
+        self._feed(WriteResult(won, stored, None if result is None else result[1]))
         if not won:
             self.cas_losses += 1
         return won
 
-    def _check_size(self, blob: bytes, state: RendezvousState) -> None:
-        """Refuse a state the backend would not store (or nobody could read back),
-        with a message that says whose limit it is, before the write fails there
-        (a TCPStore drops the connection, etcd answers "request is too large")."""
-        limit = self._size_limit
-        if len(blob) <= limit.max_bytes:
-            return
-        raise self._state_error(
-            f"the rendezvous state would grow to {len(blob):,} bytes "
-            f"({len(state.members())} nodes), over the limit of {limit.max_bytes:,} bytes "
-            f"of the {self.backend.name} backend: {limit.reason}",
-            limit.remedy,
-        )
-
     def beat(self) -> None:
         """Bump this node's heartbeat counter (O(1) bytes) and record it."""
-        started = self._clock()  # the beat renews this node's lease from here
-        value = self.backend.beat(str(self.node))
-        self._after_outage()
-        now = self._clock()
-        with self._lock:
-            self._registered = True
-            self._view = driver.after_beat(self._view, self.node, value, now, started)
-            self._version += 1
-
-    def _announce(self, round_: int) -> None:
-        self.backend.announce(round_, str(self.node).encode("ascii"))
-        with self._lock:
-            self._view = driver.after_announce(self._view, round_)
-            self._version += 1
+        self._feed(BeatResult(self.backend.beat(str(self.node))))
 
     def _wait(self, until: float | None, phase: int) -> None:
-        timeout = self._poll_interval
-        if until is not None:
-            timeout = min(timeout, max(0.0, until - self._clock()) + _WAKE_EPSILON)
-        self.backend.wait_for_phase(phase, timeout)
-        self.invalidate()
+        changed = self.backend.wait_for_phase(
+            phase, wait_timeout(until, self._clock(), self._poll_interval)
+        )
+        with self._lock:
+            self._core.feed(WaitResult(changed), self._clock())
 
     def _after_outage(self) -> None:
-        """Drop the sightings of the peers if the backend was unreachable since the
-        last decision (see the module docstring)."""
+        """Time the peers afresh if the backend was unreachable since the last
+        step (see the module docstring)."""
         outages = getattr(self.backend, "outages", None)
         if outages == self._outages_seen:
             return
@@ -290,67 +315,61 @@ class StateSync:
             if outages == self._outages_seen:
                 return
             self._outages_seen = outages
-            self._view = driver.after_outage(self._view, self.node)
-            self._version += 1
+            self._core.feed(Outage(), self._clock())
         log.info("%s: the backend was unreachable; timing the peers' heartbeats afresh", self.node)
 
     def must_fence(self) -> bool:
         """Whether this node must stop its workers now: its lease ran out (see
-        :func:`rallypoint.core.driver.must_fence`). Reads nothing."""
+        :meth:`rallypoint.core.RendezvousNode.must_fence`). Reads nothing."""
         with self._lock:
-            return driver.must_fence(self._view, self.node, self.settings, self._clock())
+            return self._core.must_fence(self._clock())
 
-    def _execute(
-        self, decide: Callable[[NodeView, float], Instruction]
-    ) -> tuple[Instruction, bool]:
-        """Decide on the current view and carry the instruction out.
+    def _execute(self) -> tuple[NodeInstruction, bool]:
+        """Step the node and carry its instruction out.
 
         Returns the instruction and whether it took effect (False: a Write lost its
         compare-and-set). Done and Verdict are returned, nothing carried out.
         """
         self._after_outage()
         with self._lock:
-            instruction = decide(self._view, self._clock())
-            version = self._version
+            instruction = self._core.next(self._clock())
+            token = self._core.token  # the token of the state a Write was made from
         if self._on_instruction is not None:
             self._on_instruction(instruction)
         if isinstance(instruction, Read):
             self._read(instruction.counters, instruction.intents, instruction.state)
         elif isinstance(instruction, Write):
-            return instruction, self._write(instruction, version)
-        elif isinstance(instruction, Beat):
-            self.beat()
+            return instruction, self._write(instruction, token)
         elif isinstance(instruction, Announce):
-            self._announce(instruction.round)
+            self.backend.announce(instruction.round, str(self.node).encode("ascii"))
+            self._feed(AnnounceResult())
         elif isinstance(instruction, Wait):
             self._wait(instruction.until, instruction.phase)
+        elif not isinstance(instruction, (Done, Verdict)):  # a Beat
+            self._feed(BeatResult(self.backend.beat(str(self.node))))
         return instruction, True
 
-    def _drive(
-        self, decide: Callable[[NodeView, float], Instruction], deadline: list[float] | None
-    ) -> Instruction:
+    def _drive(self, stop_at: float | None) -> Done | Verdict:
         """Carry out instructions until one is Done or a Verdict; return it.
 
-        Lost compare-and-sets back off (jittered, exponential, capped); an
-        unreachable backend is retried for ``retry_window`` seconds (never past
-        ``deadline[0]``) before the connection error is raised; a won Write that
-        moves the operation's deadline updates ``deadline[0]``.
+        Lost compare-and-sets back off (:func:`backoff_delay`); an unreachable
+        backend is retried for ``retry_window`` seconds (never past the
+        operation's deadline, when ``stop_at`` is given) before the connection
+        error is raised.
         """
         losses = 0
         down_since: float | None = None
         while True:
             try:
-                if not self._registered:
-                    # Create this node's heartbeat key before the blob can name it,
-                    # so that readers find every member's key in one round trip.
-                    self.beat()
-                instruction, took = self._execute(decide)
+                instruction, took = self._execute()
                 down_since = None
             except RendezvousConnectionError as exc:
                 now = self._clock()
                 down_since = now if down_since is None else down_since
+                with self._lock:
+                    deadline = self._core.deadline
                 if now - down_since >= self._retry_window or (
-                    deadline is not None and now > deadline[0]
+                    stop_at is not None and now > deadline
                 ):
                     raise
                 log.warning("%s: backend unreachable, retrying: %s", self.node, exc)
@@ -361,19 +380,14 @@ class StateSync:
                 return instruction
             if not took:
                 losses += 1
-                # Spreads out a herd of simultaneous joiners without adding a fixed
-                # delay to the first retry; the exponent is capped (no overflow).
-                exponent = min(losses, _MAX_BACKOFF_EXPONENT)
-                time.sleep(self._rng.uniform(0, min(_MAX_BACKOFF, 0.001 * 2**exponent)))
+                time.sleep(backoff_delay(losses, self._rng))
             elif isinstance(instruction, Write):
                 losses = 0
-                if instruction.deadline is not None and deadline is not None:
-                    deadline[0] = instruction.deadline
 
     # -- the loops ---------------------------------------------------------------------
 
     def run(self, op: Operator, deadline: float, *, fresh: bool = False) -> Done:
-        """Run ``op`` until the driver says Done, and return it.
+        """Run ``op`` until the node says Done, and return it.
 
         Args:
             op: the operator (JoinOp, ExitOp, CloseOp, KeepAliveOp, ...).
@@ -385,15 +399,10 @@ class StateSync:
         Raises:
             RendezvousConnectionError, RendezvousStateError: from the backend.
         """
-        if not fresh:
-            self.invalidate()
-        node, settings = self.node, self.settings
-        current = [deadline]
-
-        def decide(view: NodeView, now: float) -> Instruction:
-            return driver.decide(view, node, settings, op, current[0], now)
-
-        done = self._drive(decide, current)
+        with self._driving:
+            with self._lock:
+                self._core.start(op, self._clock(), deadline, fresh=fresh)
+            done = self._drive(deadline)
         assert isinstance(done, Done)
         return done
 
@@ -405,34 +414,30 @@ class StateSync:
         Raises:
             RendezvousConnectionError, RendezvousStateError: from the backend.
         """
-        # Reading is the driver's call (it asks for the counters when they are due,
-        # and always before it declares a participant dead): only mark the view
-        # stale when it is older than max_age.
-        with self._lock:
-            read_at = self._read_at
-        if read_at is None or self._clock() - read_at >= max_age:
-            self.invalidate()
-        node, settings = self.node, self.settings
-
-        def decide(view: NodeView, now: float) -> Instruction:
-            return driver.monitor(view, node, settings, joined, now)
-
-        verdict = self._drive(decide, None)
+        with self._driving:
+            # Reading is the node's call (it asks for the counters when they are
+            # due, and always before it declares a participant dead): only mark the
+            # view stale when it is older than max_age.
+            with self._lock:
+                read_at = self._core.read_at
+                fresh = read_at is not None and self._clock() - read_at < max_age
+                self._core.watch(joined, fresh=fresh)
+            verdict = self._drive(None)
         assert isinstance(verdict, Verdict)
         return verdict
 
     def invalidate(self) -> None:
         """Make the next decision read the state first."""
         with self._lock:
-            self._view = driver.after_wait(self._view)
-            self._version += 1
+            self._core.feed(WaitResult(), self._clock())
 
     def refresh(self, max_age: float = 0.0, counters: bool = False) -> RendezvousState:
         """Re-read the state unless the view is at most ``max_age`` seconds old
         (and, with ``counters``, its counters were read with it); return it merged."""
         now = self._clock()
         with self._lock:
-            read_at, stale, counters_at = self._read_at, self._view.stale, self._view.counters_at
+            view = self._core.view
+            read_at, stale, counters_at = self._core.read_at, view.stale, view.counters_at
         fresh = not stale and read_at is not None and now - read_at <= max_age
         counters_fresh = counters_at is not None and now - counters_at <= max_age
         if not fresh or (counters and not counters_fresh):

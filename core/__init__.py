@@ -1,44 +1,56 @@
 """The pure rendezvous core: no sockets, threads, waiting, randomness or clock reads.
 
-Embed it in any scheduler or simulation: keep a :class:`RendezvousState` somewhere
-all nodes can compare-and-set, and drive each node with the driver
-(:mod:`rallypoint.core.driver`), carrying out its instructions::
+Embed it in any scheduler or simulation: keep the state somewhere all nodes can
+compare-and-set (with a token), beside a side heartbeat counter per node, a phase
+number to wait on and a per-round intent log (docs/adapters.md), and drive each node
+through its :class:`RendezvousNode`. The node holds its view and the token of the
+state it last read; you carry out what it asks and hand back what happened, with
+the node's own monotonic time in seconds (``now``: the only kind of time)::
 
-    view = NodeView()
+    node = RendezvousNode(desc, settings)
+    node.join(now())
+    result = None
     while True:
-        match decide(view, node, settings, JoinOp(), deadline, now()):
-            case Read(counters, intents):
-                after_read(view, node, state, side_counters_or_None, now(), log_or_None)
-            case Write(state, phase=phase):
-                compare-and-set, publish phase if set
-                after_write(view, node, won, stored_state, now(), sent_at)
-            case Beat():          after_beat(view, node, bumped_counter, now(), sent_at)
-            case Announce(round): append node to the round's intent log
-                                  after_announce(view, round)
-            case Wait(until, phase):
-                wait for a phase above ``phase`` or until; after_wait(view)
-            case Done(action):    break  # FINISH, or raise for ERROR_*
+        match node.step(result, now()):
+            case Read(counters, intents, state):  # state False: keep the one held
+                result = ReadResult(decode_state(blob), token,
+                                    side_counters if counters else None,
+                                    intent_log if intents else None)
+            case Write(state, phase=phase):       # CAS over node.token, then publish phase
+                result = WriteResult(won, stored_state, new_token)
+            case Beat():          result = BeatResult(bumped_side_counter)
+            case Announce(round): result = AnnounceResult()  # appended str(desc)
+            case Wait(until, phase):              # a phase above `phase`, or until
+                result = WaitResult(changed)
+            case Joined(membership):  start workers;  result = None
+            case Regroup():           stop workers;   result = None  # rejoins itself
+            case Done(action):        break  # left, closed, or ERROR_* (timeout...)
 
-The view belongs to its node and changes in place: the ``after_*`` functions update
-it (and return it), :func:`decide` reads it and records in it what it decided on
-(:meth:`Decision.of`, for tracing). Take :meth:`NodeView.copy` to keep one.
+Every operation starts from a stale view (the node reads first). The node keeps
+the operation's deadline (:attr:`RendezvousNode.deadline`; a won ``Write`` may move
+it: a redundant node that becomes a joiner starts a fresh join timeout): an executor
+that cannot reach the store gives up once it passed. Keep-alive (a ``KeepAliveOp``
+pass every quarter keep-alive interval, answering ``Beat`` when one is due) and
+watching the round (``driver.monitor``: side counters read when due, dead peers
+published, a ``Verdict`` the node turns into ``Regroup``; a lease run out answers
+``Regroup(fenced=True)``) are instructions the node asks for while it is a member;
+``Verdict`` reaches the caller only from :meth:`RendezvousNode.watch`, for an agent
+that monitors on its own schedule (``StateSync``). :mod:`rallypoint.core.node`
+documents what each instruction obliges the caller to do and in which order;
+:mod:`rallypoint.adapters.aio` and :class:`rallypoint.adapters.StateSync` are
+executors of it (asyncio, threads).
 
-While its workers run, a node asks :func:`must_fence` (no IO) and stops them when it
-has not renewed its lease (``sent_at``: when the renewing request was sent) for long
-enough that its peers may declare it dead.
-
-Time (``now``, ``deadline``) is the node's own monotonic clock in seconds. The shared
-state never holds a clock value, so clock skew between hosts cannot kill live nodes.
-The decisions underneath (operators, :func:`apply`, :func:`observe`,
-:func:`sanitize`) are public for tests and embedders that study one decision.
-Store the state as :func:`encode_state` bytes; :func:`decode_state` validates.
+Underneath, :mod:`rallypoint.core.driver` is the node's loop as pure functions
+(``decide``, ``monitor``, ``after_*``) on a :class:`NodeView`; the decisions under
+it (operators, :func:`apply`, :func:`observe`, :func:`sanitize`) are public for
+tests that study one decision. The shared state never holds a clock value, so clock
+skew between hosts cannot kill live nodes. Store the state as :func:`encode_state`
+bytes; :func:`decode_state` validates.
 """
 
 from .actions import Action, apply, assign_ranks
 from .codec import (
-    FORMAT_VERSION,
     MAX_STATE_BYTES,
-    SHARED_SETTINGS,
     decode_state,
     encode_shared_settings,
     encode_state,
@@ -58,13 +70,11 @@ from .driver import (
     Write,
     after_announce,
     after_beat,
-    after_outage,
     after_read,
     after_wait,
     after_write,
     decide,
     monitor,
-    must_fence,
     phase_of,
 )
 from .errors import (
@@ -78,14 +88,25 @@ from .errors import (
     RendezvousTimeoutError,
 )
 from .liveness import (
-    SIDE_BITS,
     dead_nodes,
-    fence_after,
     heartbeat_of,
-    lease_expiry,
     observe,
     observe_own,
     sanitize,
+)
+from .node import (
+    AnnounceResult,
+    BeatResult,
+    Joined,
+    NodeInstruction,
+    Outage,
+    ReadResult,
+    Regroup,
+    RendezvousNode,
+    Result,
+    Unreachable,
+    WaitResult,
+    WriteResult,
 )
 from .operators import (
     JOIN_TABLE,
@@ -94,13 +115,11 @@ from .operators import (
     ExcludeOp,
     ExitOp,
     JoinOp,
-    JoinRow,
     KeepAliveOp,
     LeaveOp,
     Operator,
     join_row,
     keep_alive_due,
-    last_call_passed,
     wake_at,
 )
 from .state import (
@@ -114,14 +133,13 @@ from .state import (
 )
 
 __all__ = [
-    "FORMAT_VERSION",
     "JOIN_TABLE",
     "MAX_STATE_BYTES",
-    "SHARED_SETTINGS",
-    "SIDE_BITS",
     "Action",
     "Announce",
+    "AnnounceResult",
     "Beat",
+    "BeatResult",
     "ChargeRestartOp",
     "CloseOp",
     "Context",
@@ -133,31 +151,39 @@ __all__ = [
     "Instruction",
     "InvalidTransitionError",
     "JoinOp",
-    "JoinRow",
+    "Joined",
     "KeepAliveOp",
     "LastCallSighting",
     "LeaveOp",
     "Membership",
     "NodeDesc",
+    "NodeInstruction",
     "NodeView",
     "Observations",
     "Operator",
+    "Outage",
     "Read",
+    "ReadResult",
+    "Regroup",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
     "RendezvousGracefulExitError",
+    "RendezvousNode",
     "RendezvousSettingsError",
     "RendezvousState",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "Result",
     "Settings",
+    "Unreachable",
     "Verdict",
     "Wait",
+    "WaitResult",
     "Write",
+    "WriteResult",
     "after_announce",
     "after_beat",
-    "after_outage",
     "after_read",
     "after_wait",
     "after_write",
@@ -168,14 +194,10 @@ __all__ = [
     "decode_state",
     "encode_shared_settings",
     "encode_state",
-    "fence_after",
     "heartbeat_of",
     "join_row",
     "keep_alive_due",
-    "last_call_passed",
-    "lease_expiry",
     "monitor",
-    "must_fence",
     "observe",
     "observe_own",
     "phase_of",

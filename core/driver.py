@@ -257,10 +257,14 @@ class NodeView:
     its own clock saw of them.
 
     A view belongs to the one node it is driven for, and changes in place: the
-    ``after_*`` functions update it and return it, while :func:`decide`,
-    :func:`monitor` and :func:`must_fence` only read it. (Views change on every
-    read and write of every node: setting the few fields that moved costs a
+    ``after_*`` functions update its knowledge and return it; :func:`decide` and
+    :func:`monitor` write in it what they decided on (``decided_*``, for
+    :meth:`Decision.of`) and the last removal of dead peers they judged (a memo),
+    and change nothing else; :func:`must_fence` only reads it. (Views change on
+    every read and write of every node: setting the few fields that moved costs a
     fraction of building a new record each time.) :meth:`copy` keeps one as it is.
+    :class:`rallypoint.core.RendezvousNode` holds a view with the compare-and-set
+    token of its state.
 
     The node's sightings are kept in three parts, because they change at different
     rates: its own (``own``, its lease: on nearly every write), the last call's

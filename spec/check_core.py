@@ -1,9 +1,10 @@
-"""The driver's part of a checker step: decide on a fresh view, carry it out atomically.
+"""The node's part of a checker step: decide on a fresh view, carry it out atomically.
 
 :meth:`CoreSteps.step` builds the node's view from the shared state and the
-timers the step chose, asks :func:`rallypoint.core.driver.decide` (looked up at
-call time, so that a test can plant a bug in it or in the core it calls), carries
-the instruction out, and checks the step's safety properties
+timers the step chose, steps a :class:`~rallypoint.core.RendezvousNode` on it (the
+entry point every executor uses; it asks :func:`rallypoint.core.driver.decide`,
+looked up at call time, so that a test can plant a bug in it or in the core it
+calls), carries the instruction out, and checks the step's safety properties
 (:mod:`rallypoint.spec.invariants`). It is a pure function of its arguments, so
 it is memoized: most states share their shared state and timers with others.
 """
@@ -20,19 +21,24 @@ from ..core import (
     Decision,
     Done,
     HeartbeatSighting,
+    Instruction,
+    Joined,
     JoinOp,
     LastCallSighting,
     NodeDesc,
+    NodeInstruction,
     NodeView,
     Operator,
     Read,
+    ReadResult,
+    Regroup,
+    RendezvousNode,
     RendezvousState,
     Settings,
     Wait,
     Write,
     heartbeat_of,
 )
-from ..core import driver as core_driver
 from ..core.actions import Action
 from ..core.errors import InvalidTransitionError
 from .check_state import Age, Deadline, Found, Global, Timers
@@ -191,10 +197,9 @@ class CoreSteps:
             return hit[1]
         view = self.view(state, node, timers)
         try:
-            instruction = core_driver.decide(
-                view, node, self.settings, JoinOp(), self.limit(deadline), 0.0
-            )
-            known = Decision.of(instruction, view)
+            stepped = RendezvousNode(node, self.settings, view=view)
+            stepped.start(JoinOp(), 0.0, self.limit(deadline), fresh=True)
+            known = Decision.of(_of_operation(stepped.next(0.0)), view)
         except InvalidTransitionError as exc:
             raise Found([f"the core chose an action it then rejected: {exc}"]) from None
         if len(self._decisions) >= CACHE_LIMIT:
@@ -387,9 +392,11 @@ class CoreSteps:
         """The driver's decision on the node's ``view`` of this instant (the view
         it decided on, the decision, and whether the node read the intent log,
         ``log``, to make it)."""
-        settings, state = self.settings, view.state
+        state = view.state
         try:
-            instruction = core_driver.decide(view, node, settings, op, limit, 0.0)
+            stepped = RendezvousNode(node, self.settings, view=view)
+            stepped.start(op, 0.0, limit, fresh=True)
+            instruction = _of_operation(stepped.next(0.0))
             decision = Decision.of(instruction, view)
             if (
                 isinstance(instruction, Read)
@@ -397,14 +404,23 @@ class CoreSteps:
                 and view.intents_round != state.round
             ):
                 # The intent log, read at this same instant with the state it
-                # belongs to: the node then decides again within the step.
+                # belongs to: the node then decides again within the step, on a
+                # copy of the view (the memoized one is shared by other steps).
                 counters = _counters(state) if instruction.counters else None
-                view = core_driver.after_read(view.copy(), node, state, counters, 0.0, log)
-                instruction = core_driver.decide(view, node, settings, op, limit, 0.0)
+                stepped.view = view = view.copy()
+                read = ReadResult(state, None, counters, log)
+                instruction = _of_operation(stepped.step(read, 0.0))
                 return view, Decision.of(instruction, view), True
         except InvalidTransitionError as exc:
             raise Found([f"the core chose an action it then rejected: {exc}"]) from None
         return view, decision, False
+
+
+def _of_operation(instruction: NodeInstruction) -> Instruction:
+    """A node's instruction for an operation started with ``start`` (its end is a
+    Done: never the lifecycle's Joined or Regroup)."""
+    assert not isinstance(instruction, (Joined, Regroup)), instruction
+    return instruction
 
 
 def _counters(state: RendezvousState) -> Map[NodeDesc, int]:

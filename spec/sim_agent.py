@@ -19,11 +19,10 @@ from ..core import (
     KeepAliveOp,
     LeaveOp,
     NodeDesc,
-    NodeView,
     Operator,
+    RendezvousNode,
     Verdict,
 )
-from ..core import driver as core_driver
 from .lifecycle import Phase
 from .sim_backend import Backend
 from .sim_node import SimNode, Task
@@ -49,7 +48,6 @@ class Agent(Backend):
         self._cancel(node)
         node.ticks += 1
         node.task = None
-        node.op = None
         node.joined = None
         node.queued_beat = node.queued_monitor = False
 
@@ -70,9 +68,7 @@ class Agent(Backend):
             node.desc = NodeDesc(node.desc.addr, 1000 + node.incarnation, 0)
             self._by_desc[node.desc] = node
         node.incarnation += 1
-        node.view = NodeView()
-        node.version = 0
-        node.registered = False
+        node.core = RendezvousNode(node.desc, self.settings)
         self._log(node, f"starts as {node.desc}")
         self._regroup(node)
         self._drive(node)
@@ -86,13 +82,10 @@ class Agent(Backend):
         node.ticks += 1
         node.queued_beat = node.queued_monitor = False
         node.task = Task.OP
-        node.op = op
-        node.deadline = deadline
+        node.core.start(op, node.local(self.now), deadline, fresh=fresh)
         node.phase = phase
         node.losses = 0
         node.leaving = False
-        if not fresh:
-            node.view = core_driver.after_wait(node.view)
 
     def _regroup(self, node: SimNode) -> None:
         """The handler's next_rendezvous: exit the current round, then join."""
@@ -167,7 +160,6 @@ class Agent(Backend):
         node.phase = Phase.TRAINING
         node.joined = joined
         node.task = None
-        node.op = None
         node.next_beat = node.local(self.now) + self.settings.keep_alive_interval / 4
         self._monitor_wait(node)
 
@@ -214,9 +206,7 @@ class Agent(Backend):
             self._at(node.global_time(due), "tick", node.slot, node.ticks, due)
 
     def _on_tick(self, node: SimNode, due: float) -> None:
-        if node.phase is Phase.TRAINING and core_driver.must_fence(
-            node.view, node.desc, self.settings, due
-        ):
+        if node.phase is Phase.TRAINING and node.core.must_fence(due):
             # The agent's lease check: its workers stop, and it rejoins (it cannot
             # reach the store to leave first).
             self.report.fences += 1
@@ -236,13 +226,12 @@ class Agent(Backend):
     def _idle(self, node: SimNode) -> bool:
         """A training node's task ended: start a queued one. True: drive it now."""
         node.task = None
-        node.op = None
         if node.queued_beat:
             # The handler's heartbeat loop: KeepAliveOp on the current view (fresh).
             node.queued_beat = False
             node.task = Task.BEAT
-            node.op = KeepAliveOp()
-            node.deadline = node.local(self.now) + self.settings.heartbeat_timeout
+            now = node.local(self.now)
+            node.core.start(KeepAliveOp(), now, now + self.settings.heartbeat_timeout, fresh=True)
             node.losses = 0
             return True
         if node.queued_monitor:
@@ -252,6 +241,6 @@ class Agent(Backend):
             node.queued_monitor = False
             node.task = Task.MONITOR
             node.losses = 0
-            node.view = core_driver.after_wait(node.view)
+            node.core.watch(node.joined)
             return True
         return False

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..core import Instruction, NodeDesc, RendezvousState
+from ..core import NodeDesc, NodeInstruction, RendezvousState
 from .sim_config import SimConfig
 from .sim_node import SimNode
 from .sim_report import NodeStats, SimReport, SimViolation
@@ -62,7 +62,7 @@ class EventLoop:
         self,
         config: SimConfig,
         on_violation: Callable[[SimViolation], None] | None = None,
-        on_instruction: Callable[[int, Instruction], None] | None = None,
+        on_instruction: Callable[[int, NodeInstruction], None] | None = None,
     ) -> None:
         self.config = config
         self.settings = config.settings()

@@ -1,14 +1,27 @@
-"""The executor of the core's driver (:class:`Executor`): a node decides with
-``driver.decide`` (or ``driver.monitor``), carries the instruction out against the
-simulated backend as StateSync does, with the IO turned into events, and feeds
-the result back with the driver's ``after_*`` functions."""
+"""The executor of the core's nodes (:class:`Executor`): each simulated node steps
+its :class:`~rallypoint.core.RendezvousNode`, carries the instruction out against
+the simulated backend as StateSync does, with the IO turned into events, and
+feeds the result back to the node."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..core import Announce, Beat, Done, Read, Verdict, Wait, Write
-from ..core import driver as core_driver
+from ..core import (
+    Announce,
+    AnnounceResult,
+    Beat,
+    BeatResult,
+    Done,
+    Read,
+    ReadResult,
+    Unreachable,
+    Verdict,
+    Wait,
+    WaitResult,
+    Write,
+    WriteResult,
+)
 from .sim_agent import Agent
 from .sim_node import SimNode, Task
 
@@ -24,22 +37,10 @@ class Executor(Agent):
     def _drive(self, node: SimNode) -> None:
         """Decide and carry out instructions until one needs the backend or time
         (StateSync._drive, with the IO turned into events)."""
-        settings = self.settings
         report = self.report
         stats = report.stats[node.slot]
         while node.task is not None:
-            if not node.registered:
-                # StateSync creates the node's heartbeat key before its first decision.
-                self._request(node, "backend_beat")
-                return
-            now = node.local(self.now)
-            if node.task is Task.MONITOR:
-                instruction = core_driver.monitor(node.view, node.desc, settings, node.joined, now)
-            else:
-                assert node.op is not None
-                instruction = core_driver.decide(
-                    node.view, node.desc, settings, node.op, node.deadline, now
-                )
+            instruction = node.core.next(node.local(self.now))
             report.node_steps += 1
             stats.steps += 1
             if self._on_instruction is not None:
@@ -52,7 +53,7 @@ class Executor(Agent):
                 if instruction.action is not None or instruction.dead:
                     what = "publish" if instruction.action is None else instruction.action.name
                     self._log(node, f"{self._task_name(node)} -> {what}")
-                self._request(node, "backend_cas", (node.version, instruction))
+                self._request(node, "backend_cas", (node.core.token, instruction))
                 return
             if type(instruction) is Beat:
                 self._request(node, "backend_beat")
@@ -61,7 +62,7 @@ class Executor(Agent):
                 self._request(node, "backend_announce", instruction.round)
                 return
             if type(instruction) is Wait:
-                self._wait(node, instruction.until, instruction.phase, now)
+                self._wait(node, instruction.until, instruction.phase, node.local(self.now))
                 return
             if type(instruction) is Done:
                 if not self._done(node, instruction):
@@ -77,7 +78,6 @@ class Executor(Agent):
 
     def _request(self, node: SimNode, kind: str, data: Any = None) -> None:
         node.req += 1
-        node.sent = node.local(self.now)
         if node.partitioned:
             self._at(self.now + self.config.request_timeout, "request_timeout", node.slot, node.req)
             return
@@ -99,7 +99,7 @@ class Executor(Agent):
         node.req += 1  # drop the other of notification and wake
         self._unwatch(node)
         self.report.stats[node.slot].wakeups += 1
-        node.view = core_driver.after_wait(node.view)
+        node.core.feed(WaitResult(), node.local(self.now))
 
     def _on_notify(self, node: SimNode, data: Any) -> None:
         node.watch_q = None
@@ -118,16 +118,12 @@ class Executor(Agent):
         now = node.local(self.now)
         what = data[0]
         if what == "read":
+            # (state None: Read(state=False), the node keeps its state and token)
             _, state, version, side, log = data
-            if state is None:  # Read(state=False): the view's state and token stay
-                state = node.view.state
-            else:
-                node.version = version
-            node.view = core_driver.after_read(node.view, node.desc, state, side, now, log)
+            node.core.feed(ReadResult(state, version, side, log), now)
         elif what == "cas":
-            _, won, stored, version, write = data
-            node.version = version
-            node.view = core_driver.after_write(node.view, node.desc, won, stored, now, node.sent)
+            _, won, stored, version, _write = data
+            node.core.feed(WriteResult(won, stored, version), now)
             if not won:
                 node.losses += 1
                 # StateSync's jittered, capped exponential backoff before deciding again.
@@ -135,13 +131,10 @@ class Executor(Agent):
                 self._at(self.now + self.rng.uniform(0, cap), "retry", node.slot, node.req)
                 return
             node.losses = 0
-            if write.deadline is not None and node.task is Task.OP:
-                node.deadline = write.deadline
         elif what == "announce":
-            node.view = core_driver.after_announce(node.view, data[1])
+            node.core.feed(AnnounceResult(), now)
         else:  # a beat
-            node.registered = True
-            node.view = core_driver.after_beat(node.view, node.desc, data[1], now, node.sent)
+            node.core.feed(BeatResult(data[1]), now)
         self._drive(node)
 
     def _on_retry(self, node: SimNode, data: Any) -> None:
@@ -158,7 +151,7 @@ class Executor(Agent):
         self._log(node, "request timed out")
         if node.task is Task.OP:
             # An operation retries (StateSync within its retry window): read again.
-            node.view = core_driver.after_wait(node.view)
+            node.core.feed(Unreachable(), node.local(self.now))
             self._drive(node)
             return
         if node.task is Task.MONITOR:

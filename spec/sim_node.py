@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..core import Membership, NodeDesc, NodeView, Operator
+from ..core import Membership, NodeDesc, NodeView, Operator, RendezvousNode, Settings
 from .lifecycle import Name, Phase
 
 __all__ = ["SimNode", "Task"]
@@ -27,7 +27,7 @@ class SimNode:
 
     __slots__ = (
         "alive",
-        "deadline",
+        "core",
         "desc",
         "drift",
         "healed_at",
@@ -39,25 +39,20 @@ class SimNode:
         "next_beat",
         "next_monitor",
         "offset",
-        "op",
         "partitioned",
         "phase",
         "queued_beat",
         "queued_monitor",
-        "registered",
         "req",
-        "sent",
         "slot",
         "task",
         "ticks",
-        "version",
-        "view",
         "waiting",
         "watch_q",
         "wtok",
     )
 
-    def __init__(self, slot: int, offset: float, drift: float) -> None:
+    def __init__(self, slot: int, offset: float, drift: float, settings: Settings) -> None:
         self.slot = slot
         self.offset = offset
         self.drift = drift
@@ -67,24 +62,16 @@ class SimNode:
         self.partitioned = False
         self.healed_at = -math.inf
         self.phase: Phase = Phase.DOWN
-        #: what this node knows (the driver's view) and the state version it last
-        #: read or wrote (its compare-and-set token; 0: nothing read)
-        self.view = NodeView()
-        self.version = 0
-        #: the task being driven (None: none), its operator and its deadline
-        #: (local time)
+        #: the node this process drives: its view, the state version it last read
+        #: or wrote (its compare-and-set token), its operator and deadline
+        self.core = RendezvousNode(self.desc, settings)
+        #: the task being driven (None: none)
         self.task: Task | None = None
-        self.op: Operator | None = None
-        self.deadline = math.inf
         #: the token of the request, wait or backoff in flight (events of older
-        #: ones are dropped), whether it is a driver Wait, the CAS losses in a row,
-        #: and whether this process has created its heartbeat key
+        #: ones are dropped), whether it is a driver Wait, and the CAS losses in a row
         self.req = 0
-        #: local time the request in flight was sent (a renewal counts from then)
-        self.sent = 0.0
         self.waiting = False
         self.losses = 0
-        self.registered = False
         #: the phase watch: its token, and the phase it is registered under at the
         #: backend (None: not registered); mwait: the agent's monitor is waiting
         self.wtok = 0
@@ -100,6 +87,21 @@ class SimNode:
         #: whether the node's exit is a graceful leave (the process then stays
         #: down a while) rather than the first half of a re-rendezvous
         self.leaving = False
+
+    @property
+    def view(self) -> NodeView:
+        """What this node knows (the node's view)."""
+        return self.core.view
+
+    @property
+    def op(self) -> Operator | None:
+        """The operator being driven (None: none)."""
+        return self.core.op if self.task is not None else None
+
+    @property
+    def deadline(self) -> float:
+        """The operation's deadline (local time)."""
+        return self.core.deadline
 
     def local(self, t: float) -> float:
         return self.offset + (1.0 + self.drift) * t

@@ -160,7 +160,12 @@ class Simulator(Faults):
         scheduled."""
         c, rng = self.config, self.rng
         nodes = [
-            SimNode(i, rng.uniform(-c.clock_offset, c.clock_offset), rng.uniform(-c.drift, c.drift))
+            SimNode(
+                i,
+                rng.uniform(-c.clock_offset, c.clock_offset),
+                rng.uniform(-c.drift, c.drift),
+                self.settings,
+            )
             for i in range(c.nodes)
         ]
         for node in nodes:
