@@ -22,6 +22,7 @@ from ..core import (
     Operator,
     RendezvousNode,
     Verdict,
+    keep_alive_period,
 )
 from .lifecycle import Phase
 from .sim_backend import Backend
@@ -160,7 +161,7 @@ class Agent(Backend):
         node.phase = Phase.TRAINING
         node.joined = joined
         node.task = None
-        node.next_beat = node.local(self.now) + self.settings.keep_alive_interval / 4
+        node.next_beat = node.local(self.now) + keep_alive_period(self.settings)
         self._monitor_wait(node)
 
     def _verdict(self, node: SimNode, verdict: Verdict) -> bool:
@@ -216,7 +217,7 @@ class Agent(Backend):
             return
         if node.next_beat <= due:
             node.queued_beat = True
-            node.next_beat += self.settings.keep_alive_interval / 4
+            node.next_beat += keep_alive_period(self.settings)
         if node.next_monitor <= due and node.mwait:
             self._end_monitor_wait(node)
         self._schedule_tick(node)

@@ -232,9 +232,6 @@ class ScriptedBackend:
             self.published = max(self.published, phase)
         return self._blob, self._version, True
 
-    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
-        raise AssertionError("the driver waits for phases, not for any change")
-
     def wait_for_phase(self, phase: int, timeout: float) -> bool:
         self._catch_up()
         if self.published > phase:
