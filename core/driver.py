@@ -47,7 +47,8 @@ The rules that make the loop safe and cheap, decided here and nowhere else:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import ast
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -86,6 +87,7 @@ from .state import (
 )
 
 __all__ = [
+    "PHASE_PARTS",
     "Announce",
     "Beat",
     "Decision",
@@ -389,8 +391,7 @@ def after_read(
         view.since = now
     if counters is not None:
         _read_counters(view, node, state, counters, now)
-    side = view.counters
-    view.own = _own_read(view.own, state.heartbeats.get(node), side.get(node, 0), now)
+    view.own = _own_read(view.own, state.heartbeats.get(node), view.counters.get(node, 0), now)
     view.last_call = _last_call_seen(view.last_call, state, now)
     view.state = state
     view.stale = False
@@ -525,10 +526,70 @@ def after_wait(view: NodeView) -> NodeView:
 # -- phases --------------------------------------------------------------------------
 
 
+#: Everything in a state that a node waiting on it (a joiner whose operator
+#: answered SYNC, a redundant or waiting node, an agent monitoring its round) may
+#: decide on, one expression over ``state`` and ``settings`` a part: a write that
+#: changes any part publishes a new phase and wakes them (see :func:`phase_of`).
+PHASE_PARTS: tuple[str, ...] = (
+    "state.round",
+    "state.complete",
+    "state.closed",
+    "state.last_call",
+    "len(state.participants) >= settings.max_nodes",
+    "bool(state.wait_list)",
+    # Only the first departure from a complete round matters to its monitors
+    # (they regroup); counting every one would wake everybody per exit.
+    "state.complete and len(state.participants) < state.world_size",
+    # A regroup whose last returning node arrived (or was found gone) completes
+    # without its last call: its participants must see it.
+    "not state.complete and everyone_back(state)",
+)
+
+_PhaseOf = Callable[[RendezvousState, Settings], tuple[object, ...]]
+_SamePhase = Callable[[RendezvousState, RendezvousState, Settings], bool]
+
+
+class _StateAs(ast.NodeTransformer):
+    """Renames ``state`` in a part to the state it is read from."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(self.name, node.ctx) if node.id == "state" else node
+
+
+def _compile_phase(parts: tuple[str, ...]) -> tuple[_PhaseOf, _SamePhase]:
+    """``parts`` as two functions: the phase of a state (the tuple of its parts),
+    and whether two states have the same phase (part by part, ending at the first
+    difference: no tuples built, run on every write)."""
+
+    def of(name: str, part: str) -> str:
+        return ast.unparse(_StateAs(name).visit(ast.parse(part, mode="eval")))
+
+    source = "def phase_of(state, settings):\n    return (" + "".join(f"{p}, " for p in parts)
+    source += ")\n\ndef same_phase(a, b, settings):\n"
+    for part in parts:
+        source += f"    if ({of('a', part)}) != ({of('b', part)}):\n        return False\n"
+    source += "    return True\n"
+    namespace: dict[str, Any] = {"everyone_back": everyone_back}
+    exec(compile(source, "<PHASE_PARTS>", "exec"), namespace)
+    return namespace["phase_of"], namespace["same_phase"]
+
+
+def _phase_rules() -> tuple[_PhaseOf, _SamePhase]:
+    """The compiled :data:`PHASE_PARTS` in force (compiled again when replaced)."""
+    global _compiled_phase
+    parts, rules = _compiled_phase
+    if parts is not PHASE_PARTS:
+        rules = _compile_phase(PHASE_PARTS)
+        _compiled_phase = (PHASE_PARTS, rules)
+    return rules
+
+
 def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
-    """Everything in ``state`` that a node waiting on it (a joiner whose operator
-    answered SYNC, a redundant or waiting node, an agent monitoring its round) may
-    decide on; a write that changes it publishes a new phase and wakes them.
+    """The parts of ``state`` (:data:`PHASE_PARTS`) that a node waiting on it may
+    decide on; a write that changes them publishes a new phase and wakes them.
 
     The participant count of an open round is left out on purpose: between
     min_nodes (the last call arms) and max_nodes (the round completes) it changes no
@@ -538,23 +599,10 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
     complete round only "someone left" counts, not how many: one phase per regroup,
     not one per exit.
     """
-    complete = state.complete
-    count = len(state.participants)
-    return (
-        state.round,
-        complete,
-        state.closed,
-        state.last_call,
-        count >= settings.max_nodes,
-        bool(state.wait_list),
-        # Only the first departure from a complete round matters to its monitors
-        # (they regroup); counting every one would wake everybody per exit.
-        complete and count < state.world_size,
-        # A regroup whose last returning node arrived (or was found gone)
-        # completes without its last call: its participants must see it. (A
-        # complete round is no regroup: everyone_back is False, not called.)
-        not complete and everyone_back(state),
-    )
+    return _phase_rules()[0](state, settings)
+
+
+_compiled_phase = (PHASE_PARTS, _compile_phase(PHASE_PARTS))
 
 
 def _phased(
@@ -568,10 +616,10 @@ def _phased(
     made: bool = False,
 ) -> Write:
     """A write of ``new`` over ``base``, publishing a new phase if it changes
-    :func:`phase_of`. ``made``: ``new`` was made for this write and nobody else
+    :data:`PHASE_PARTS`. ``made``: ``new`` was made for this write and nobody else
     holds it (see :meth:`RendezvousState._phase_set`)."""
     phase = None
-    if phase_of(new, settings) != phase_of(base, settings):
+    if not _phase_rules()[1](new, base, settings):
         phase = base.phase + 1
         new = new._phase_set(phase) if made else new._derive({"phase": phase})
     return _built(Write, (new, action, dead, phase, deadline, admitted))

@@ -474,13 +474,25 @@ def _monitored(view: NodeView, node: NodeDesc, s: Settings, now: float):  # type
         return type(error), str(error)
 
 
-def test_a_phase_of_swapped_in_decides_what_a_write_publishes(
+def test_the_phase_parts_in_force_decide_what_a_write_publishes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A write publishes a phase when it changes a part of PHASE_PARTS: with the
+    parts edited down to the round, arming the last call wakes nobody."""
     s = Settings("properties", 1, 3)
     view = after_read(NodeView(), POOL[0], RendezvousState(), None, 0.0)
     write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0)
     assert isinstance(write, Write) and write.phase == 1  # the join arms the last call
-    monkeypatch.setattr(driver, "phase_of", lambda state, _: (state.round,))
+    monkeypatch.setattr(driver, "PHASE_PARTS", ("state.round",))
     write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0)
     assert isinstance(write, Write) and write.phase is None and write.state.phase == 0
+    assert phase_of(write.state, s) == (0,)
+
+
+@given(any_states(), any_states(), any_settings())
+def test_two_states_have_the_same_phase_when_their_parts_are_equal(first, second, s):
+    """The write's part-by-part comparison agrees with phase_of's tuples (both
+    compiled from PHASE_PARTS), for states of every shape and equal ones."""
+    same = driver._phase_rules()[1]
+    assert same(first, second, s) is (phase_of(first, s) == phase_of(second, s))
+    assert same(first, first.evolve(phase=first.phase + 1, heartbeat_seq=9), s)
