@@ -72,7 +72,9 @@ from .operators import (
     Operator,
     _beat_due,
     _compiled_join,
+    _CompiledTable,
     _exit_answer,
+    _generated,
     _wake_at,
     everyone_back,
 )
@@ -572,19 +574,18 @@ def _compile_phase(parts: tuple[str, ...]) -> tuple[_PhaseOf, _SamePhase]:
     for part in parts:
         source += f"    if ({of('a', part)}) != ({of('b', part)}):\n        return False\n"
     source += "    return True\n"
-    namespace: dict[str, Any] = {"everyone_back": everyone_back}
-    exec(compile(source, "<PHASE_PARTS>", "exec"), namespace)
-    return namespace["phase_of"], namespace["same_phase"]
+    rules = _generated(source, "<PHASE_PARTS>", {"everyone_back": everyone_back})
+    return rules["phase_of"], rules["same_phase"]
+
+
+_PHASE_FORMS: _CompiledTable[tuple[str, ...], tuple[_PhaseOf, _SamePhase]] = _CompiledTable(
+    _compile_phase
+)
 
 
 def _phase_rules() -> tuple[_PhaseOf, _SamePhase]:
-    """The compiled :data:`PHASE_PARTS` in force (compiled again when replaced)."""
-    global _compiled_phase
-    parts, rules = _compiled_phase
-    if parts is not PHASE_PARTS:
-        rules = _compile_phase(PHASE_PARTS)
-        _compiled_phase = (PHASE_PARTS, rules)
-    return rules
+    """The compiled :data:`PHASE_PARTS` in force."""
+    return _PHASE_FORMS.of(PHASE_PARTS)
 
 
 def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
@@ -602,7 +603,7 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
     return _phase_rules()[0](state, settings)
 
 
-_compiled_phase = (PHASE_PARTS, _compile_phase(PHASE_PARTS))
+_phase_rules()  # (parts that do not compile fail the import)
 
 
 def _phased(

@@ -20,7 +20,7 @@ import ast
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TypeAlias
+from typing import Any, Generic, TypeAlias, TypeVar
 
 from immutables import Map
 
@@ -250,8 +250,8 @@ def _parse_guard(row: JoinRow) -> _Formula:
 def _evaluate(formula: _Formula, known: Mapping[str, bool]) -> bool | str:
     """``formula``'s value under the facts ``known``, or the fact it reads next
     (short-circuit order) when that one is not known yet."""
-    if formula is True:
-        return True
+    if isinstance(formula, bool):
+        return formula
     if isinstance(formula, str):
         return known.get(formula, formula)
     op, operands = formula
@@ -314,21 +314,48 @@ def compile_join_table(table: tuple[JoinRow, ...]) -> JoinDecision:
         "_no_row": _no_row,
     }
     namespace.update({f"_row_{index}": row for index, row in enumerate(table)})
-    exec(compile(join_source(table), "<JOIN_TABLE>", "exec"), namespace)
-    decision: JoinDecision = namespace["join_decision"]  # type: ignore[assignment]
+    decision: JoinDecision = _generated(join_source(table), "<JOIN_TABLE>", namespace)[
+        "join_decision"
+    ]
     return decision
+
+
+def _generated(source: str, filename: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """``namespace`` with the definitions of ``source`` (generated from a table;
+    ``filename`` names the table in tracebacks) executed into it."""
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace
+
+
+_Table = TypeVar("_Table")
+_Form = TypeVar("_Form")
+
+
+class _CompiledTable(Generic[_Table, _Form]):
+    """The compiled form of a table in force: made by ``compile_table`` from the
+    table it is asked for, and made again whenever that is another object (an
+    edited table, a checker's planted bug), so that what runs is always the
+    table."""
+
+    def __init__(self, compile_table: Callable[[_Table], _Form]) -> None:
+        self._compile = compile_table
+        self._table: _Table | None = None
+        self._form: _Form | None = None
+
+    def of(self, table: _Table) -> _Form:
+        form = self._form
+        if table is not self._table or form is None:
+            form = self._form = self._compile(table)
+            self._table = table
+        return form
+
+
+_JOIN_FORMS: _CompiledTable[tuple[JoinRow, ...], JoinDecision] = _CompiledTable(compile_join_table)
 
 
 def _compiled_join() -> JoinDecision:
-    """The decision function of the :data:`JOIN_TABLE` in force: compiled on
-    first use, and again when the table was replaced (an edited table, a
-    checker's planted bug), so that what runs is always the table."""
-    global _compiled
-    table, decision = _compiled
-    if table is not JOIN_TABLE:
-        decision = compile_join_table(JOIN_TABLE)
-        _compiled = (JOIN_TABLE, decision)
-    return decision
+    """The decision function of the :data:`JOIN_TABLE` in force."""
+    return _JOIN_FORMS.of(JOIN_TABLE)
 
 
 def join_row(ctx: Context, deadline: float) -> JoinRow:
@@ -523,4 +550,4 @@ def _wake_at(
     return earliest
 
 
-_compiled: tuple[tuple[JoinRow, ...], JoinDecision] = (JOIN_TABLE, compile_join_table(JOIN_TABLE))
+_compiled_join()  # (a table that does not compile fails the import)
