@@ -2,25 +2,51 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
+
 import pytest
 from core_scenarios import FAR, completed, ctx, joined, node, settings, step
+from core_strategies import (
+    POOL,
+    any_observations,
+    any_settings,
+    any_states,
+    counters,
+    nodes,
+    times,
+)
+from hypothesis import given
+from hypothesis import settings as examples
+from hypothesis import strategies as st
+from immutables import Map
 
 from rallypoint.core import (
     Action,
     CloseOp,
     Context,
     ExitOp,
+    HeartbeatSighting,
     InvalidTransitionError,
     KeepAliveOp,
+    LastCallSighting,
+    NodeDesc,
     Observations,
     RendezvousState,
+    Settings,
     apply,
     assign_ranks,
     dead_nodes,
+    heartbeat_of,
+    keep_alive_due,
     observe,
+    observe_own,
     sanitize,
     wake_at,
 )
+from rallypoint.core.liveness import observe_read
+from rallypoint.core.state import _FIELD_NAMES
 
 # --- each action ------------------------------------------------------------------
 
@@ -274,3 +300,273 @@ def test_apply_on_context_uses_context_node_and_settings():
     c = Context(node(4), RendezvousState(), s, 0.0)
     state = apply(RendezvousState(), Action.ADD_TO_PARTICIPANTS, c)
     assert state.complete and dict(state.participants) == {node(4): 0}
+
+
+# --- properties over states of every shape ---------------------------------------
+
+
+@given(nodes, any_states(), any_settings(), times, times)
+def test_exit_op_leaves_a_round_it_is_in(node, state, s, now, deadline):
+    action = ExitOp()(Context(node, state, s, now), deadline)
+    if node not in state.participants:
+        assert action is Action.FINISH
+    elif now > deadline:
+        assert action is Action.ERROR_TIMEOUT
+    else:
+        assert action is Action.REMOVE_FROM_PARTICIPANTS
+
+
+def _reference_observe(
+    observations: Observations,
+    state: RendezvousState,
+    now: float,
+    side: Map[NodeDesc, int] | None,
+    watch_counters: bool,
+) -> tuple[Map[NodeDesc, HeartbeatSighting], LastCallSighting | None]:
+    """Sightings and last call, computed from scratch (no caches consulted)."""
+    sightings = dict(observations.heartbeats.items())
+    if watch_counters:
+        for node, counter in state.heartbeats.items():
+            value = heartbeat_of(counter, 0 if side is None else side.get(node, 0))
+            seen = sightings.get(node)
+            if seen is None or seen.counter != value:
+                sightings[node] = HeartbeatSighting(value, now)
+        sightings = {n: h for n, h in sightings.items() if n in state.heartbeats}
+    last_call = observations.last_call
+    if state.last_call is None:
+        last_call = None
+    elif last_call is None or (last_call.round, last_call.arming) != (
+        state.round,
+        state.last_call,
+    ):
+        last_call = LastCallSighting(state.round, state.last_call, now)
+    return Map(sightings), last_call
+
+
+def _oldest(observations: Observations) -> float | None:
+    return min((h.since for h in observations.heartbeats.values()), default=None)
+
+
+_reads = st.tuples(
+    any_states(),
+    st.none() | st.dictionaries(nodes, counters, max_size=6),
+    st.booleans(),
+    st.floats(0, 5),
+)
+
+
+@pytest.mark.slow
+@examples(max_examples=500)
+@given(any_observations(), st.lists(_reads, min_size=1, max_size=12), st.booleans())
+def test_observe_keeps_its_caches_equal_to_a_from_scratch_observe(start, reads, repeat):
+    """Sightings, last call and ``oldest`` after every read of a sequence are what a
+    from-scratch observation gives; reading the same counters again (the identity
+    shortcut) changes nothing but the last call."""
+    obs = start
+    now = 0.0
+    for state, side_counters, watch, elapsed in reads:
+        now += elapsed
+        side = None if side_counters is None else Map(side_counters)
+        for _ in range(2 if repeat else 1):
+            expected = _reference_observe(obs, state, now, side, watch)
+            obs = observe(obs, state, now, side, counters=watch)
+            assert (obs.heartbeats, obs.last_call) == expected
+            assert obs.oldest == _oldest(obs)
+
+
+def _later(obs: Observations, step: float) -> float:
+    """A local time no earlier than any sighting (a node's clock never goes back)."""
+    return max((h.since for h in obs.heartbeats.values()), default=0.0) + step
+
+
+def _with_own(obs: Observations, node: NodeDesc, pair: int | None, since: float) -> Observations:
+    """``obs`` with the own sighting set to (pair, since), rebuilt the slow way."""
+    beats = dict(obs.heartbeats.items())
+    if pair is None:
+        beats.pop(node, None)
+    else:
+        beats[node] = HeartbeatSighting(pair, since)
+    return Observations(heartbeats=Map(beats), last_call=obs.last_call)
+
+
+@examples(max_examples=500)
+@given(any_observations(), any_states(), nodes, counters, times)
+def test_observe_read_is_observe_without_counters_then_the_own_pair(
+    obs, state, node, side_counter, step
+):
+    now = _later(obs, step)
+    counter = state.heartbeats.get(node)
+    pair = None if counter is None else heartbeat_of(counter, side_counter)
+    expected = observe(obs, state, now, counters=False)
+    before = obs.heartbeats.get(node)
+    if pair is not None and before is not None and before.counter != pair:
+        # moved by somebody else's write: the own lease keeps its start
+        expected = _with_own(expected, node, pair, before.since)
+    else:
+        expected = observe_own(expected, node, pair, now)
+    got = observe_read(obs, state, node, side_counter, now)
+    assert got == expected
+    assert got.oldest == expected.oldest == _oldest(got)
+    assert (got.source, got.source_side) == (obs.source, obs.source_side)
+
+
+@given(any_observations(), nodes, st.none() | counters, times)
+def test_observe_own_keeps_oldest_exact(obs, node, counter, step):
+    got = observe_own(obs, node, counter, _later(obs, step))
+    assert got.oldest == _oldest(got)
+
+
+@given(any_states(), any_observations(), any_settings(), times, nodes)
+def test_sanitize_first_test_matches_dead_nodes(state, obs, s, now, observer):
+    obs = observe(obs, state, now / 2)  # every member has a sighting
+    sanitized, dead = sanitize(state, obs, s, now, observer)
+    silent = frozenset(
+        n
+        for n in state.heartbeats
+        if n != observer and now - obs.heartbeats[n].since > s.liveness_window
+    )
+    assert dead == silent
+    if not dead:
+        assert sanitized is state
+
+
+def test_evolve_converts_checks_and_drops_the_cached_hash():
+    state = RendezvousState()
+    hash(state)
+    new = state.evolve(participants={POOL[0]: 0}, wait_list=[POOL[1]])
+    assert isinstance(new.participants, Map) and isinstance(new.wait_list, frozenset)
+    assert "_hash" not in vars(new)
+    assert new == RendezvousState(participants={POOL[0]: 0}, wait_list={POOL[1]})
+    assert state == RendezvousState()  # the input is untouched
+    with pytest.raises(TypeError, match="no field 'rounds'"):
+        state.evolve(rounds=1)
+
+
+def test_states_that_swap_two_nodes_values_hash_apart():
+    """A map's own hash folds keys and values in apart, so two ranks (or two
+    heartbeat counters) swapped between nodes gave equal hashes: the model
+    checker's memos, keyed on states, then compared such states field by field
+    on every lookup."""
+    a, b = POOL[0], POOL[1]
+    ranked = RendezvousState(complete=True, world_size=2, participants={a: 0, b: 1})
+    swapped = ranked.evolve(participants={a: 1, b: 0})
+    assert ranked != swapped and hash(ranked) != hash(swapped)
+    beating = RendezvousState(heartbeats={a: 1, b: 2})
+    assert hash(beating) != hash(beating.evolve(heartbeats={a: 2, b: 1}))
+    # equal states still hash alike, however their maps were built
+    assert hash(ranked) == hash(
+        RendezvousState(complete=True, world_size=2, participants=[(b, 1), (a, 0)])
+    )
+
+
+def test_context_is_still_a_frozen_dataclass():
+    s = Settings("properties", 1, 2)
+    ctx = Context(POOL[0], RendezvousState(), s, 1.0)
+    assert ctx.observations == Observations()
+    assert ctx == Context(node=POOL[0], state=RendezvousState(), settings=s, now=1.0)
+    assert hash(ctx) == hash(dataclasses.replace(ctx))
+    assert dataclasses.replace(ctx, now=2.0).now == 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.now = 3.0  # type: ignore[misc]
+
+
+def test_liveness_window_follows_the_settings_it_belongs_to():
+    s = Settings("properties", 1, 2, keep_alive_interval=2.0, keep_alive_max_attempt=3)
+    assert s.liveness_window == 6.0
+    assert dataclasses.replace(s, keep_alive_max_attempt=4).liveness_window == 8.0
+    assert s == Settings("properties", 1, 2, keep_alive_interval=2.0, keep_alive_max_attempt=3)
+
+
+def test_actions_hash_as_the_singletons_they_are():
+    """Actions hash by identity (a C-level hash for the effect table's lookups):
+    equal members are the same object, so tables and sets still find them."""
+    assert Action.__hash__ is object.__hash__
+    effects = {action: action.name for action in Action}
+    for action in Action:
+        assert effects[action] == action.name
+        assert Action(action.value) in effects and hash(action) == hash(Action[action.name])
+    terminal = {a for a in Action if a.is_terminal}
+    assert terminal == {Action.FINISH} | {a for a in Action if a.name.startswith("ERROR_")}
+
+
+@given(any_states(), st.booleans(), st.booleans())
+def test_a_derived_state_drops_the_caches_of_the_one_it_came_from(state, hashed, listed):
+    """A transition copies the field dictionary; the copy's fields change, so
+    neither the cached hash nor the cached member set may come along (the copy
+    skips dropping them when the original holds neither)."""
+    if hashed:
+        hash(state)
+    if listed:
+        state.members()
+    new = state.evolve(round=state.round + 1, wait_list=state.wait_list | {POOL[0]})
+    assert "_hash" not in vars(new) and "_members" not in vars(new)
+    assert new.members() == frozenset(new.participants) | new.wait_list | new.redundancy_list
+    assert hash(new) == hash(RendezvousState(**{n: getattr(new, n) for n in _FIELD_NAMES}))
+
+
+@given(any_states())
+def test_a_state_copied_or_rebuilt_elsewhere_is_the_same_state(state):
+    """States rebuilt from their fields (copies, another process's) equal the
+    original and hash alike, and carry no cache from it."""
+    hash(state)
+    state.members()
+    for copied in (
+        copy.copy(state),
+        copy.deepcopy(state),
+        pickle.loads(pickle.dumps(state)),
+    ):
+        assert copied == state and hash(copied) == hash(state)
+        assert set(vars(copied)) <= set(_FIELD_NAMES) | {"_hash"}
+        assert {n: getattr(copied, n) for n in _FIELD_NAMES} == {
+            n: getattr(state, n) for n in _FIELD_NAMES
+        }
+        assert copied.evolve(phase=copied.phase + 1).phase == state.phase + 1
+
+
+def test_only_leaving_the_redundancy_list_resets_the_deadline():
+    resetting = {action for action in Action if action.resets_deadline}
+    assert resetting == {Action.REMOVE_FROM_REDUNDANCY_LIST}
+
+
+def _reference_wake_at(ctx: Context, deadline: float | None) -> float | None:
+    """wake_at as its docstring defines it: the earliest future time of the
+    deadline, the end of its rollback, the own keep-alive, the end of the last call,
+    and the expiry of the oldest sighting (or of every watched peer's, once the
+    oldest has expired)."""
+    s = ctx.settings
+    times = [] if deadline is None else [deadline, deadline + s.rollback_period]
+    own = ctx.observations.heartbeats.get(ctx.node)
+    if own is not None and ctx.node in ctx.state.heartbeats:
+        times.append(own.since + s.keep_alive_interval)
+    if ctx.observations.last_call is not None and ctx.state.last_call is not None:
+        times.append(ctx.observations.last_call.since + s.last_call_timeout)
+    oldest = ctx.observations.oldest
+    if oldest is not None and oldest + s.liveness_window > ctx.now:
+        times.append(oldest + s.liveness_window)
+    else:
+        times.extend(
+            seen.since + s.liveness_window
+            for peer, seen in ctx.observations.heartbeats.items()
+            if peer != ctx.node and peer in ctx.state.heartbeats
+        )
+    return min((t for t in times if t > ctx.now), default=None)
+
+
+@examples(max_examples=500)
+@given(nodes, any_states(), any_settings(), times, any_observations(), st.none() | times)
+def test_wake_at_is_the_earliest_future_timer(node, state, s, now, obs, deadline):
+    ctx = Context(node, state, s, now, obs)
+    assert wake_at(ctx, deadline) == _reference_wake_at(ctx, deadline)
+
+
+@examples(max_examples=500)
+@given(nodes, any_states(), any_settings(), times, any_observations())
+def test_keep_alive_due_is_its_definition(node, state, s, now, obs):
+    """A heartbeat entry, and a sighting of it at least a keep-alive interval old."""
+    sighting = obs.heartbeats.get(node)
+    expected = (
+        node in state.heartbeats
+        and sighting is not None
+        and now - sighting.since >= s.keep_alive_interval
+    )
+    assert keep_alive_due(Context(node, state, s, now, obs)) is expected

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from core_scenarios import FAR, joined, node, settings, step
+from core_strategies import POOL, any_settings, any_states, counters, nodes, nodes_and_views, times
+from hypothesis import given
+from hypothesis import settings as examples
+from hypothesis import strategies as st
 from immutables import Map
 
 from rallypoint.core import (
@@ -13,12 +20,15 @@ from rallypoint.core import (
     Decision,
     Done,
     ExitOp,
+    InvalidTransitionError,
     JoinOp,
     KeepAliveOp,
+    Membership,
     NodeDesc,
     NodeView,
     Read,
     RendezvousState,
+    Settings,
     Verdict,
     Wait,
     Write,
@@ -28,10 +38,12 @@ from rallypoint.core import (
     after_wait,
     after_write,
     decide,
+    driver,
     heartbeat_of,
     monitor,
     phase_of,
 )
+from rallypoint.core.driver import _VIEW_SLOTS
 
 S = settings(2, 3)  # keep-alive 1 s, liveness window 3 s, last call 10 s
 
@@ -330,3 +342,179 @@ def test_monitor_of_a_round_that_moved_on_loses_everyone() -> None:
     later = later.evolve(heartbeats=Map({node(0): 1}))
     verdict = monitor(_view(later), node(0), S, membership, 0.0)
     assert verdict == Verdict(0, membership.members)
+
+
+# --- properties over views of every shape ----------------------------------------
+
+
+def test_the_field_orders_the_driver_builds_by_position():
+    assert Write._fields == ("state", "action", "dead", "phase", "deadline", "admitted")
+    assert Decision._fields == ("instruction", "action", "state", "dead")
+    assert Done._fields == ("action", "state", "joined", "rejoin")
+    assert Membership._fields == ("round", "rank", "world_size", "participants")
+    # (the checker builds its views with every argument, in order)
+    assert [f.name for f in dataclasses.fields(NodeView) if f.init] == [
+        "state",
+        "counters",
+        "counters_at",
+        "since",
+        "own",
+        "last_call",
+        "peers",
+        "stale",
+        "intents",
+        "intents_round",
+        "contended",
+        "announced",
+    ]
+
+
+def test_a_copy_of_a_view_changes_apart_from_it():
+    view = after_read(NodeView(), POOL[0], RendezvousState(), {}, 1.0)
+    kept = view.copy()
+    assert kept == view and kept is not view
+    after_wait(view)
+    assert view.stale and not kept.stale
+    assert dataclasses.replace(kept, stale=True) == view
+
+
+def _outcome(view: NodeView, node: NodeDesc, s: Settings, op: object, deadline: float, now: float):  # type: ignore[no-untyped-def]
+    """The decision, or the error it raised (states of every shape are drawn, and
+    applying an action to some of them is refused)."""
+    try:
+        return Decision.of(decide(view, node, s, op, deadline, now), view)  # type: ignore[arg-type]
+    except Exception as error:  # compared below, not swallowed
+        return type(error), str(error)
+
+
+@examples(max_examples=1000)
+@given(nodes_and_views(), any_settings(), times, st.booleans())
+def test_decide_reads_first_exactly_when_the_counters_are_due_or_the_view_is_stale(
+    node_view, s, now, leaving
+):
+    """decide makes _counters_due's test inline: it asks for the same reads."""
+    node, view = node_view
+    op = ExitOp() if leaving else JoinOp()
+    due = driver._counters_due(view, s, now)
+    outcome = _outcome(view, node, s, op, float("inf"), now)
+    if due or view.stale:
+        assert outcome.instruction == Read(due)
+    elif isinstance(outcome, Decision) and isinstance(outcome.instruction, Read):
+        # the intent log's read of a contended joiner, or the re-read before a
+        # death is declared: counters, on a view with the dead removed
+        read = outcome.instruction
+        assert read.intents or (read == Read(True) and outcome.state != view.state)
+
+
+@examples(max_examples=300)
+@given(nodes_and_views(), any_settings(), times, times, st.booleans())
+def test_decide_changes_nothing_in_the_view_but_the_record_of_the_decision(
+    node_view, s, now, deadline, leaving
+):
+    """decide and monitor only read the view, and leave in it what they decided on
+    (Decision.of): a copy taken before compares equal after, field by field."""
+    node, view = node_view
+    op = ExitOp() if leaving else JoinOp()
+    for decider in (
+        lambda: decide(view, node, s, op, deadline, now),
+        lambda: driver.monitor(view, node, s, None, now),
+    ):
+        before = view.copy()
+        try:
+            instruction = decider()
+        except InvalidTransitionError:
+            continue  # states of every shape are drawn: some refuse the action
+        assert view == before
+        kept = [f for f in _VIEW_SLOTS if f not in _DECISION_RECORD]
+        assert [getattr(view, f) for f in kept] == [getattr(before, f) for f in kept]
+        assert Decision.of(instruction, view).instruction is instruction
+
+
+_DECISION_RECORD = {"decided_action", "decided_on", "declared_dead", "_removal"}
+
+
+@examples(max_examples=300)
+@given(
+    nodes_and_views(),
+    any_settings(),
+    times,
+    times,
+    st.none() | any_states(),
+    st.none() | st.dictionaries(nodes, counters, max_size=3),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_view_judged_again_after_it_changed_is_judged_afresh(
+    node_view, s, now, deadline, state, side, same_state, monitoring
+):
+    """The removal of the dead is judged once per view and instant (_dead_removed):
+    a view read again at the same instant (a new state, new side counters, or the
+    same state object with new side counters) is judged on what it holds now, as
+    a copy that never decided is."""
+    node, view = node_view
+    view.stale, view.counters_at, view.since = False, now, now
+    if same_state:
+        state = view.state
+
+    def decided(on: NodeView) -> object:
+        if monitoring:
+            return _monitored(on, node, s, now)
+        return _outcome(on, node, s, JoinOp(), deadline, now)
+
+    def never_judged(on: NodeView) -> NodeView:
+        fresh = on.copy()
+        fresh._removal = None
+        return fresh
+
+    decided(view)
+    assert decided(view) == decided(never_judged(view))  # the judgment kept
+    after_read(view, node, state, side, now)
+    assert decided(view) == decided(never_judged(view))
+
+
+def test_a_view_whose_peers_moved_at_the_same_instant_is_judged_afresh():
+    """The state read again is the same object, only a peer's side counter moved:
+    that peer is alive again at the same instant, and the other still dead."""
+    s = Settings("properties", 1, 3)
+    me, moved, silent = POOL[:3]
+    state = RendezvousState(wait_list={me, moved, silent}, heartbeats={me: 1, moved: 1, silent: 1})
+    view = after_read(NodeView(), me, state, {moved: 0, silent: 0}, 0.0)
+    now = s.liveness_window + 1  # both peers silent since 0, the counters read now
+    after_read(view, me, state, {moved: 0, silent: 0}, now)
+    driver.monitor(view, me, s, None, now)
+    assert view.declared_dead == {moved, silent}
+    after_read(view, me, state, {moved: 1, silent: 0}, now)
+    driver.monitor(view, me, s, None, now)
+    assert view.declared_dead == {silent}
+
+
+def _monitored(view: NodeView, node: NodeDesc, s: Settings, now: float):  # type: ignore[no-untyped-def]
+    """monitor's decision, or the error it raised (see _outcome)."""
+    try:
+        return Decision.of(driver.monitor(view, node, s, None, now), view)
+    except Exception as error:  # compared below, not swallowed
+        return type(error), str(error)
+
+
+def test_the_phase_parts_in_force_decide_what_a_write_publishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write publishes a phase when it changes a part of PHASE_PARTS: with the
+    parts edited down to the round, arming the last call wakes nobody."""
+    s = Settings("properties", 1, 3)
+    view = after_read(NodeView(), POOL[0], RendezvousState(), None, 0.0)
+    write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0)
+    assert isinstance(write, Write) and write.phase == 1  # the join arms the last call
+    monkeypatch.setattr(driver, "PHASE_PARTS", ("state.round",))
+    write = decide(view, POOL[0], s, JoinOp(), 10.0, 0.0)
+    assert isinstance(write, Write) and write.phase is None and write.state.phase == 0
+    assert phase_of(write.state, s) == (0,)
+
+
+@given(any_states(), any_states(), any_settings())
+def test_two_states_have_the_same_phase_when_their_parts_are_equal(first, second, s):
+    """The write's part-by-part comparison agrees with phase_of's tuples (both
+    compiled from PHASE_PARTS), for states of every shape and equal ones."""
+    same = driver._phase_rules()[1]
+    assert same(first, second, s) is (phase_of(first, s) == phase_of(second, s))
+    assert same(first, first.evolve(phase=first.phase + 1, heartbeat_seq=9), s)

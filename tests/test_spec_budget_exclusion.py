@@ -412,12 +412,8 @@ def _join_table_ignoring_exclusions() -> tuple[operators.JoinRow, ...]:
         if row.name.startswith("excluded"):
             continue
         if row.name.startswith("redundant, round full or excluded"):
-            if row.action is Action.KEEP_ALIVE:
-                guard = lambda c, d: (  # noqa: E731
-                    c.is_redundant and operators._full(c) and operators.keep_alive_due(c)
-                )
-            else:
-                guard = lambda c, d: c.is_redundant and operators._full(c)  # noqa: E731
+            guard = row.guard.replace("(full or excluded)", "full")
+            assert guard != row.guard
             row = dataclasses.replace(row, guard=guard)
         rows.append(row)
     return tuple(rows)

@@ -144,7 +144,7 @@ def test_mutation_complete_below_min_is_found(monkeypatch: pytest.MonkeyPatch) -
     replace_row(
         monkeypatch,
         Action.MARK_RENDEZVOUS_COMPLETE,
-        lambda c, d: not c.state.complete and c.is_participant,
+        "not complete and participant",
     )
     effects = dict(actions._EFFECTS)
     effects[Action.MARK_RENDEZVOUS_COMPLETE] = lambda st, node, s: actions._mark_complete(st, s)
