@@ -38,8 +38,8 @@ The rules that make the loop safe and cheap, decided here and nowhere else:
   further joiners to an open round do not wake anybody;
 * joiners are admitted in batches: a node that lost a compare-and-set announces
   itself in the round's intent log, and whoever writes an admission next admits,
-  in node order, every logged joiner (and waiting node) with the decision the
-  join operator makes for that node;
+  in node order, every logged joiner (a waiting node only by its own entry) with
+  the decision the join operator makes for that node;
 * a join that returns on a round whose rank 0 was declared dead meanwhile cannot
   bootstrap its workers: :attr:`Done.rejoin` tells the caller to leave it and join
   the next round.
@@ -54,7 +54,9 @@ from typing import Any, NamedTuple
 
 from immutables import Map
 
+from . import operators as _operators
 from .actions import _RESETTING_DEADLINE, _TERMINAL, Action, _apply, apply
+from .inlining import inlining
 from .liveness import (
     _fence_due,
     _last_call_seen,
@@ -67,11 +69,11 @@ from .liveness import (
     sanitize,
 )
 from .operators import (
+    _JOIN_FORMS,
     ExitOp,
     JoinOp,
     Operator,
     _beat_due,
-    _compiled_join,
     _CompiledTable,
     _exit_answer,
     _generated,
@@ -380,6 +382,7 @@ def _dead_removed(
     return sanitized, dead
 
 
+@inlining(_own_read, _last_call_seen, heartbeat_of)
 def after_read(
     view: NodeView,
     node: NodeDesc,
@@ -433,6 +436,7 @@ def _read_counters(
     view.counters_at = now
 
 
+@inlining(_own_read, _own_renewed, _last_call_seen, heartbeat_of)
 def after_write(
     view: NodeView,
     node: NodeDesc,
@@ -624,7 +628,9 @@ def _phased(
     :data:`PHASE_PARTS`. ``made``: ``new`` was made for this write and nobody else
     holds it (see :meth:`RendezvousState._phase_set`)."""
     phase = None
-    if not _phase_rules()[1](new, base, settings):
+    forms = _PHASE_FORMS
+    same_phase = (forms.form if PHASE_PARTS is forms.table else _phase_rules())[1]
+    if not same_phase(new, base, settings):
         phase = base.phase + 1
         new = new._phase_set(phase) if made else new._derive({"phase": phase})
     return _built(Write, (new, action, dead, phase, deadline, admitted))
@@ -744,57 +750,6 @@ def admission_stages(
     return stages
 
 
-def decide(
-    view: NodeView,
-    node: NodeDesc,
-    settings: Settings,
-    op: Operator,
-    deadline: float,
-    now: float,
-) -> Instruction:
-    """The next instruction of ``node`` running ``op`` (with ``deadline``) at
-    local time ``now``. What it was decided on is recorded in ``view`` (see
-    :meth:`Decision.of`); nothing else in the view changes."""
-    state = view.state
-    if _counters_due(view, settings, now):
-        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
-        return _READ_COUNTERS
-    if view.stale:
-        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
-        return _READ
-    if _none_expired(view.peers_oldest, settings, now):
-        # No peer's sighting is old enough for it to be dead (nearly every
-        # decision; a node never declares itself): nothing to judge.
-        sanitized, dead = state, _NOBODY
-    else:
-        sanitized, dead = _dead_removed(view, settings, now, node)
-        if _must_reread(view, dead, settings, now):
-            view.decided_action, view.decided_on, view.declared_dead = None, sanitized, _NOBODY
-            return _READ_COUNTERS
-    # The join and exit operators answer from the context's fields: no Context is
-    # built for them (an operator of another type, a subclass included, gets one).
-    own = view.own
-    kind = type(op)
-    if kind is JoinOp:
-        decision = _compiled_join()
-        action = decision(node, sanitized, settings, now, own, view.last_call, deadline).action
-    elif kind is ExitOp:
-        action = _exit_answer(node, sanitized, now, deadline)
-    else:
-        action = op(Context(node, sanitized, settings, now, view.observations(node)), deadline)
-    view.decided_action, view.decided_on, view.declared_dead = action, sanitized, dead
-    if action is _SYNC or action in _TERMINAL:
-        return _no_write(view, node, settings, op, action, sanitized, dead, deadline, now)
-    if not dead and (
-        (action is _KEEP_ALIVE and node in state.heartbeats)
-        or _beat_due(node, state, settings, now, own)
-    ):
-        # A member beats when its keep-alive is due, also before another write: a
-        # node that keeps losing compare-and-sets must not look dead meanwhile.
-        return _BEAT
-    return _write(view, node, settings, op, action, sanitized, dead, now)
-
-
 def _write(
     view: NodeView,
     node: NodeDesc,
@@ -879,6 +834,62 @@ def _done(node: NodeDesc, op: Operator, action: Action, state: RendezvousState) 
         # nobody has left, ranks are exactly 0..world-1: no scan.)
         rejoin = len(ranks) != state.world_size and 0 not in set(ranks.values())
     return _built(Done, (action, state, joined, rejoin))
+
+
+# The steps of a decision are inlined into it: a call costs about as much as a
+# small step (see core/inlining.py).
+@inlining(_counters_due, _none_expired, _exit_answer, _write, _no_write, _phased)
+def decide(
+    view: NodeView,
+    node: NodeDesc,
+    settings: Settings,
+    op: Operator,
+    deadline: float,
+    now: float,
+) -> Instruction:
+    """The next instruction of ``node`` running ``op`` (with ``deadline``) at
+    local time ``now``. What it was decided on is recorded in ``view`` (see
+    :meth:`Decision.of`); nothing else in the view changes."""
+    state = view.state
+    if _counters_due(view, settings, now):
+        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
+        return _READ_COUNTERS
+    if view.stale:
+        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
+        return _READ
+    if _none_expired(view.peers_oldest, settings, now):
+        # No peer's sighting is old enough for it to be dead (nearly every
+        # decision; a node never declares itself): nothing to judge.
+        sanitized, dead = state, _NOBODY
+    else:
+        sanitized, dead = _dead_removed(view, settings, now, node)
+        if _must_reread(view, dead, settings, now):
+            view.decided_action, view.decided_on, view.declared_dead = None, sanitized, _NOBODY
+            return _READ_COUNTERS
+    # The join and exit operators answer from the context's fields: no Context is
+    # built for them (an operator of another type, a subclass included, gets one).
+    own = view.own
+    kind = type(op)
+    if kind is JoinOp:
+        forms = _JOIN_FORMS
+        table = _operators.JOIN_TABLE
+        decision = forms.form if table is forms.table else forms.of(table)
+        action = decision(node, sanitized, settings, now, own, view.last_call, deadline).action
+    elif kind is ExitOp:
+        action = _exit_answer(node, sanitized, now, deadline)
+    else:
+        action = op(Context(node, sanitized, settings, now, view.observations(node)), deadline)
+    view.decided_action, view.decided_on, view.declared_dead = action, sanitized, dead
+    if action is _SYNC or action in _TERMINAL:
+        return _no_write(view, node, settings, op, action, sanitized, dead, deadline, now)
+    if not dead and (
+        (action is _KEEP_ALIVE and node in state.heartbeats)
+        or _beat_due(node, state, settings, now, own)
+    ):
+        # A member beats when its keep-alive is due, also before another write: a
+        # node that keeps losing compare-and-sets must not look dead meanwhile.
+        return _BEAT
+    return _write(view, node, settings, op, action, sanitized, dead, now)
 
 
 def monitor(

@@ -196,6 +196,7 @@ class Regroup(NamedTuple):
 
 NodeInstruction = Read | Write | Beat | Announce | Wait | Done | Verdict | Joined | Regroup
 
+
 def keep_alive_period(settings: Settings) -> float:
     """How often a member runs :class:`~rallypoint.core.KeepAliveOp`: a quarter
     keep-alive interval. The operator decides whether a beat is due (an interval

@@ -20,7 +20,7 @@ import ast
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar, cast
 
 from immutables import Map
 
@@ -339,15 +339,16 @@ class _CompiledTable(Generic[_Table, _Form]):
 
     def __init__(self, compile_table: Callable[[_Table], _Form]) -> None:
         self._compile = compile_table
-        self._table: _Table | None = None
-        self._form: _Form | None = None
+        #: the table last compiled (None: none yet), and its form: a caller on a hot
+        #: path may test ``table is forms.table`` and take ``forms.form`` with no call
+        self.table: _Table | None = None
+        self.form: _Form = cast(_Form, None)
 
     def of(self, table: _Table) -> _Form:
-        form = self._form
-        if table is not self._table or form is None:
-            form = self._form = self._compile(table)
-            self._table = table
-        return form
+        if table is not self.table:
+            self.form = self._compile(table)
+            self.table = table
+        return self.form
 
 
 _JOIN_FORMS: _CompiledTable[tuple[JoinRow, ...], JoinDecision] = _CompiledTable(compile_join_table)
