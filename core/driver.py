@@ -126,7 +126,7 @@ _FINISH = Action.FINISH
 #: ``_built(Cls, (every field, in order))``: a named tuple made without the
 #: Python-level ``__new__`` that calling the class runs. Each of Write, Wait,
 #: Done, Membership and Decision is built in exactly one place of the driver,
-#: this way (tests/test_core_driver.py pins the field orders they rely on).
+#: this way (tests/core/test_driver.py pins the field orders they rely on).
 _built = tuple.__new__
 
 
