@@ -400,7 +400,10 @@ def after_read(
         view.since = now
     if counters is not None:
         _read_counters(view, node, state, counters, now)
-    view.own = _own_read(view.own, state.heartbeats.get(node), view.counters.get(node, 0), now)
+    side = view.counters
+    # (Most views never read the side counters: no lookup in an empty map.)
+    side_counter = side.get(node, 0) if side else 0
+    view.own = _own_read(view.own, state.heartbeats.get(node), side_counter, now)
     view.last_call = _last_call_seen(view.last_call, state, now)
     view.state = state
     view.stale = False
@@ -458,7 +461,7 @@ def after_write(
     old = view.state.heartbeats
     beats = stored.heartbeats
     mine = beats.get(node)
-    side = view.counters.get(node, 0)
+    side = view.counters.get(node, 0) if view.counters else 0
     # (the view's own heartbeats: the own counter did not move)
     if won and mine is not None and beats is not old and mine != old.get(node):
         at = now if started is None else started
