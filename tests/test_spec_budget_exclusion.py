@@ -28,7 +28,7 @@ from rallypoint.spec.check import (
     relabel,
 )
 from rallypoint.spec.cli import simulate_main, spec_main
-from rallypoint.spec.invariants import check_state, check_transition
+from rallypoint.spec.model.invariants import check_state, check_transition
 from rallypoint.spec.simulator import SimConfig, SimConfigError, Simulator, simulate
 
 #: Two nodes, one of whose workers may fail twice, with a budget of one restart:

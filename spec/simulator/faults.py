@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..core import ChargeRestartOp, CloseOp, ExcludeOp, LeaveOp, Settings
-from .lifecycle import Name, Phase
-from .sim_agent import SimAgent
-from .sim_events import EventLoop
-from .sim_node import SimNode
+from ...core import ChargeRestartOp, CloseOp, ExcludeOp, LeaveOp, Settings
+from ..model.lifecycle import Name, Phase
+from .agent import SimAgent
+from .events import EventLoop
+from .node import SimNode
 
 __all__ = ["Fault", "FaultInjector"]
 

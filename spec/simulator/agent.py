@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..core import (
+from ...core import (
     Action,
     Announce,
     AnnounceResult,
@@ -40,11 +40,11 @@ from ..core import (
     Write,
     WriteResult,
 )
-from .lifecycle import Phase
-from .sim_backend import Backend
-from .sim_checks import Checks
-from .sim_events import EventLoop
-from .sim_node import SimNode, Task
+from ..model.lifecycle import Phase
+from .backend import Backend
+from .checks import Checks
+from .events import EventLoop
+from .node import SimNode, Task
 
 __all__ = ["AGENT_EVENTS", "SimAgent"]
 

@@ -12,9 +12,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .sim_config import SimConfig
-from .sim_node import SimNode
-from .sim_report import SimReport, SimViolation
+from .config import SimConfig
+from .node import SimNode
+from .report import SimReport, SimViolation
 
 __all__ = ["EventLoop"]
 

@@ -11,11 +11,11 @@ from typing import Any
 
 from immutables import Map
 
-from ..core import Action, NodeDesc, RendezvousState, Write, encode_state
-from ..core.codec import EncodedSize
-from .sim_checks import Checks
-from .sim_events import EventLoop
-from .sim_node import SimNode
+from ...core import Action, NodeDesc, RendezvousState, Write, encode_state
+from ...core.codec import EncodedSize
+from .checks import Checks
+from .events import EventLoop
+from .node import SimNode
 
 __all__ = ["Backend"]
 

@@ -108,18 +108,18 @@ complete or advance a round.
 This module puts the simulator together. :class:`Simulator` is composed of
 collaborating parts, each a module of its own, not a chain of classes:
 
-* :class:`.sim_events.EventLoop` -- the clock, the event heap, the random numbers
+* :class:`.events.EventLoop` -- the clock, the event heap, the random numbers
   and the trace; every other part schedules its events there and registers the
   handlers of the events it owns;
-* :class:`.sim_checks.Checks` -- invariants of each committed write, agreement of
+* :class:`.checks.Checks` -- invariants of each committed write, agreement of
   returned joins, false and unfenced deaths, the rounds' timings;
-* :class:`.sim_backend.Backend` -- the stored state, the side counters, the
+* :class:`.backend.Backend` -- the stored state, the side counters, the
   intent logs, the phase watches, the requests it serves, and the injection;
-* :class:`.sim_agent.SimAgent` -- one per node slot (:class:`.sim_node.SimNode`):
+* :class:`.agent.SimAgent` -- one per node slot (:class:`.node.SimNode`):
   what the handler and the agent do, and the executor of the node's core;
-* :class:`.sim_faults.FaultInjector` -- the faults, at their rates or on call.
+* :class:`.faults.FaultInjector` -- the faults, at their rates or on call.
 
-:mod:`.sim_config` holds the options and :mod:`.sim_report` the report. Their
+:mod:`.config` holds the options and :mod:`.report` the report. Their
 public names are imported from here.
 """
 
@@ -129,16 +129,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core import NodeDesc, NodeInstruction, RendezvousState
-from ..core.codec import EncodedSize
-from .sim_agent import AGENT_EVENTS, SimAgent
-from .sim_backend import Backend
-from .sim_checks import Checks
-from .sim_config import SimConfig, SimConfigError
-from .sim_events import EventLoop
-from .sim_faults import FaultInjector
-from .sim_node import SimNode, Task
-from .sim_report import JoinReturn, NodeStats, RoundStat, SimReport, SimViolation
+from ...core import NodeDesc, NodeInstruction, RendezvousState
+from ...core.codec import EncodedSize
+from .agent import AGENT_EVENTS, SimAgent
+from .backend import Backend
+from .checks import Checks
+from .config import SimConfig, SimConfigError
+from .events import EventLoop
+from .faults import FaultInjector
+from .node import SimNode, Task
+from .report import JoinReturn, NodeStats, RoundStat, SimReport, SimViolation
 
 __all__ = [
     "JoinReturn",

@@ -5,8 +5,8 @@ completed rounds' timings (:class:`Checks`)."""
 
 from __future__ import annotations
 
-from ..core import Done, Membership, NodeDesc, RendezvousState, Settings
-from .invariants import (
+from ...core import Done, Membership, NodeDesc, RendezvousState, Settings
+from ..model.invariants import (
     AgreementTracker,
     RoundResult,
     check_budget,
@@ -16,11 +16,11 @@ from .invariants import (
     check_state,
     check_transition,
 )
-from .lifecycle import Phase
-from .sim_config import SimConfig
-from .sim_events import EventLoop
-from .sim_node import SimNode
-from .sim_report import JoinReturn, RoundStat
+from ..model.lifecycle import Phase
+from .config import SimConfig
+from .events import EventLoop
+from .node import SimNode
+from .report import JoinReturn, RoundStat
 
 __all__ = ["Checks"]
 
