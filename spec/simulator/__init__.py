@@ -132,7 +132,7 @@ from typing import Any
 from ...core import NodeDesc, NodeInstruction, RendezvousState
 from ...core.codec import EncodedSize
 from .agent import AGENT_EVENTS, SimAgent
-from .backend import Backend
+from .backend import Backend, StateChange
 from .checks import Checks
 from .config import SimConfig, SimConfigError
 from .events import EventLoop
@@ -288,13 +288,7 @@ class Simulator:
 
     # -- injection (the conformance tests) ---------------------------------------
 
-    def inject_write(
-        self,
-        at: float,
-        change: Callable[[RendezvousState], RendezvousState | None],
-        *,
-        race: bool = False,
-    ) -> None:
+    def inject_write(self, at: float, change: StateChange, *, race: bool = False) -> None:
         """See :meth:`.Backend.inject_write`."""
         self.backend.inject_write(at, change, race=race)
 

@@ -17,7 +17,10 @@ from .checks import Checks
 from .events import EventLoop
 from .node import SimNode
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "StateChange"]
+
+#: An injected write: the stored state -> the state to store (None: write nothing).
+StateChange = Callable[[RendezvousState], RendezvousState | None]
 
 
 def _key_bytes(node: NodeDesc) -> int:
@@ -60,7 +63,7 @@ class Backend:
         #: phase watches: the phase watched -> {slot: watch token}
         self._watching: dict[int, dict[int, int]] = {}
         #: injected writes waiting for the next compare-and-set (inject_write(race=True))
-        self._races: list[Callable[[RendezvousState], RendezvousState | None]] = []
+        self._races: list[StateChange] = []
         self.size = EncodedSize(self.state)
         #: bytes of the side counters of the state's heartbeat members
         self.counter_bytes = 0
@@ -243,13 +246,7 @@ class Backend:
 
     # -- injection (the conformance tests) ---------------------------------------
 
-    def inject_write(
-        self,
-        at: float,
-        change: Callable[[RendezvousState], RendezvousState | None],
-        *,
-        race: bool = False,
-    ) -> None:
+    def inject_write(self, at: float, change: StateChange, *, race: bool = False) -> None:
         """At simulated time ``at``, a writer that is not simulated replaces the
         stored state with ``change(state)`` (None: writes nothing). The write is
         committed like a node's: checked, versioned, and its phase published if it
@@ -281,7 +278,7 @@ class Backend:
         else:
             self._inject_write(payload)
 
-    def _inject_write(self, change: Callable[[RendezvousState], RendezvousState | None]) -> None:
+    def _inject_write(self, change: StateChange) -> None:
         old = self.state
         new = change(old)
         if new is None:
