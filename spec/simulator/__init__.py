@@ -194,6 +194,8 @@ class Simulator:
         for kind in AGENT_EVENTS:
             self.loop.on(kind, self._to_agent(kind))
         self.faults = FaultInjector(self.loop, self.agents, self.settings)
+        # The random numbers are drawn in one order (every slot's clock, then each
+        # slot's arrival and first faults), so that a seed replays a run exactly.
         for node in self.nodes:
             self.loop.at(self.loop.rng.uniform(0.0, config.arrival_spread), "arrive", node.slot)
             self.faults.schedule_faults(node)

@@ -261,6 +261,8 @@ class SimAgent:
             self.loop.at(node.global_time(due), "tick", node.slot, node.ticks, due)
 
     def on_tick(self, due: float) -> None:
+        """A training timer is due (local time ``due``): fence if the lease ran
+        out, else queue the heartbeat or monitor pass it is for."""
         node = self.node
         if node.phase is Phase.TRAINING and node.core.must_fence(due):
             # The agent's lease check: its workers stop, and it rejoins (it cannot
@@ -378,6 +380,8 @@ class SimAgent:
         node.core.feed(WaitResult(), node.local(self.loop.now))
 
     def on_notify(self, data: Any) -> None:
+        """A phase above the watched one was published: a Wait or the
+        monitor's wait ends."""
         node = self.node
         node.watch_q = None
         self.stats.notifications += 1
@@ -392,6 +396,8 @@ class SimAgent:
     # -- results coming back -------------------------------------------------------------
 
     def on_response(self, data: Any) -> None:
+        """The backend answered the request in flight: feed the result to the
+        core (a lost compare-and-set backs off first) and drive on."""
         node = self.node
         now = node.local(self.loop.now)
         what = data[0]
@@ -418,9 +424,11 @@ class SimAgent:
         self.drive()
 
     def on_retry(self, data: Any) -> None:
+        """The backoff after a lost compare-and-set is over: decide again."""
         self.drive()
 
     def on_wake(self, data: Any) -> None:
+        """A Wait's timer ran out before any notification."""
         node = self.node
         if not node.waiting:
             return
@@ -428,6 +436,7 @@ class SimAgent:
         self.drive()
 
     def on_request_timeout(self, data: Any) -> None:
+        """The request in flight was lost (the node is partitioned)."""
         node = self.node
         self.stats.timeouts += 1
         self.loop.log(node, "request timed out")
