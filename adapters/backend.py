@@ -17,16 +17,13 @@ Contract (docs/backends.md is the checklist; the suite
   match. ``get_state`` and ``set_state`` raise ``RendezvousStateError`` for a stored
   value the backend cannot read (c10d, etcd: a value it did not write) and
   ``RendezvousConnectionError`` when the backend cannot be reached.
-* ``wait_for_change(token, timeout)`` blocks until the state differs from the one
-  ``token`` names, or ``timeout`` seconds pass; returns True if it saw a change.
-  It may return early (spuriously); callers re-read either way.
 * ``set_state(blob, token, phase=p)`` also moves the rendezvous to *phase* ``p`` (a
   non-negative number that only grows, chosen by the caller; the core bumps it by
   exactly 1 whenever something a waiting node cares about changes). After a won
   write the backend publishes ``p``; a lost write publishes nothing.
   ``wait_for_phase(q, timeout)`` blocks until a phase greater than ``q`` was
-  published, or ``timeout`` seconds pass; True if one was. Like
-  ``wait_for_change`` it may return early. Waiters wait for the phase instead of
+  published, or ``timeout`` seconds pass; True if one was. It may return early
+  (spuriously); callers re-read either way. Waiters wait for the phase instead of
   any write, so a write that changes nothing they care about wakes nobody
   (docs/design.md, decision 8: cost per node flat in n).
 * ``announce(round, entry)`` appends ``entry`` (opaque bytes without ``b"\\n"``)
@@ -160,10 +157,6 @@ class RendezvousBackend(Protocol):
         the write lost (the caller re-reads). With ``phase``, a won write publishes
         that phase number (see :meth:`wait_for_phase`). A token the backend did not
         hand out loses (as any token that does not match)."""
-        ...
-
-    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
-        """Block until the state moves past ``token`` or ``timeout`` seconds pass."""
         ...
 
     def wait_for_phase(self, phase: int, timeout: float) -> bool:
@@ -314,20 +307,7 @@ class MemoryBackend(BackendBase):
             if phase is not None and phase > self._phase:
                 self._phase = phase
                 self._phase_cond.notify_all()
-            self._cond.notify_all()
             return self._blob, self._version, True
-
-    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
-        seen = 0 if token is None else token
-        deadline = time.monotonic() + max(0.0, timeout)
-        with self._cond:
-            self._count()
-            while self._version == seen and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return self._version != seen
 
     def wait_for_phase(self, phase: int, timeout: float) -> bool:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -369,5 +349,4 @@ class MemoryBackend(BackendBase):
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
             self._phase_cond.notify_all()

@@ -229,39 +229,6 @@ class BackendContract:
         state = make().get_state()
         assert state is not None and int(state[0]) == 4 * wins_each
 
-    def test_wait_times_out_without_a_change(self, make: Make) -> None:
-        a = make()
-        _, token = _won(a.set_state(b"one", None))
-        assert a.wait_for_change(token, 0.05) is False
-
-    def test_wait_returns_at_once_for_a_stale_token(self, make: Make) -> None:
-        a = make()
-        _, t1 = _won(a.set_state(b"one", None))
-        _won(a.set_state(b"two", t1))
-        assert a.wait_for_change(t1, 30.0) is True
-
-    @pytest.mark.parametrize("created", [False, True])
-    def test_wait_wakes_on_another_clients_write(self, make: Make, created: bool) -> None:
-        a, b = make(), make()
-        token = _won(a.set_state(b"one", None))[1] if created else None
-        started = threading.Event()
-
-        def write() -> None:
-            started.wait(10)
-            b.set_state(b"two", token)
-
-        writer = threading.Thread(target=write)
-        writer.start()
-        started.set()
-        try:
-            # Generous timeout: the call returns as soon as the write lands; a
-            # False here means the notification never came.
-            assert a.wait_for_change(token, 30.0) is True
-        finally:
-            _join(writer)
-        state = a.get_state()
-        assert state is not None and state[0] == b"two"
-
     # -- side counters (heartbeats) -------------------------------------------------
 
     def test_heartbeats_count_per_node(self, make: Make) -> None:

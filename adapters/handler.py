@@ -59,6 +59,7 @@ from ..core import (
     NodeDesc,
     Operator,
     Settings,
+    keep_alive_period,
 )
 from ..core import errors as core_errors
 from ..core.codec import encode_shared_settings, shared_settings_differences
@@ -460,10 +461,8 @@ class RallypointHandler(RendezvousHandler):
         self._hb_thread.start()
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
-        # The driver decides when a beat is due (an interval after this node's
-        # counter last moved): wake a little more often than that.
         settings = self._settings
-        while not stop.wait(settings.keep_alive_interval / 4):
+        while not stop.wait(keep_alive_period(settings)):
             try:
                 deadline = self._sync.now() + settings.heartbeat_timeout
                 self._sync.run(KeepAliveOp(), deadline, fresh=True)

@@ -107,6 +107,7 @@ from .node import (
     Unreachable,
     WaitResult,
     WriteResult,
+    keep_alive_period,
 )
 from .operators import (
     JOIN_TABLE,
@@ -197,6 +198,7 @@ __all__ = [
     "heartbeat_of",
     "join_row",
     "keep_alive_due",
+    "keep_alive_period",
     "monitor",
     "observe",
     "observe_own",

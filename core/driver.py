@@ -38,8 +38,8 @@ The rules that make the loop safe and cheap, decided here and nowhere else:
   further joiners to an open round do not wake anybody;
 * joiners are admitted in batches: a node that lost a compare-and-set announces
   itself in the round's intent log, and whoever writes an admission next admits,
-  in node order, every logged joiner (and waiting node) with the decision the
-  join operator makes for that node;
+  in node order, every logged joiner (a waiting node only by its own entry) with
+  the decision the join operator makes for that node;
 * a join that returns on a round whose rank 0 was declared dead meanwhile cannot
   bootstrap its workers: :attr:`Done.rejoin` tells the caller to leave it and join
   the next round.
@@ -47,31 +47,36 @@ The rules that make the loop safe and cheap, decided here and nowhere else:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import ast
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from immutables import Map
 
-from . import actions as _actions
+from . import operators as _operators
 from .actions import _RESETTING_DEADLINE, _TERMINAL, Action, _apply, apply
+from .inlining import inlining
 from .liveness import (
-    _SIDE_MASK,
-    SIDE_BITS,
     _fence_due,
+    _last_call_seen,
+    _none_expired,
     _observe_sightings,
     _oldest,
+    _own_read,
     _own_renewed,
     heartbeat_of,
     sanitize,
 )
 from .operators import (
+    _JOIN_FORMS,
     ExitOp,
     JoinOp,
     Operator,
     _beat_due,
+    _CompiledTable,
     _exit_answer,
-    _join_answer,
+    _generated,
     _wake_at,
     everyone_back,
 )
@@ -86,6 +91,7 @@ from .state import (
 )
 
 __all__ = [
+    "PHASE_PARTS",
     "Announce",
     "Beat",
     "Decision",
@@ -118,9 +124,9 @@ _SYNC = Action.SYNC
 _KEEP_ALIVE = Action.KEEP_ALIVE
 _FINISH = Action.FINISH
 #: ``_built(Cls, (every field, in order))``: a named tuple made without the
-#: Python-level ``__new__`` that calling the class runs. The paths taken on every
-#: step build their views, instructions and decisions this way
-#: (tests/test_core_speedups.py pins the field orders they rely on).
+#: Python-level ``__new__`` that calling the class runs. Each of Write, Wait,
+#: Done, Membership and Decision is built in exactly one place of the driver,
+#: this way (tests/core/test_driver.py pins the field orders they rely on).
 _built = tuple.__new__
 
 
@@ -376,12 +382,7 @@ def _dead_removed(
     return sanitized, dead
 
 
-# The after_* functions run once per read or write of every node: they set the
-# fields that moved, and apply liveness's rules for the own and last-call sightings
-# (_own_read, _own_renewed, _last_call_seen) inline: tests/test_core_speedups.py
-# checks the views they make against the same rules applied to whole Observations.
-
-
+@inlining(_own_read, _last_call_seen, heartbeat_of)
 def after_read(
     view: NodeView,
     node: NodeDesc,
@@ -399,26 +400,8 @@ def after_read(
         view.since = now
     if counters is not None:
         _read_counters(view, node, state, counters, now)
-    # (_own_read, inlined)
-    counter = state.heartbeats.get(node)
-    own = view.own
-    if counter is None:
-        view.own = None
-    else:
-        side = view.counters
-        pair = (counter << SIDE_BITS) | ((side.get(node, 0) if side else 0) & _SIDE_MASK)
-        if own is None:
-            view.own = _built(HeartbeatSighting, (pair, now))
-        elif own.counter != pair:
-            view.own = _built(HeartbeatSighting, (pair, own.since))
-    # (_last_call_seen, inlined)
-    arming = state.last_call
-    if arming is None:
-        view.last_call = None
-    else:
-        seen = view.last_call
-        if seen is None or seen.arming != arming or seen.round != state.round:
-            view.last_call = _built(LastCallSighting, (state.round, arming, now))
+    view.own = _own_read(view.own, state.heartbeats.get(node), view.counters.get(node, 0), now)
+    view.last_call = _last_call_seen(view.last_call, state, now)
     view.state = state
     view.stale = False
     if intents is None:
@@ -453,6 +436,7 @@ def _read_counters(
     view.counters_at = now
 
 
+@inlining(_own_read, _own_renewed, _last_call_seen, heartbeat_of)
 def after_write(
     view: NodeView,
     node: NodeDesc,
@@ -474,30 +458,14 @@ def after_write(
     old = view.state.heartbeats
     beats = stored.heartbeats
     mine = beats.get(node)
-    own = view.own
-    if mine is None:
-        view.own = None
+    side = view.counters.get(node, 0)
+    # (the view's own heartbeats: the own counter did not move)
+    if won and mine is not None and beats is not old and mine != old.get(node):
+        at = now if started is None else started
+        view.own = _own_renewed(view.own, heartbeat_of(mine, side), at)
     else:
-        side = view.counters
-        pair = (mine << SIDE_BITS) | ((side.get(node, 0) if side else 0) & _SIDE_MASK)
-        # (the view's own heartbeats: the own counter did not move)
-        if won and beats is not old and mine != old.get(node):
-            # (_own_renewed, inlined)
-            at = now if started is None else started
-            if own is not None and own.since > at and own.counter == pair:
-                at = own.since  # already recorded by a later renewal
-            view.own = _built(HeartbeatSighting, (pair, at))
-        elif own is None:  # (_own_read, inlined)
-            view.own = _built(HeartbeatSighting, (pair, now))
-        elif own.counter != pair:
-            view.own = _built(HeartbeatSighting, (pair, own.since))
-    arming = stored.last_call
-    if arming is None:
-        view.last_call = None
-    else:
-        seen = view.last_call
-        if seen is None or seen.arming != arming or seen.round != stored.round:
-            view.last_call = _built(LastCallSighting, (stored.round, arming, now))
+        view.own = _own_read(view.own, mine, side, now)
+    view.last_call = _last_call_seen(view.last_call, stored, now)
     view.state = stored
     view.stale = False
     view.intents = None
@@ -568,10 +536,69 @@ def after_wait(view: NodeView) -> NodeView:
 # -- phases --------------------------------------------------------------------------
 
 
+#: Everything in a state that a node waiting on it (a joiner whose operator
+#: answered SYNC, a redundant or waiting node, an agent monitoring its round) may
+#: decide on, one expression over ``state`` and ``settings`` a part: a write that
+#: changes any part publishes a new phase and wakes them (see :func:`phase_of`).
+PHASE_PARTS: tuple[str, ...] = (
+    "state.round",
+    "state.complete",
+    "state.closed",
+    "state.last_call",
+    "len(state.participants) >= settings.max_nodes",
+    "bool(state.wait_list)",
+    # Only the first departure from a complete round matters to its monitors
+    # (they regroup); counting every one would wake everybody per exit.
+    "state.complete and len(state.participants) < state.world_size",
+    # A regroup whose last returning node arrived (or was found gone) completes
+    # without its last call: its participants must see it.
+    "not state.complete and everyone_back(state)",
+)
+
+_PhaseOf = Callable[[RendezvousState, Settings], tuple[object, ...]]
+_SamePhase = Callable[[RendezvousState, RendezvousState, Settings], bool]
+
+
+class _StateAs(ast.NodeTransformer):
+    """Renames ``state`` in a part to the state it is read from."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(self.name, node.ctx) if node.id == "state" else node
+
+
+def _compile_phase(parts: tuple[str, ...]) -> tuple[_PhaseOf, _SamePhase]:
+    """``parts`` as two functions: the phase of a state (the tuple of its parts),
+    and whether two states have the same phase (part by part, ending at the first
+    difference: no tuples built, run on every write)."""
+
+    def of(name: str, part: str) -> str:
+        return ast.unparse(_StateAs(name).visit(ast.parse(part, mode="eval")))
+
+    source = "def phase_of(state, settings):\n    return (" + "".join(f"{p}, " for p in parts)
+    source += ")\n\ndef same_phase(a, b, settings):\n"
+    for part in parts:
+        source += f"    if ({of('a', part)}) != ({of('b', part)}):\n        return False\n"
+    source += "    return True\n"
+    rules = _generated(source, "<PHASE_PARTS>", {"everyone_back": everyone_back})
+    return rules["phase_of"], rules["same_phase"]
+
+
+_PHASE_FORMS: _CompiledTable[tuple[str, ...], tuple[_PhaseOf, _SamePhase]] = _CompiledTable(
+    _compile_phase
+)
+
+
+def _phase_rules() -> tuple[_PhaseOf, _SamePhase]:
+    """The compiled :data:`PHASE_PARTS` in force."""
+    return _PHASE_FORMS.of(PHASE_PARTS)
+
+
 def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
-    """Everything in ``state`` that a node waiting on it (a joiner whose operator
-    answered SYNC, a redundant or waiting node, an agent monitoring its round) may
-    decide on; a write that changes it publishes a new phase and wakes them.
+    """The parts of ``state`` (:data:`PHASE_PARTS`) that a node waiting on it may
+    decide on; a write that changes them publishes a new phase and wakes them.
 
     The participant count of an open round is left out on purpose: between
     min_nodes (the last call arms) and max_nodes (the round completes) it changes no
@@ -581,44 +608,10 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
     complete round only "someone left" counts, not how many: one phase per regroup,
     not one per exit.
     """
-    complete = state.complete
-    return (
-        state.round,
-        complete,
-        state.closed,
-        state.last_call,
-        len(state.participants) >= settings.max_nodes,
-        bool(state.wait_list),
-        # Only the first departure from a complete round matters to its monitors
-        # (they regroup); counting every one would wake everybody per exit.
-        complete and len(state.participants) < state.world_size,
-        # A regroup whose last returning node arrived (or was found gone)
-        # completes without its last call: its participants must see it.
-        everyone_back(state),
-    )
+    return _phase_rules()[0](state, settings)
 
 
-_PHASE_OF_AS_DEFINED = phase_of
-_EFFECTS_AS_DEFINED = _actions._EFFECTS
-
-
-def _same_phase(a: RendezvousState, b: RendezvousState, max_nodes: int) -> bool:
-    """``phase_of(a, settings) == phase_of(b, settings)``, compared field by field
-    with no tuples built, and ending at the first difference (run on every write;
-    tests/test_core_speedups.py checks that both agree)."""
-    if a.round != b.round or a.complete != b.complete or a.closed != b.closed:
-        return False
-    if a.last_call != b.last_call or bool(a.wait_list) != bool(b.wait_list):
-        return False
-    in_a = len(a.participants)
-    in_b = len(b.participants)
-    if (in_a >= max_nodes) != (in_b >= max_nodes):
-        return False
-    # (complete is the same in both here; only a complete round counts departures,
-    # only an open one can have everyone back)
-    if a.complete:
-        return (in_a < a.world_size) == (in_b < b.world_size)
-    return everyone_back(a) == everyone_back(b)
+_phase_rules()  # (parts that do not compile fail the import)
 
 
 def _phased(
@@ -631,25 +624,15 @@ def _phased(
     admitted: tuple[NodeDesc, ...] = (),
     made: bool = False,
 ) -> Write:
-    """A write of ``new`` over ``base`` (set its phase; say whether to publish it).
-
-    ``made``: ``new`` was made for this write by the effects as defined, and
-    nobody else has seen it yet, so a new phase is set in it instead of in a copy.
-    """
-    if (
-        _same_phase(new, base, settings.max_nodes)
-        if phase_of is _PHASE_OF_AS_DEFINED
-        # A phase_of swapped in (the checker's mutation tests do) is called as given.
-        else phase_of(new, settings) == phase_of(base, settings)
-    ):
-        return _built(Write, (new, action, dead, None, deadline, admitted))
-    phase = base.phase + 1
-    if made:
-        new.__dict__["phase"] = phase  # (no hash is cached in a state just made)
-    else:
-        fields = new._fields()
-        fields["phase"] = phase
-        new = RendezvousState._of(fields)
+    """A write of ``new`` over ``base``, publishing a new phase if it changes
+    :data:`PHASE_PARTS`. ``made``: ``new`` was made for this write and nobody else
+    holds it (see :meth:`RendezvousState._phase_set`)."""
+    phase = None
+    forms = _PHASE_FORMS
+    same_phase = (forms.form if PHASE_PARTS is forms.table else _phase_rules())[1]
+    if not same_phase(new, base, settings):
+        phase = base.phase + 1
+        new = new._phase_set(phase) if made else new._derive({"phase": phase})
     return _built(Write, (new, action, dead, phase, deadline, admitted))
 
 
@@ -767,60 +750,6 @@ def admission_stages(
     return stages
 
 
-def decide(
-    view: NodeView,
-    node: NodeDesc,
-    settings: Settings,
-    op: Operator,
-    deadline: float,
-    now: float,
-) -> Instruction:
-    """The next instruction of ``node`` running ``op`` (with ``deadline``) at
-    local time ``now``. What it was decided on is recorded in ``view`` (see
-    :meth:`Decision.of`); nothing else in the view changes."""
-    state = view.state
-    # (_counters_due, inlined: asked before every decision)
-    counters_at = view.counters_at
-    last = view.since if counters_at is None else counters_at
-    if last is not None and now - last > settings.liveness_window / 2:
-        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
-        return _READ_COUNTERS
-    if view.stale:
-        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
-        return _READ
-    oldest = view.peers_oldest
-    if oldest is None or now - oldest <= settings.liveness_window:
-        # sanitize's own first test, made here: no peer's sighting is old enough
-        # for it to be dead (nearly every decision; a node never declares itself).
-        sanitized, dead = state, _NOBODY
-    else:
-        sanitized, dead = _dead_removed(view, settings, now, node)
-        if _must_reread(view, dead, settings, now):
-            view.decided_action, view.decided_on, view.declared_dead = None, sanitized, _NOBODY
-            return _READ_COUNTERS
-    # The join and exit operators answer from the context's fields: no Context is
-    # built for them (an operator of another type, a subclass included, gets one).
-    own = view.own
-    kind = type(op)
-    if kind is JoinOp:
-        action = _join_answer(node, sanitized, settings, now, own, view.last_call, deadline)
-    elif kind is ExitOp:
-        action = _exit_answer(node, sanitized, now, deadline)
-    else:
-        action = op(Context(node, sanitized, settings, now, view.observations(node)), deadline)
-    view.decided_action, view.decided_on, view.declared_dead = action, sanitized, dead
-    if action is _SYNC or action in _TERMINAL:
-        return _no_write(view, node, settings, op, action, sanitized, dead, deadline, now)
-    if not dead and (
-        (action is _KEEP_ALIVE and node in state.heartbeats)
-        or _beat_due(node, state, settings, now, own)
-    ):
-        # A member beats when its keep-alive is due, also before another write: a
-        # node that keeps losing compare-and-sets must not look dead meanwhile.
-        return _BEAT
-    return _write(view, node, settings, op, action, sanitized, dead, now)
-
-
 def _write(
     view: NodeView,
     node: NodeDesc,
@@ -851,9 +780,8 @@ def _write(
             return Read(_counters_due(view, settings, now), intents=True)
         new, admitted = _admit_batch(view, node, settings, op, new, now)
     reset = now + settings.join_timeout if action in _RESETTING_DEADLINE else None
-    # (An effect swapped in by a test may hand back a state others hold.)
-    made = _actions._EFFECTS is _EFFECTS_AS_DEFINED
-    return _phased(new, state, settings, action, dead, reset, admitted, made)
+    # An effect returns its input or a state it made for this call.
+    return _phased(new, state, settings, action, dead, reset, admitted, new is not sanitized)
 
 
 def _no_write(
@@ -896,15 +824,72 @@ def _no_write(
 
 
 def _done(node: NodeDesc, op: Operator, action: Action, state: RendezvousState) -> Done:
-    if action is not _FINISH or not isinstance(op, JoinOp):
-        return _built(Done, (action, state, None, False))
-    ranks = state.participants
-    joined = _built(Membership, (state.round, ranks[node], state.world_size, ranks))
-    # The round completed, but its rank-0 node was declared dead before this node
-    # saw it complete: nobody can host the workers' store for it. (While nobody has
-    # left, ranks are exactly 0..world-1: no scan.)
-    rejoin = len(ranks) != state.world_size and 0 not in set(ranks.values())
+    joined = None
+    rejoin = False
+    if action is _FINISH and isinstance(op, JoinOp):
+        ranks = state.participants
+        joined = _built(Membership, (state.round, ranks[node], state.world_size, ranks))
+        # The round completed, but its rank-0 node was declared dead before this
+        # node saw it complete: nobody can host the workers' store for it. (While
+        # nobody has left, ranks are exactly 0..world-1: no scan.)
+        rejoin = len(ranks) != state.world_size and 0 not in set(ranks.values())
     return _built(Done, (action, state, joined, rejoin))
+
+
+# The steps of a decision are inlined into it: a call costs about as much as a
+# small step (see core/inlining.py).
+@inlining(_counters_due, _none_expired, _exit_answer, _write, _no_write, _phased)
+def decide(
+    view: NodeView,
+    node: NodeDesc,
+    settings: Settings,
+    op: Operator,
+    deadline: float,
+    now: float,
+) -> Instruction:
+    """The next instruction of ``node`` running ``op`` (with ``deadline``) at
+    local time ``now``. What it was decided on is recorded in ``view`` (see
+    :meth:`Decision.of`); nothing else in the view changes."""
+    state = view.state
+    if _counters_due(view, settings, now):
+        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
+        return _READ_COUNTERS
+    if view.stale:
+        view.decided_action, view.decided_on, view.declared_dead = None, state, _NOBODY
+        return _READ
+    if _none_expired(view.peers_oldest, settings, now):
+        # No peer's sighting is old enough for it to be dead (nearly every
+        # decision; a node never declares itself): nothing to judge.
+        sanitized, dead = state, _NOBODY
+    else:
+        sanitized, dead = _dead_removed(view, settings, now, node)
+        if _must_reread(view, dead, settings, now):
+            view.decided_action, view.decided_on, view.declared_dead = None, sanitized, _NOBODY
+            return _READ_COUNTERS
+    # The join and exit operators answer from the context's fields: no Context is
+    # built for them (an operator of another type, a subclass included, gets one).
+    own = view.own
+    kind = type(op)
+    if kind is JoinOp:
+        forms = _JOIN_FORMS
+        table = _operators.JOIN_TABLE
+        decision = forms.form if table is forms.table else forms.of(table)
+        action = decision(node, sanitized, settings, now, own, view.last_call, deadline).action
+    elif kind is ExitOp:
+        action = _exit_answer(node, sanitized, now, deadline)
+    else:
+        action = op(Context(node, sanitized, settings, now, view.observations(node)), deadline)
+    view.decided_action, view.decided_on, view.declared_dead = action, sanitized, dead
+    if action is _SYNC or action in _TERMINAL:
+        return _no_write(view, node, settings, op, action, sanitized, dead, deadline, now)
+    if not dead and (
+        (action is _KEEP_ALIVE and node in state.heartbeats)
+        or _beat_due(node, state, settings, now, own)
+    ):
+        # A member beats when its keep-alive is due, also before another write: a
+        # node that keeps losing compare-and-sets must not look dead meanwhile.
+        return _BEAT
+    return _write(view, node, settings, op, action, sanitized, dead, now)
 
 
 def monitor(

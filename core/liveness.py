@@ -51,9 +51,6 @@ __all__ = [
 SIDE_BITS = 32
 _SIDE_MASK = (1 << SIDE_BITS) - 1
 _NOBODY: frozenset[NodeDesc] = frozenset()
-#: A named tuple from all its fields, without the Python-level ``__new__`` that
-#: calling the class runs (sightings are renewed on nearly every read and write).
-_built = tuple.__new__
 _since: Callable[[HeartbeatSighting], float] = operator.attrgetter("since")
 #: Observations made here (see Observations._derived), the class method bound once.
 _observations = Observations._derived
@@ -88,7 +85,7 @@ def _last_call_seen(
         return None
     if seen is not None and seen.arming == arming and seen.round == state.round:
         return seen
-    return _built(LastCallSighting, (state.round, arming, now))
+    return LastCallSighting(state.round, arming, now)
 
 
 def _own_read(
@@ -101,12 +98,12 @@ def _own_read(
     lease's start, since a read is no renewal (see :func:`renew_own`)."""
     if counter is None:
         return None
-    pair = (counter << SIDE_BITS) | (side_counter & _SIDE_MASK)  # heartbeat_of, inlined
+    pair = heartbeat_of(counter, side_counter)
     if own is None:
-        return _built(HeartbeatSighting, (pair, now))
+        return HeartbeatSighting(pair, now)
     if own.counter == pair:
         return own
-    return _built(HeartbeatSighting, (pair, own.since))
+    return HeartbeatSighting(pair, own.since)
 
 
 def _own_renewed(own: HeartbeatSighting | None, pair: int, started: float) -> HeartbeatSighting:
@@ -115,7 +112,7 @@ def _own_renewed(own: HeartbeatSighting | None, pair: int, started: float) -> He
     ``started`` (see :func:`renew_own`)."""
     if own is not None and own.since > started and own.counter == pair:
         started = own.since  # already recorded by a later renewal
-    return _built(HeartbeatSighting, (pair, started))
+    return HeartbeatSighting(pair, started)
 
 
 def _observe_sightings(
@@ -142,7 +139,7 @@ def _observe_sightings(
         if sighting is None or sighting.counter != value:
             if sighting is not None and sighting.since == oldest:
                 lost_oldest = True
-            mutable[node] = _built(HeartbeatSighting, (value, now))
+            mutable[node] = HeartbeatSighting(value, now)
             restarted = True
     dropped = False
     watched = len(counts) - (observer is not None and observer in counts)
@@ -160,6 +157,12 @@ def _observe_sightings(
         # Every other sighting is unchanged, and the new ones all start at now.
         oldest = now
     return updated, oldest
+
+
+def _none_expired(oldest: float | None, settings: Settings, now: float) -> bool:
+    """No sighting, the earliest of them taken at ``oldest`` (None: none), is
+    older than the liveness window: nobody can be declared dead yet."""
+    return oldest is None or now - oldest <= settings.liveness_window
 
 
 def _fence_due(own: HeartbeatSighting | None, settings: Settings, now: float) -> bool:
@@ -304,7 +307,7 @@ def observe_own(
     elif sighting is not None and sighting.counter == counter:
         own = sighting
     else:
-        own = _built(HeartbeatSighting, (counter, now))
+        own = HeartbeatSighting(counter, now)
     return _with_own(observations, node, own, observations.last_call)
 
 
@@ -325,10 +328,9 @@ def dead_nodes(
     (found by the simulator: a node removed during a partition rejoined, and a
     peer declared it dead again on the sighting of its old entry while it trained).
     """
-    window = settings.liveness_window
-    oldest = observations.oldest
-    if oldest is None or now - oldest <= window:
+    if _none_expired(observations.oldest, settings, now):
         return _NOBODY
+    window = settings.liveness_window
     seen = observations.heartbeats
     return frozenset(
         node
@@ -354,9 +356,6 @@ def sanitize(
     Call :func:`observe` first, so that every node has a sighting: a node never seen
     is never declared dead, and neither is the ``observer`` (see :func:`dead_nodes`).
     """
-    oldest = observations.oldest
-    if oldest is None or now - oldest <= settings.liveness_window:
-        return state, _NOBODY  # dead_nodes' own first test: no sighting is that old
     dead = dead_nodes(state, observations, settings, now, observer)
     if not dead:
         return state, dead

@@ -111,6 +111,7 @@ __all__ = [
     "Unreachable",
     "WaitResult",
     "WriteResult",
+    "keep_alive_period",
 ]
 
 
@@ -194,6 +195,17 @@ class Regroup(NamedTuple):
 
 
 NodeInstruction = Read | Write | Beat | Announce | Wait | Done | Verdict | Joined | Regroup
+
+
+def keep_alive_period(settings: Settings) -> float:
+    """How often a member runs :class:`~rallypoint.core.KeepAliveOp`: a quarter
+    keep-alive interval. The operator decides whether a beat is due (an interval
+    after the node's counter last moved); checking four times an interval sends a
+    due beat at most a quarter interval late, well inside the liveness window. Every
+    executor of a member (the node's own lifecycle, the torch handler's heartbeat
+    thread, the simulator's agents) keeps this one cadence."""
+    return settings.keep_alive_interval / 4
+
 
 # What the node is driving.
 _IDLE, _OPERATION, _WATCH = 0, 1, 2
@@ -462,7 +474,7 @@ class RendezvousNode:
         self.membership = self._joined = done.joined
         self._after = _MEMBER
         self.deadline = math.inf
-        self._beat_at = now + self.settings.keep_alive_interval / 4
+        self._beat_at = now + keep_alive_period(self.settings)
         self._watch_at = now + self._watch_interval
         self._watch_due = False
         return Joined(done.joined, done.state)
@@ -493,7 +505,7 @@ class RendezvousNode:
         if driver.must_fence(self.view, self.desc, self.settings, now):
             return self._regroup(frozenset(), 0, True, now)
         if now >= self._beat_at:
-            self._beat_at = now + self.settings.keep_alive_interval / 4
+            self._beat_at = now + keep_alive_period(self.settings)
             self._begin(KeepAliveOp(), now + self.settings.heartbeat_timeout, True)
             self._member_op = True
             return self.next(now)

@@ -16,8 +16,11 @@ a clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ast
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Generic, TypeAlias, TypeVar, cast
 
 from immutables import Map
 
@@ -27,25 +30,28 @@ from .state import (
     HeartbeatSighting,
     LastCallSighting,
     NodeDesc,
-    Observations,
     RendezvousState,
     Settings,
 )
 
 __all__ = [
+    "JOIN_FACTS",
     "JOIN_TABLE",
     "ChargeRestartOp",
     "CloseOp",
     "Context",
     "ExcludeOp",
     "ExitOp",
+    "JoinDecision",
     "JoinOp",
     "JoinRow",
     "KeepAliveOp",
     "LeaveOp",
     "Operator",
+    "compile_join_table",
     "everyone_back",
     "join_row",
+    "join_source",
     "keep_alive_due",
     "last_call_passed",
     "wake_at",
@@ -88,198 +94,294 @@ def _timed_out(ctx: Context, deadline: float) -> bool:
     return ctx.now > deadline
 
 
-def _within_rollback(ctx: Context, deadline: float) -> bool:
-    return ctx.now <= deadline + ctx.settings.rollback_period
-
-
-def _full(ctx: Context) -> bool:
-    return len(ctx.state.participants) >= ctx.settings.max_nodes
-
-
-def _quorum(ctx: Context) -> bool:
-    return ctx.settings.min_nodes <= len(ctx.state.participants) <= ctx.settings.max_nodes
+#: The facts the guards of :data:`JOIN_TABLE` are written in: each a Python
+#: expression over the fields one join decision reads, ``node``, ``state``,
+#: ``settings``, ``now``, ``deadline``, ``own`` (the node's sighting of its own
+#: heartbeat counter) and ``last_call`` (its sighting of the last call).
+JOIN_FACTS: Mapping[str, str] = MappingProxyType(
+    {
+        "closed": "state.closed",
+        "complete": "state.complete",
+        "participant": "node in state.participants",
+        "waiting": "node in state.wait_list",
+        # (an empty set is told apart without hashing the node)
+        "redundant": "bool(state.redundancy_list) and node in state.redundancy_list",
+        "excluded": "bool(state.excluded) and state.excluded.get(node, 0) > state.round",
+        "full": "len(state.participants) >= settings.max_nodes",
+        "quorum": "settings.min_nodes <= len(state.participants) <= settings.max_nodes",
+        "timed_out": "now > deadline",
+        "within_rollback": "now <= deadline + settings.rollback_period",
+        "keep_alive_due": "_beat_due(node, state, settings, now, own)",
+        "last_call_passed": "_last_call_over(state, settings, now, last_call)",
+        "everyone_back": "everyone_back(state)",
+    }
+)
 
 
 @dataclass(frozen=True)
 class JoinRow:
-    """One row of the join decision table: if ``guard(ctx, deadline)`` then ``action``."""
+    """One row of the join decision table: if ``guard`` holds then ``action``.
+
+    ``guard`` is a boolean expression (``and``, ``or``, ``not``, parentheses,
+    ``True``) over the names of :data:`JOIN_FACTS`."""
 
     name: str
-    guard: Callable[[Context, float], bool]
+    guard: str
     action: Action
 
 
 #: torch's join decision, top to bottom; the first row whose guard holds decides.
+#: This is what runs: :func:`compile_join_table` turns it into the decision
+#: function the driver calls (again whenever the table is replaced).
 JOIN_TABLE: tuple[JoinRow, ...] = (
     JoinRow(
         "closed while redundant: leave quietly",
-        lambda c, d: c.state.closed and c.is_redundant,
+        "closed and redundant",
         Action.ERROR_GRACEFUL_EXIT,
     ),
-    JoinRow("closed", lambda c, d: c.state.closed, Action.ERROR_CLOSED),
+    JoinRow("closed", "closed", Action.ERROR_CLOSED),
     JoinRow(
         "excluded: stand by as redundant",
-        lambda c, d: c.is_excluded and not (c.is_redundant or c.is_participant or c.is_waiting),
+        "excluded and not (redundant or participant or waiting)",
         Action.ADD_TO_REDUNDANCY_LIST,
     ),
     JoinRow(
         "redundant, round full or excluded, keep-alive due",
-        lambda c, d: c.is_redundant and (_full(c) or c.is_excluded) and keep_alive_due(c),
+        "redundant and (full or excluded) and keep_alive_due",
         Action.KEEP_ALIVE,
     ),
     JoinRow(
         "redundant, round full or excluded",
-        lambda c, d: c.is_redundant and (_full(c) or c.is_excluded),
+        "redundant and (full or excluded)",
         Action.SYNC,
     ),
     JoinRow(
         "redundant, round has room: become a regular joiner",
-        lambda c, d: c.is_redundant,
+        "redundant",
         Action.REMOVE_FROM_REDUNDANCY_LIST,
     ),
-    JoinRow(
-        "complete and a participant: done",
-        lambda c, d: c.state.complete and c.is_participant,
-        Action.FINISH,
-    ),
+    JoinRow("complete and a participant: done", "complete and participant", Action.FINISH),
     JoinRow(
         "timed out, within rollback, participant: withdraw",
-        lambda c, d: _timed_out(c, d) and _within_rollback(c, d) and c.is_participant,
+        "timed_out and within_rollback and participant",
         Action.REMOVE_FROM_PARTICIPANTS,
     ),
     JoinRow(
         "timed out, within rollback, waiting: withdraw",
-        lambda c, d: _timed_out(c, d) and _within_rollback(c, d) and c.is_waiting,
+        "timed_out and within_rollback and waiting",
         Action.REMOVE_FROM_WAIT_LIST,
     ),
-    JoinRow("timed out", _timed_out, Action.ERROR_TIMEOUT),
+    JoinRow("timed out", "timed_out", Action.ERROR_TIMEOUT),
     JoinRow(
         "complete with capacity: wait for the next round",
-        lambda c, d: c.state.complete and not _full(c) and not c.is_waiting,
+        "complete and not full and not waiting",
         Action.ADD_TO_WAIT_LIST,
     ),
     JoinRow(
         "complete and full: stand by as redundant",
-        lambda c, d: c.state.complete and _full(c) and not c.is_waiting,
+        "complete and full and not waiting",
         Action.ADD_TO_REDUNDANCY_LIST,
     ),
     JoinRow(
         "participant, quorum, last call passed: complete the round",
-        lambda c, d: (
-            not c.state.complete and c.is_participant and _quorum(c) and last_call_passed(c)
-        ),
+        "not complete and participant and quorum and last_call_passed",
         Action.MARK_RENDEZVOUS_COMPLETE,
     ),
     JoinRow(
         "participant, quorum, everyone expected back: complete the round",
-        lambda c, d: (
-            not c.state.complete and c.is_participant and _quorum(c) and everyone_back(c.state)
-        ),
+        "not complete and participant and quorum and everyone_back",
         Action.MARK_RENDEZVOUS_COMPLETE,
     ),
     JoinRow(
         "round open, not a participant: join",
-        lambda c, d: not c.state.complete and not c.is_participant,
+        "not complete and not participant",
         Action.ADD_TO_PARTICIPANTS,
     ),
-    JoinRow("keep-alive due", lambda c, d: keep_alive_due(c), Action.KEEP_ALIVE),
-    JoinRow("otherwise: wait for a change", lambda c, d: True, Action.SYNC),
+    JoinRow("keep-alive due", "keep_alive_due", Action.KEEP_ALIVE),
+    JoinRow("otherwise: wait for a change", "True", Action.SYNC),
 )
 
 
+#: A join decision: (node, state, settings, now, own, last_call, deadline) -> the
+#: deciding row (see :data:`JOIN_FACTS` for the fields).
+JoinDecision = Callable[
+    [
+        NodeDesc,
+        RendezvousState,
+        Settings,
+        float,
+        HeartbeatSighting | None,
+        LastCallSighting | None,
+        float,
+    ],
+    JoinRow,
+]
+
+# A guard parsed: a fact's name, True, or (op, operands) with op "not", "and", "or".
+_Formula: TypeAlias = "str | bool | tuple[str, tuple[_Formula, ...]]"
+
+
+def _parse_guard(row: JoinRow) -> _Formula:
+    if not isinstance(row.guard, str):
+        raise TypeError(f"join row {row.name!r}: a guard is an expression string over JOIN_FACTS")
+    try:
+        tree = ast.parse(row.guard, mode="eval").body
+    except SyntaxError as error:
+        raise ValueError(f"join row {row.name!r}: guard {row.guard!r}: {error.msg}") from None
+
+    def formula(node: ast.expr) -> _Formula:
+        if isinstance(node, ast.Name) and node.id in JOIN_FACTS:
+            return node.id
+        if isinstance(node, ast.Constant) and node.value is True:
+            return True
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return ("not", (formula(node.operand),))
+        if isinstance(node, ast.BoolOp):
+            op = "and" if isinstance(node.op, ast.And) else "or"
+            return (op, tuple(formula(value) for value in node.values))
+        raise ValueError(
+            f"join row {row.name!r}: {ast.unparse(node)!r} in its guard is not a fact "
+            f"of JOIN_FACTS, 'True', or and/or/not of them"
+        )
+
+    return formula(tree)
+
+
+def _evaluate(formula: _Formula, known: Mapping[str, bool]) -> bool | str:
+    """``formula``'s value under the facts ``known``, or the fact it reads next
+    (short-circuit order) when that one is not known yet."""
+    if isinstance(formula, bool):
+        return formula
+    if isinstance(formula, str):
+        return known.get(formula, formula)
+    op, operands = formula
+    if op == "not":
+        value = _evaluate(operands[0], known)
+        return value if isinstance(value, str) else not value
+    for operand in operands:
+        value = _evaluate(operand, known)
+        if isinstance(value, str) or value is (op == "or"):
+            return value
+    return op == "and"
+
+
+def _decision_tree(guards: tuple[_Formula, ...], first: int, known: dict[str, bool]) -> list[str]:
+    """The source lines that return the first row from ``first`` on whose guard
+    holds: each fact is evaluated when a guard first reads it, at most once (and
+    not at all where both of its outcomes lead to the same answer)."""
+    for index in range(first, len(guards)):
+        value = _evaluate(guards[index], known)
+        if value is True:
+            return [f"return _row_{index}"]
+        if isinstance(value, str):
+            holds = _decision_tree(guards, index, {**known, value: True})
+            fails = _decision_tree(guards, index, {**known, value: False})
+            if holds == fails:
+                return holds
+            return [
+                f"if {JOIN_FACTS[value]}:  # {value}",
+                *("    " + line for line in holds),
+                "else:",
+                *("    " + line for line in fails),
+            ]
+    return ["raise _no_row()"]
+
+
+def _no_row() -> AssertionError:
+    return AssertionError("no row of the join table holds: its last row must be 'True'")
+
+
+def join_source(table: tuple[JoinRow, ...]) -> str:
+    """The Python source of :func:`compile_join_table`'s decision function for
+    ``table`` (for reading and tracing what runs)."""
+    guards = tuple(_parse_guard(row) for row in table)
+    body = "".join(f"    {line}\n" for line in _decision_tree(guards, 0, {}))
+    return "def join_decision(node, state, settings, now, own, last_call, deadline):\n" + body
+
+
+def compile_join_table(table: tuple[JoinRow, ...]) -> JoinDecision:
+    """``table`` as a decision function: it returns the first row whose guard
+    holds, evaluating each fact once, when a guard first reads it, in the
+    table's order (the table walked, with every fact the guards share read once).
+
+    Raises:
+        ValueError: a guard is not an expression over :data:`JOIN_FACTS`.
+    """
+    namespace: dict[str, object] = {
+        "_beat_due": _beat_due,
+        "_last_call_over": _last_call_over,
+        "everyone_back": everyone_back,
+        "_no_row": _no_row,
+    }
+    namespace.update({f"_row_{index}": row for index, row in enumerate(table)})
+    decision: JoinDecision = _generated(join_source(table), "<JOIN_TABLE>", namespace)[
+        "join_decision"
+    ]
+    return decision
+
+
+def _generated(source: str, filename: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """``namespace`` with the definitions of ``source`` (generated from a table;
+    ``filename`` names the table in tracebacks) executed into it."""
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace
+
+
+_Table = TypeVar("_Table")
+_Form = TypeVar("_Form")
+
+
+class _CompiledTable(Generic[_Table, _Form]):
+    """The compiled form of a table in force: made by ``compile_table`` from the
+    table it is asked for, and made again whenever that is another object (an
+    edited table, a checker's planted bug), so that what runs is always the
+    table."""
+
+    def __init__(self, compile_table: Callable[[_Table], _Form]) -> None:
+        self._compile = compile_table
+        #: the table last compiled (None: none yet), and its form: a caller on a hot
+        #: path may test ``table is forms.table`` and take ``forms.form`` with no call
+        self.table: _Table | None = None
+        self.form: _Form = cast(_Form, None)
+
+    def of(self, table: _Table) -> _Form:
+        if table is not self.table:
+            self.form = self._compile(table)
+            self.table = table
+        return self.form
+
+
+_JOIN_FORMS: _CompiledTable[tuple[JoinRow, ...], JoinDecision] = _CompiledTable(compile_join_table)
+
+
+def _compiled_join() -> JoinDecision:
+    """The decision function of the :data:`JOIN_TABLE` in force."""
+    return _JOIN_FORMS.of(JOIN_TABLE)
+
+
 def join_row(ctx: Context, deadline: float) -> JoinRow:
-    """The row of :data:`JOIN_TABLE` that decides for ``ctx`` (for tests and tracing)."""
-    for row in JOIN_TABLE:
-        if row.guard(ctx, deadline):
-            return row
-    raise AssertionError("the last row of JOIN_TABLE always matches")  # pragma: no cover
+    """The row of :data:`JOIN_TABLE` that decides for ``ctx``."""
+    seen = ctx.observations
+    own = seen.heartbeats.get(ctx.node)
+    return _compiled_join()(
+        ctx.node, ctx.state, ctx.settings, ctx.now, own, seen.last_call, deadline
+    )
 
 
-_JOIN_TABLE_AS_DEFINED = JOIN_TABLE
 # A member read off its enum class goes through EnumType's __getattr__ hook, several
 # times the cost of a global: the operators, run on every step, return these.
-_ERROR_GRACEFUL_EXIT = Action.ERROR_GRACEFUL_EXIT
-_ERROR_CLOSED = Action.ERROR_CLOSED
+_ERROR_TIMEOUT = Action.ERROR_TIMEOUT
 _KEEP_ALIVE = Action.KEEP_ALIVE
-_SYNC = Action.SYNC
-_REMOVE_FROM_REDUNDANCY_LIST = Action.REMOVE_FROM_REDUNDANCY_LIST
 _FINISH = Action.FINISH
 _REMOVE_FROM_PARTICIPANTS = Action.REMOVE_FROM_PARTICIPANTS
-_REMOVE_FROM_WAIT_LIST = Action.REMOVE_FROM_WAIT_LIST
-_ERROR_TIMEOUT = Action.ERROR_TIMEOUT
-_ADD_TO_REDUNDANCY_LIST = Action.ADD_TO_REDUNDANCY_LIST
-_ADD_TO_WAIT_LIST = Action.ADD_TO_WAIT_LIST
-_ADD_TO_PARTICIPANTS = Action.ADD_TO_PARTICIPANTS
-_MARK_RENDEZVOUS_COMPLETE = Action.MARK_RENDEZVOUS_COMPLETE
 
 
 class JoinOp:
     """Join the next round: become a participant and wait until the round completes."""
 
     def __call__(self, ctx: Context, deadline: float) -> Action:
-        """:data:`JOIN_TABLE`'s answer (see :func:`_join_answer`)."""
-        seen = ctx.observations
-        sighting = seen.heartbeats.get(ctx.node)
-        return _join_answer(
-            ctx.node, ctx.state, ctx.settings, ctx.now, sighting, seen.last_call, deadline
-        )
-
-
-def _join_answer(
-    node: NodeDesc,
-    state: RendezvousState,
-    settings: Settings,
-    now: float,
-    sighting: HeartbeatSighting | None,
-    last_call: LastCallSighting | None,
-    deadline: float,
-) -> Action:
-    """:data:`JOIN_TABLE`'s answer for the context of these fields, reached without
-    walking it: the same rows in the same order, with each fact the guards share
-    read once instead of once per row (tests/test_core_speedups.py checks that both
-    agree). ``sighting`` is the deciding node's sighting of its own counter and
-    ``last_call`` the last-call sighting (the two sightings the table reads). The
-    driver calls it with the fields, building no :class:`Context`."""
-    if JOIN_TABLE is not _JOIN_TABLE_AS_DEFINED:
-        # A table swapped in (the checker's mutation tests do) is walked as given.
-        beats = Map() if sighting is None else Map({node: sighting})
-        seen = Observations(heartbeats=beats, last_call=last_call)
-        return join_row(Context(node, state, settings, now, seen), deadline).action
-    # (An empty set is told apart without hashing the node.)
-    redundancy = state.redundancy_list
-    redundant = node in redundancy if redundancy else False
-    if state.closed:
-        return _ERROR_GRACEFUL_EXIT if redundant else _ERROR_CLOSED
-    participants = state.participants
-    full = len(participants) >= settings.max_nodes
-    participant = node in participants
-    excluded = bool(state.excluded) and state.excluded.get(node, 0) > state.round
-    if excluded and not (redundant or participant or node in state.wait_list):
-        return _ADD_TO_REDUNDANCY_LIST
-    if redundant:
-        if full or excluded:
-            return _KEEP_ALIVE if _beat_due(node, state, settings, now, sighting) else _SYNC
-        return _REMOVE_FROM_REDUNDANCY_LIST
-    complete = state.complete
-    if complete and participant:
-        return _FINISH
-    if now > deadline:
-        if now <= deadline + settings.rollback_period:
-            if participant:
-                return _REMOVE_FROM_PARTICIPANTS
-            if node in state.wait_list:
-                return _REMOVE_FROM_WAIT_LIST
-        return _ERROR_TIMEOUT
-    if complete:
-        if node not in state.wait_list:
-            return _ADD_TO_REDUNDANCY_LIST if full else _ADD_TO_WAIT_LIST
-    elif not participant:
-        return _ADD_TO_PARTICIPANTS
-    elif settings.min_nodes <= len(participants) <= settings.max_nodes and (
-        _last_call_over(state, settings, now, last_call) or everyone_back(state)
-    ):
-        return _MARK_RENDEZVOUS_COMPLETE
-    return _KEEP_ALIVE if _beat_due(node, state, settings, now, sighting) else _SYNC
+        """:data:`JOIN_TABLE`'s answer."""
+        return join_row(ctx, deadline).action
 
 
 def _beat_due(
@@ -447,3 +549,6 @@ def _wake_at(
         if at > now and (earliest is None or at < earliest):
             earliest = at
     return earliest
+
+
+_compiled_join()  # (a table that does not compile fails the import)

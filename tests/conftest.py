@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos.cluster import Cluster
+from helpers.cluster import Cluster
 
 from rallypoint.adapters.etcd.server import (
     EtcdCluster,

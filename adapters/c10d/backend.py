@@ -11,9 +11,6 @@ key                   value
                       C10dRendezvousBackend); the writer's random nonce makes two
                       writes of the same blob distinguishable, so a writer knows it
                       won only if its own value is stored.
-``v/<version>``       set (empty) right after the write that produced ``version``
-                      won: a waiter that read version n blocks in
-                      ``store.wait(["v/<n+1>"])`` and wakes the moment it exists.
 ``p/<phase>``         set (empty) right after a won write that moved the
                       rendezvous to ``phase``: a waiter that read phase q blocks
                       in ``store.wait(["p/<q+1>"])``. The core bumps the phase by
@@ -190,13 +187,13 @@ class C10dBackend(BackendBase):
     def set_state(
         self, state: bytes, token: Token | None = None, phase: int | None = None
     ) -> tuple[bytes, Token, bool] | None:
-        """Compare-and-set the state; after a won write set ``v/<version>`` and,
-        with ``phase``, ``p/<phase>``, which wake the waiters.
+        """Compare-and-set the state; after a won write with ``phase``, set
+        ``p/<phase>``, which wakes the waiters.
 
-        Those keys are set after the CAS, not atomically with it: a writer that
-        dies in between leaves the waiters to their poll fallback (the state
-        itself is written; the next reader sees it), or, for the phase, to the
-        next phase-changing write, which sets ``p/<phase - 1>`` again.
+        That key is set after the CAS, not atomically with it: a writer that dies
+        in between leaves the waiters to their poll fallback (the state itself is
+        written; the next reader sees it) or to the next phase-changing write,
+        which sets ``p/<phase - 1>`` again.
 
         A ``token`` this backend never hands out (not the bytes of a stored
         value) cannot match the stored one: the write loses and the stored state
@@ -224,27 +221,22 @@ class C10dBackend(BackendBase):
         current_version, blob = self._decode(current)
         won = current == desired
         if won:
-            self._notify(current_version, phase)
+            self._notify(phase)
         if current_version == 0:
             return None
         return blob, current, won
 
-    def _notify(self, version: int, phase: int | None) -> None:
+    def _notify(self, phase: int | None) -> None:
         if phase is None:
-            # torch's Store stub says str; the binding takes bytes.
-            self._call(lambda: self._store.set(self._vkey(version), b""), written=8)  # type: ignore[arg-type]
             return
-        # One round trip for both notifications. ``p/<phase - 1>`` again, too: it
-        # exists already unless the writer of that phase died between its CAS and
-        # its notification, and then setting it wakes the waiters it stranded.
-        keys = [self._vkey(version), self._pkey(phase)]
+        # ``p/<phase - 1>`` again, too, in the same round trip: it exists already
+        # unless the writer of that phase died between its CAS and its
+        # notification, and then setting it wakes the waiters it stranded.
+        keys = [self._pkey(phase)]
         if phase > 0:
             keys.append(self._pkey(phase - 1))
         store = cast(_ExtendedStore, self._store)
         self._call(lambda: store.multi_set(keys, [b""] * len(keys)), written=sum(map(len, keys)))
-
-    def _vkey(self, version: int) -> str:
-        return self.key(f"v/{version}")
 
     def _pkey(self, phase: int) -> str:
         return self.key(f"p/{phase}")
@@ -255,13 +247,6 @@ class C10dBackend(BackendBase):
             return None
         expected = bytes(token)
         return None if _version(expected) is None else expected
-
-    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
-        expected = _EMPTY if token is None else self._own_token(token)
-        if expected is None:
-            return True  # not a token of ours: whatever it named, re-read
-        version = self._decode(expected)[0]
-        return self._wait_for_key(self._vkey(version + 1), timeout)
 
     def wait_for_phase(self, phase: int, timeout: float) -> bool:
         """Block in ``store.wait(["p/<phase+1>"])``: phases grow by exactly 1 per

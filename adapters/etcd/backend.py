@@ -366,18 +366,6 @@ class EtcdBackend(BackendBase):
         self._read_bytes(len(stored))
         return self._unframe(bytes(stored)), int(meta.mod_revision), False
 
-    def wait_for_change(self, token: Token | None, timeout: float) -> bool:
-        if token is not None and not _is_revision(token):
-            return True  # not a token of ours: whatever it named, re-read
-        if token is None:
-            response = self.call(lambda c: c.get_response(self._key))
-            if response.count > 0:
-                return True
-            start = int(response.header.revision) + 1
-        else:
-            start = int(token) + 1
-        return self.watch(self._key, start, timeout)
-
     def _phase_of(self, value: bytes) -> int:
         text = bytes(value)
         if not text.isdigit():

@@ -94,7 +94,7 @@ The state space is made finite and small the way TLA+ specs do it:
   shared state, intent log and node-local state: what its checks read beyond
   those is read alike by a stored event, which is checked in every state.
 
-All of these are argued in docs/spec.md, and tests/test_spec_reductions.py
+All of these are argued in docs/spec.md, and tests/spec/test_reductions.py
 compares each new one with the search without it.
 
 Visited states are kept as 64-bit fingerprints (as TLC does), with a parent pointer,

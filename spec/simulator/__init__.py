@@ -40,9 +40,9 @@ What is simulated:
   first), except a join right after an exit, which decides on the exit's view (the
   handler's ``next_rendezvous``: exit, then join; again when ``Done.rejoin``).
   A node whose join returned trains, as the handler and the agent do: every
-  ``keep_alive_interval / 4`` of its own clock it runs the keep-alive operator on
-  its current view without re-reading (usually Done or a Beat at once); and the
-  agent's monitor loop waits for a phase above its view's (the handler's
+  ``keep_alive_period`` (a quarter keep-alive interval) of its own clock it runs
+  the keep-alive operator on its current view without re-reading (usually Done
+  or a Beat at once); and the agent's monitor loop waits for a phase above its view's (the handler's
   ``wait_for_change``) or ``monitor_interval``, whichever comes first, then reads
   the state with the counters and runs ``driver.monitor`` until a Verdict, and
   waits again; waiting nodes or lost participants make it re-rendezvous (exit,

@@ -39,6 +39,7 @@ from ...core import (
     WaitResult,
     Write,
     WriteResult,
+    keep_alive_period,
 )
 from ..model.lifecycle import Phase
 from .backend import Backend
@@ -211,7 +212,7 @@ class SimAgent:
         node.phase = Phase.TRAINING
         node.joined = joined
         node.task = None
-        node.next_beat = node.local(self.loop.now) + self.settings.keep_alive_interval / 4
+        node.next_beat = node.local(self.loop.now) + keep_alive_period(self.settings)
         self._monitor_wait()
 
     def _verdict(self, verdict: Verdict) -> bool:
@@ -274,7 +275,7 @@ class SimAgent:
             return
         if node.next_beat <= due:
             node.queued_beat = True
-            node.next_beat += self.settings.keep_alive_interval / 4
+            node.next_beat += keep_alive_period(self.settings)
         if node.next_monitor <= due and node.mwait:
             self._end_monitor_wait()
         self._schedule_tick()

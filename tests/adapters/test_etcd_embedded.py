@@ -1,0 +1,449 @@
+"""The embedded etcd (``etcd-embedded``): its options, and its members' lives.
+
+Unit tests: the member list and ``member`` option, the etcd command line (TLS for
+clients and peers), the quorum report. Integration tests (real etcd members on
+127.0.0.1 ports, in this process or a child): a 3-member rendezvous whose members
+stop and leave no data behind when the handlers close, a stale data directory
+removed at start, a SIGKILLed agent's member killed and its data removed by the
+watchdog, TLS between members and clients, and torchrun through the
+``rallypoint-etcd-embedded`` entry point. The chaos scenarios (node loss,
+replacement, majority loss) are in ``test_chaos_embedded.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from helpers.waiting import join_all
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from rallypoint.adapters import ConfigError, RallypointHandler, create_handler
+from rallypoint.adapters.config import EmbeddedEtcd, EtcdTLS, parse_params
+from rallypoint.adapters.etcd import EtcdServerError, find_etcd_binary, free_port
+from rallypoint.adapters.etcd.embedded import EmbeddedMember, member_name, quorum_report
+
+FAST = {
+    "keep_alive_interval": "0.5",
+    "keep_alive_max_attempt": "4",
+    "last_call_timeout": "0.3",
+    "join_timeout": "60",
+    "read_timeout": "20",
+}
+
+
+def _ports(count: int) -> list[int]:
+    """Client ports whose next port (the peer port) is free too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port >= 65535 or {port - 1, port, port + 1} & set(ports):
+            continue
+        try:
+            import socket
+
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        ports.append(port)
+    return ports
+
+
+def _params(endpoint: str, run_id: str, n: int, **conf: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        "etcd-embedded", endpoint, run_id, n, n, **{"local_addr": "127.0.0.1", **FAST, **conf}
+    )
+
+
+# --- options -------------------------------------------------------------------------
+
+
+def test_member_is_chosen_by_index_by_address_or_none() -> None:
+    endpoint = "127.0.0.1:23790,127.0.0.1:23792,127.0.0.1:23794"
+    by_index = parse_params(_params(endpoint, "r", 2, member="2")).embedded
+    assert by_index is not None and by_index.own == 2
+    assert by_index.members == (("127.0.0.1", 23790), ("127.0.0.1", 23792), ("127.0.0.1", 23794))
+    by_address = parse_params(_params(endpoint, "r", 2, member="127.0.0.1:23792")).embedded
+    assert by_address is not None and by_address.own == 1
+    client_only = parse_params(_params(endpoint, "r", 2, member="none")).embedded
+    assert client_only is not None and client_only.own is None
+
+
+def test_members_on_one_host_need_the_member_option() -> None:
+    with pytest.raises(ConfigError, match="member=INDEX"):
+        parse_params(_params("127.0.0.1:23790,127.0.0.1:23792", "r", 2))
+
+
+def test_the_member_on_this_host_is_found_by_its_address() -> None:
+    # 192.0.2.1 (TEST-NET) is no address of this host: this node runs member 0.
+    config = parse_params(_params("127.0.0.1:23790,192.0.2.1:23790", "r", 2)).embedded
+    assert config is not None and config.own == 0
+    assert config.data_dir  # a default: the temporary directory
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "member", "expected"),
+    [
+        ("127.0.0.1:23790,127.0.0.1:23791", "0", "next port is free"),
+        ("127.0.0.1:65535", "0", "next port is free"),
+        ("127.0.0.1:23790,127.0.0.1:23792", "2", "give the index"),
+        ("127.0.0.1:23790,127.0.0.1:23792", "127.0.0.1:1", "give the index"),
+    ],
+)
+def test_bad_member_lists_and_members_are_one_line_errors(
+    endpoint: str, member: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=expected) as caught:
+        parse_params(_params(endpoint, "r", 2, member=member))
+    assert "\n" not in str(caught.value)
+
+
+def test_the_embedded_etcd_has_no_users() -> None:
+    with pytest.raises(ConfigError, match="does not read it, so its connection"):
+        parse_params(_params("127.0.0.1:23790", "r", 1, member="0", user="u", password="p"))
+
+
+def test_member_options_belong_to_the_embedded_backend_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with pytest.raises(ConfigError, match="did you mean 'member'"):
+        parse_params(_params("127.0.0.1:23790", "r", 1, membr="0"))
+    plain = RendezvousParameters("etcd", "127.0.0.1:2379", "r", 1, 1, member="0")
+    with caplog.at_level("WARNING", logger="rallypoint.adapters.config"):
+        assert parse_params(plain).embedded is None
+    assert "member is ignored by the etcd backend" in caplog.text
+
+
+def _member(tls: EtcdTLS | None, own: int = 1) -> EmbeddedMember:
+    embedded = EmbeddedEtcd(
+        members=(("node-a", 2379), ("node-b", 2379), ("node-c", 2379)), own=own, data_dir="/d"
+    )
+
+    def no_connect(index: int) -> Any:
+        raise AssertionError("no client in this test")
+
+    return EmbeddedMember(embedded, "job", tls=tls, connect=no_connect, binary="etcd")
+
+
+def test_the_member_command_line_bootstraps_from_the_static_list() -> None:
+    member = _member(None)
+    argv = member._argv("a=http://node-a:2380", "new")
+    assert argv[0] == "etcd"
+    assert "--name=node-b-2379" in argv
+    assert "--listen-client-urls=http://node-b:2379" in argv
+    assert "--initial-advertise-peer-urls=http://node-b:2380" in argv
+    assert "--initial-cluster-state=new" in argv
+    assert "--initial-cluster-token=rallypoint-job" in argv
+    assert f"--data-dir={Path('/d') / 'rallypoint-etcd-job-node-b-2379'}" in argv
+    assert not any("cert" in arg for arg in argv)
+
+
+def test_the_member_serves_clients_and_peers_over_tls_with_the_tls_options() -> None:
+    member = _member(EtcdTLS(cacert="/ca.pem", cert="/node.pem", key="/node.key"))
+    argv = member._argv("x", "existing")
+    assert "--listen-client-urls=https://node-b:2379" in argv
+    assert "--initial-advertise-peer-urls=https://node-b:2380" in argv
+    for flag in ("--cert-file=/node.pem", "--peer-cert-file=/node.pem",
+                 "--peer-key-file=/node.key", "--client-cert-auth",
+                 "--peer-client-cert-auth", "--peer-trusted-ca-file=/ca.pem"):  # fmt: skip
+        assert flag in argv, flag
+
+
+def test_the_quorum_report_names_the_members_that_do_not_answer() -> None:
+    embedded = EmbeddedEtcd(members=(("h", 1), ("h", 3), ("h", 5)), own=None, data_dir="/d")
+
+    class Answers:
+        def status(self) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+    def connect(alive: set[int]) -> Any:
+        def make(index: int) -> Answers:
+            if index not in alive:
+                raise ConnectionError("refused")
+            return Answers()
+
+        return make
+
+    assert quorum_report(embedded, connect({0, 2})) is None
+    report = quorum_report(embedded, connect({2}))
+    assert report is not None
+    assert "h-1, h-3 do not answer" in report and "1 of 3 answers, 2 needed" in report
+
+
+def test_member_names_are_host_and_port() -> None:
+    assert member_name("node-a", 2379) == "node-a-2379"
+    assert member_name("::1", 2379) == "__1-2379"
+
+
+# --- real members ----------------------------------------------------------------
+
+
+@pytest.fixture
+def etcd_binary() -> str:
+    try:
+        return find_etcd_binary()
+    except EtcdServerError as exc:
+        pytest.skip(str(exc))
+
+
+def _etcd_processes(data_dir: Path) -> list[psutil.Process]:
+    """The members (and their watchdogs) keeping data under ``data_dir``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            mine = any(str(data_dir) in arg for arg in proc.cmdline())
+            if mine and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _eventually(predicate: Any, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def _make_all(params: list[RendezvousParameters]) -> list[RallypointHandler]:
+    """Create the handlers at once (each member waits for a quorum)."""
+    made: dict[int, RallypointHandler] = {}
+    errors: list[BaseException] = []
+
+    def make(index: int) -> None:
+        try:
+            made[index] = create_handler(params[index])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(len(params))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        for handler in made.values():
+            handler.close()
+        raise errors[0]
+    return [made[i] for i in range(len(params))]
+
+
+def _close_all(handlers: list[RallypointHandler]) -> None:
+    threads = [threading.Thread(target=h.close) for h in handlers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+
+@pytest.fixture
+def embedded_handlers() -> Iterator[list[RallypointHandler]]:
+    made: list[RallypointHandler] = []
+    yield made
+    _close_all(made)
+
+
+@pytest.mark.integration
+def test_three_members_rendezvous_then_stop_and_leave_nothing(
+    etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler]
+) -> None:
+    endpoint = ",".join(f"127.0.0.1:{p}" for p in _ports(3))
+    made = _make_all(
+        [_params(endpoint, "three", 3, member=str(i), data_dir=str(tmp_path)) for i in range(3)]
+    )
+    embedded_handlers.extend(made)
+    assert [p.name() for p in _etcd_processes(tmp_path)].count("etcd") == 3
+    infos = join_all(made, 120)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    by_rank = {i.rank: i for i in infos}
+    by_rank[0].store.set("k", b"v")
+    assert by_rank[2].store.get("k") == b"v"
+    started = time.monotonic()
+    _close_all(made)
+    embedded_handlers.clear()
+    # All three finish together: nobody waits out the linger.
+    assert time.monotonic() - started < 30
+    assert _eventually(lambda: not _etcd_processes(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.integration
+def test_a_member_that_starts_late_joins_the_running_cluster(
+    etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler]
+) -> None:
+    endpoint = ",".join(f"127.0.0.1:{p}" for p in _ports(3))
+    params = [_params(endpoint, "late", 3, member=str(i), data_dir=str(tmp_path)) for i in range(3)]
+    embedded_handlers.extend(_make_all(params[:2]))  # two of three: a quorum
+    late = create_handler(params[2])  # removes its never-started entry, adds itself anew
+    embedded_handlers.append(late)
+    states = sorted(
+        arg.split("=", 1)[1]
+        for proc in _etcd_processes(tmp_path)
+        for arg in proc.cmdline()
+        if arg.startswith("--initial-cluster-state=")
+    )
+    assert states == ["existing", "new", "new"]
+    infos = join_all(embedded_handlers, 120)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+
+
+@pytest.mark.integration
+def test_a_stale_data_dir_is_removed_at_start(
+    etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler]
+) -> None:
+    (port,) = _ports(1)
+    stale = tmp_path / f"rallypoint-etcd-stale-127.0.0.1-{port}"
+    (stale / "member").mkdir(parents=True)
+    (stale / "member" / "left-by-a-killed-agent").write_text("x")
+    handler = create_handler(
+        _params(f"127.0.0.1:{port}", "stale", 1, member="0", data_dir=str(tmp_path))
+    )
+    embedded_handlers.append(handler)
+    assert not (stale / "member" / "left-by-a-killed-agent").exists()
+    join_all([handler], 60)
+    handler.close()
+    embedded_handlers.clear()
+    assert list(tmp_path.iterdir()) == []
+
+
+_KILLED_AGENT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from rallypoint.adapters import create_handler
+    handler = create_handler(RendezvousParameters(
+        "etcd-embedded", sys.argv[1], "killed", 1, 1, local_addr="127.0.0.1",
+        member="0", data_dir=sys.argv[2], read_timeout="20"))
+    print("ready", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.integration
+def test_a_sigkilled_agents_member_dies_and_its_data_is_removed(
+    etcd_binary: str, tmp_path: Path
+) -> None:
+    (port,) = _ports(1)
+    agent = subprocess.run(
+        [sys.executable, "-c", _KILLED_AGENT, f"127.0.0.1:{port}", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        assert agent.returncode == -9 and "ready" in agent.stdout, agent.stderr
+        assert _eventually(lambda: not _etcd_processes(tmp_path)), _etcd_processes(tmp_path)
+        assert _eventually(lambda: not list(tmp_path.iterdir())), list(tmp_path.iterdir())
+    finally:
+        for proc in _etcd_processes(tmp_path):
+            proc.kill()
+
+
+def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and one certificate for 127.0.0.1 good for servers and clients (each
+    member is both)."""
+
+    def openssl(*args: str | Path) -> None:
+        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
+
+    ca, ca_key = directory / "ca.crt", directory / "ca.key"
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+            "-days", "1", "-subj", "/CN=rallypoint-test-ca")  # fmt: skip
+    key, csr, cert, ext = (directory / f"node.{s}" for s in ("key", "csr", "crt", "ext"))
+    ext.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+            "-subj", "/CN=node")  # fmt: skip
+    openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+            "-out", cert, "-days", "1", "-sha256", "-extfile", ext)  # fmt: skip
+    return ca, cert, key
+
+
+@pytest.mark.integration
+def test_members_and_clients_talk_tls(
+    etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler]
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl binary to make test certificates")
+    ca, cert, key = _tls_files(tmp_path)
+    data = tmp_path / "etcd"
+    data.mkdir()
+    endpoint = ",".join(f"https://127.0.0.1:{p}" for p in _ports(2))
+    tls = {"cacert": str(ca), "cert": str(cert), "key": str(key), "data_dir": str(data)}
+    made = _make_all([_params(endpoint, "tls", 2, member=str(i), **tls) for i in range(2)])
+    embedded_handlers.extend(made)
+    members = [p for p in _etcd_processes(data) if p.name() == "etcd"]
+    assert len(members) == 2
+    for proc in members:
+        assert "--peer-client-cert-auth" in proc.cmdline()
+    infos = join_all(made, 120)
+    assert sorted(i.rank for i in infos) == [0, 1]
+    _close_all(made)
+    embedded_handlers.clear()
+    assert _eventually(lambda: not _etcd_processes(data))
+    assert list(data.iterdir()) == []
+
+
+_TORCHRUN_SCRIPT = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+
+
+@pytest.mark.integration
+def test_torchrun_runs_on_the_embedded_etcd(etcd_binary: str, tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    data = tmp_path / "etcd"
+    data.mkdir()
+    endpoint = ",".join(f"127.0.0.1:{p}" for p in _ports(2))
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun is not None
+
+    def argv(member: int) -> list[str]:
+        return [
+            torchrun, "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "rallypoint-etcd-embedded", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", "torchrun-embedded", "--local-addr", "127.0.0.1",
+            "--rdzv-conf", f"member={member},data_dir={data},last_call_timeout=0.3",
+            str(script),
+        ]  # fmt: skip
+
+    nodes = [
+        subprocess.Popen(
+            argv(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=180)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert sorted(
+        line for out in outputs for line in out.splitlines() if line.startswith("rank ")
+    ) == [
+        "rank 0 of 2",
+        "rank 1 of 2",
+    ]
+    assert _eventually(lambda: not _etcd_processes(data))
+    assert list(data.iterdir()) == []

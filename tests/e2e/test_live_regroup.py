@@ -1,0 +1,317 @@
+"""Live regroup with real agents on 127.0.0.1 (``rallypoint run --live``).
+
+Each scenario trains ``tests/helpers/live_steps.py``, whose state (one parameter)
+holds k(k+1)/2 after k committed steps and is never written to disk. The
+training invariant checked after every scenario: every committed step carries the
+right value on every rank (no step lost or applied twice, every rank agrees), the
+committed steps of each process are consecutive within a round, the job reaches
+its last step, and a worker that started into a running job had the state before
+its first step (it can only have come from a peer). Surviving workers keep their
+processes: the test compares PIDs before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.cluster import Cluster, free_port, read_jsonl
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "helpers" / "live_steps.py")
+WAIT = 90.0
+STEPS = 2000
+STEP_TIME = 0.02
+#: a 2 s liveness window: a SIGKILLed node is declared dead quickly
+FAST = "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60,last_call_timeout=0.5"
+
+
+def _agent_args(
+    endpoint: str, run_id: str, nnodes: str, nproc: int, conf: str = FAST, *extra: str
+) -> list[str]:
+    return [
+        "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        "--local-addr", "127.0.0.1", "--monitor-interval", "0.05", "--stop-grace", "2",
+        "--live", "--live-timeout", "20", "--max-restarts", "3", "--rdzv-conf", conf, *extra,
+    ]  # fmt: skip
+
+
+def _train(cluster: Cluster, *extra: str) -> list[str]:
+    return [SCRIPT, str(cluster.dir), str(STEPS), str(STEP_TIME), *extra]
+
+
+def _records(cluster: Cluster) -> list[dict[str, Any]]:
+    return read_jsonl(cluster.dir / "records.jsonl")
+
+
+def _training_pids(cluster: Cluster, world: int, after_round: int = -1) -> dict[int, int] | None:
+    """rank -> pid of the workers that committed a step in the newest round after
+    ``after_round``, once that round has ``world`` ranks stepping; else None."""
+    by_round: dict[int, dict[int, int]] = defaultdict(dict)
+    for r in _records(cluster):
+        if r["event"] == "step" and r["round"] > after_round and r["world"] == world:
+            by_round[r["round"]][r["rank"]] = r["pid"]
+    for round_ in sorted(by_round, reverse=True):
+        if len(by_round[round_]) == world:
+            return by_round[round_]
+    return None
+
+
+def _newest_round(cluster: Cluster) -> int:
+    return max((r["round"] for r in _records(cluster) if r["event"] == "step"), default=-1)
+
+
+def _sprint(cluster: Cluster) -> None:
+    (cluster.dir / "sprint").touch()
+
+
+def _check_training(cluster: Cluster) -> list[dict[str, Any]]:
+    """The training invariant (module docstring); returns the newcomers' round records."""
+    records = _records(cluster)
+    steps = [r for r in records if r["event"] == "step"]
+    assert steps, "no step was committed"
+    for r in steps:
+        k = r["step"]
+        assert r["value"] == k * (k + 1) / 2, f"wrong state at step {k}: {r}"
+    assert max(r["step"] for r in steps) == STEPS
+    seen = {r["step"] for r in steps}
+    assert seen == set(range(1, STEPS + 1)), "a step was never committed"
+    by_process: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for r in steps:
+        by_process[(r["pid"], r["round"])].append(r["step"])
+    for (pid, round_), done in by_process.items():
+        assert done == list(range(done[0], done[0] + len(done))), (
+            f"process {pid} skipped steps in round {round_}"
+        )
+    first_round = min(r["round"] for r in records if r["event"] == "round")
+    newcomers = [r for r in records if r["event"] == "round" and r["round"] > first_round]
+    started_late = {r["pid"] for r in records if r["event"] == "start" and r["round"] > first_round}
+    joined = [r for r in newcomers if r["pid"] in started_late]
+    for r in joined:
+        assert r["value"] == r["step"] * (r["step"] + 1) / 2
+    done = [r for r in records if r["event"] == "done"]
+    assert done and all(r["step"] == STEPS for r in done)
+    return joined
+
+
+def _wait_training(cluster: Cluster, world: int, after_round: int = -1) -> dict[int, int]:
+    return cluster.wait_for(
+        lambda: _training_pids(cluster, world, after_round),
+        f"a round of {world} ranks training after round {after_round}",
+        WAIT,
+    )
+
+
+def _finish(cluster: Cluster, names: list[str]) -> None:
+    _sprint(cluster)
+    for name in names:
+        assert cluster.wait(name, WAIT) == 0, cluster.logs()
+    assert cluster.leftovers() == []
+
+
+def test_a_killed_worker_alone_is_started_again(cluster: Cluster) -> None:
+    """2 agents x 2 workers: SIGKILL one worker. Only it is started again; its
+    sibling and the other node's workers keep their processes and the state, and
+    the newcomer gets the state from a peer."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = _agent_args(endpoint, "live-crash", "2", 2)
+    for name in ("a", "b"):
+        cluster.start([*args, *_train(cluster)], name)
+    before = _wait_training(cluster, 4)
+    round_ = _newest_round(cluster)
+    victim_rank = 3
+    os.kill(before[victim_rank], signal.SIGKILL)
+    after = _wait_training(cluster, 4, round_)
+    assert after[victim_rank] != before[victim_rank]
+    for rank in (0, 1, 2):
+        assert after[rank] == before[rank], f"rank {rank}'s worker was restarted"
+    _finish(cluster, ["a", "b"])
+    joined = _check_training(cluster)
+    assert [r["pid"] for r in joined] == [after[victim_rank]]
+    assert joined[0]["step"] > 0, "the newcomer did not get the state from a peer"
+
+
+def test_a_leaving_node_costs_no_restart(cluster: Cluster) -> None:
+    """3 agents x 1 worker (--nnodes 2:3): SIGTERM one agent. It leaves; the two
+    survivors go on in a round of 2 with the same processes."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    host = _agent_args(endpoint, "live-leave", "2:3", 1, f"{FAST},is_host=true")
+    args = _agent_args(endpoint, "live-leave", "2:3", 1, f"{FAST},is_host=false")
+    cluster.start([*host, *_train(cluster)], "a")
+    for name in ("b", "c"):
+        cluster.start([*args, *_train(cluster)], name)
+    before = _wait_training(cluster, 3)
+    round_ = _newest_round(cluster)
+    leaver = "c"
+    (leaver_pid,) = {p.pid for p in cluster.tree(leaver)} & set(before.values())
+    cluster.stop(leaver, signal.SIGTERM)
+    after = _wait_training(cluster, 2, round_)
+    assert set(after.values()) == set(before.values()) - {leaver_pid}
+    assert cluster.wait(leaver, WAIT) == 128 + signal.SIGTERM
+    _finish(cluster, [n for n in ("a", "b", "c") if n != leaver])
+    assert _check_training(cluster) == []
+
+
+def test_a_lost_machine_is_regrouped_around_live(cluster: Cluster) -> None:
+    """3 agents x 1 worker (--nnodes 2:3, 2 s liveness window): SIGKILL an agent and
+    its worker. The survivors go on in a round of 2 with the same processes."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    host = _agent_args(endpoint, "live-sigkill", "2:3", 1, f"{FAST},is_host=true")
+    args = _agent_args(endpoint, "live-sigkill", "2:3", 1, f"{FAST},is_host=false")
+    cluster.start([*host, *_train(cluster)], "a")
+    for name in ("b", "c"):
+        cluster.start([*args, *_train(cluster)], name)
+    before = _wait_training(cluster, 3)
+    round_ = _newest_round(cluster)
+    victim_pids = {p.pid for p in cluster.tree("c")}
+    cluster.kill("c", machine=True)
+    after = _wait_training(cluster, 2, round_)
+    assert set(after.values()) == set(before.values()) - victim_pids
+    _finish(cluster, ["a", "b"])
+    assert _check_training(cluster) == []
+
+
+def test_a_spare_takes_a_lost_nodes_place_with_the_state_of_a_peer(cluster: Cluster) -> None:
+    """2 active agents and a spare (--nnodes 2:2): SIGKILL an active machine. The
+    spare's worker joins the running job and gets the state from the survivor."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    host = _agent_args(endpoint, "live-spare", "2:2", 1, f"{FAST},stable_ranks=1,is_host=true")
+    args = _agent_args(endpoint, "live-spare", "2:2", 1, f"{FAST},stable_ranks=1,is_host=false")
+    cluster.start([*host, *_train(cluster)], "a")
+    cluster.start([*args, *_train(cluster)], "b")
+    before = _wait_training(cluster, 2)
+    cluster.start([*args, *_train(cluster)], "spare")
+    time.sleep(1.0)  # the spare announces itself
+    round_ = _newest_round(cluster)
+    cluster.kill("b", machine=True)
+    after = _wait_training(cluster, 2, round_)
+    assert after[0] == before[0]
+    assert after[1] != before[1]
+    _finish(cluster, ["a", "spare"])
+    joined = _check_training(cluster)
+    assert [r["pid"] for r in joined] == [after[1]]
+    assert joined[0]["step"] > 0
+
+
+def test_a_node_joins_a_running_job_without_a_restart(cluster: Cluster) -> None:
+    """2 agents training (--nnodes 2:3); a third joins. The two keep their processes,
+    every rank switches at the same step, and the newcomer gets the state."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    host = _agent_args(endpoint, "live-join", "2:3", 1, f"{FAST},is_host=true")
+    args = _agent_args(endpoint, "live-join", "2:3", 1, f"{FAST},is_host=false")
+    cluster.start([*host, *_train(cluster)], "a")
+    cluster.start([*args, *_train(cluster)], "b")
+    before = _wait_training(cluster, 2)
+    round_ = _newest_round(cluster)
+    cluster.start([*args, *_train(cluster)], "c")
+    after = _wait_training(cluster, 3, round_)
+    assert set(before.values()) <= set(after.values())
+    _finish(cluster, ["a", "b", "c"])
+    joined = _check_training(cluster)
+    assert len(joined) == 1 and joined[0]["step"] > 0
+    last_old = max(
+        r["step"] for r in _records(cluster) if r["event"] == "step" and r["round"] == round_
+    )
+    first_new = {
+        r["pid"]: r["step"]
+        for r in reversed(_records(cluster))
+        if r["event"] == "round" and r["round"] > round_
+    }
+    assert set(first_new.values()) == {last_old}, "ranks left the old round at different steps"
+
+
+def test_a_worker_that_ignores_the_new_round_is_replaced_within_the_bound(
+    cluster: Cluster,
+) -> None:
+    """One agent x 2 workers, --live-timeout 3: local rank 0 stops calling into the
+    API at step 20 (a long local section), then local rank 1 is killed. The agent
+    hands the new round to rank 0, which does not take it; within the bound it is
+    stopped and started again, and the job finishes."""
+    args = [
+        "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05",
+        "--stop-grace", "1", "--live", "--live-timeout", "3", "--max-restarts", "3",
+        "--events-file", str(cluster.dir / "events.jsonl"),
+    ]  # fmt: skip
+    cluster.start([*args, *_train(cluster, "20")], "a")
+    records = cluster.wait_for(
+        lambda: [r for r in _records(cluster) if r["event"] == "step" and r["step"] >= 20],
+        "step 20",
+        WAIT,
+    )
+    pids = {r["rank"]: r["pid"] for r in records}
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    cluster.wait_for(lambda: not _alive(pids[0]), "the ignoring worker stopped", 3 + 10)
+    replaced_s = time.monotonic() - killed_at
+    assert replaced_s < 3 + 5, f"replaced after {replaced_s:.1f} s"
+    _sprint(cluster)
+    assert cluster.wait("a", WAIT) == 0, cluster.logs()
+    done = [r for r in _records(cluster) if r["event"] == "done"]
+    assert len(done) == 2 and all(r["step"] == STEPS for r in done)
+    assert cluster.leftovers() == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fp:
+            return fp.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_stalled_worker_counts_as_failed(cluster: Cluster) -> None:
+    """One agent x 2 workers, --progress-timeout 1: SIGSTOP a worker. It is stopped,
+    started again, gets the state from its sibling, and training goes on."""
+    args = [
+        "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05",
+        "--stop-grace", "1", "--live", "--progress-timeout", "1", "--max-restarts", "3",
+    ]  # fmt: skip
+    cluster.start([*args, *_train(cluster)], "a")
+    before = _wait_training(cluster, 2)
+    round_ = _newest_round(cluster)
+    os.kill(before[1], signal.SIGSTOP)
+    after = _wait_training(cluster, 2, round_)
+    assert after[0] == before[0] and after[1] != before[1]
+    _finish(cluster, ["a"])
+    joined = _check_training(cluster)
+    assert [r["pid"] for r in joined] == [after[1]] and joined[0]["step"] > 0
+
+
+def test_the_live_api_without_a_live_agent_runs_one_round(tmp_path: Path) -> None:
+    """Under a plain launch the script's rounds() yields once and the job finishes."""
+    import subprocess
+
+    out = tmp_path
+    proc = subprocess.run(
+        [sys.executable, "-m", "rallypoint.run", "--standalone", "--nproc-per-node", "2",
+         SCRIPT, str(out), "30", "0"],
+        capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert {r["round"] for r in records if r["event"] == "round"} == {0}
+    assert sorted(r["step"] for r in records if r["event"] == "done") == [30, 30]
+
+
+def test_the_gpu_check_runs_in_one_command() -> None:
+    """``python tests/helpers/gpu_check.py``: on a machine without CUDA it says it skipped and
+    exits 0; on a GPU machine its exit status counts the failed checks."""
+    import subprocess
+
+    check = Path(__file__).resolve().parents[1] / "helpers" / "gpu_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(check)], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("gpu_check: skipped") or " CUDA device(s): " in first

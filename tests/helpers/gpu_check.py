@@ -1,0 +1,165 @@
+"""The GPU checks of live regroup and the launcher: ``python tests/helpers/gpu_check.py``.
+
+Where no CUDA device is present it prints one line saying so and exits 0 (the
+test suite runs it that way too). On a GPU machine each check prints PASS or FAIL
+with what it saw, and the exit status is the number of failures:
+
+* ``launch``: ``rallypoint run --standalone --nproc-per-node gpu --live`` trains
+  examples/train.py with NCCL, rank 0 crashes once, and the job finishes;
+* ``abort``: in one process, an NCCL group is aborted and a new one formed and used
+  (what a live worker does when a round is lost);
+* ``live``: live_steps.py with NCCL, one worker SIGKILLed mid-run. With two or more
+  devices: its sibling keeps its process, aborts the lost round's communicator and
+  sends the state to the newcomer; with one device (NCCL refuses two ranks on one
+  GPU) the warm spare takes over and the job finishes;
+* ``health``: the pre-flight health check (matmul on the device, NCCL all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = [sys.executable, "-m", "rallypoint.run", "--standalone", "--nproc-per-node", "gpu"]
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def check_launch() -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory() as ckpt:
+        example = str(ROOT / "examples" / "train.py")
+        out = _run([*RUN, "--live", "--max-restarts", "2", example, "--steps", "600",
+                    "--crash-at-step", "255", "--checkpoint-dir", ckpt])  # fmt: skip
+    text = out.stdout + out.stderr
+    ok = out.returncode == 0 and "(nccl)" in text and "final loss" in text and "step 255" in text
+    lines = [line for line in out.stdout.splitlines() if "round" in line or "final" in line]
+    return ok, f"exit {out.returncode}; " + " | ".join(lines)[-600:]
+
+
+_ABORT = r"""
+import os, torch, torch.distributed as dist
+from datetime import timedelta
+os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+torch.cuda.set_device(0)
+for attempt, port in enumerate((29611, 29612)):
+    os.environ["MASTER_PORT"] = str(port)
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", timeout=timedelta(seconds=30), device_id=device)
+    t = torch.ones(4, device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    print(f"attempt {attempt}: all_reduce ok {t.tolist()}", flush=True)
+    dist.group.WORLD.abort()
+    dist.destroy_process_group()
+print("abort and re-form ok")
+"""
+
+
+def check_abort() -> tuple[bool, str]:
+    out = _run([sys.executable, "-c", _ABORT], timeout=120)
+    return out.returncode == 0 and "re-form ok" in out.stdout, (out.stdout + out.stderr)[-600:]
+
+
+def check_live(devices: int) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp)
+        env = dict(os.environ, LIVE_STEPS_BACKEND="nccl")
+        agent = subprocess.Popen(
+            [*RUN, "--live", "--max-restarts", "2", "--monitor-interval", "0.05",
+             str(ROOT / "tests" / "helpers" / "live_steps.py"), str(out_dir), "3000", "0.005"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        records = out_dir / "records.jsonl"
+
+        def read() -> list[dict[str, object]]:
+            if not records.exists():
+                return []
+            return [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
+
+        try:
+            deadline = time.monotonic() + 180
+            while not any(r["event"] == "step" and int(r["step"]) > 200 for r in read()):  # type: ignore[call-overload]
+                if time.monotonic() > deadline or agent.poll() is not None:
+                    return False, "no training: " + (agent.stdout.read() if agent.stdout else "")[
+                        -800:
+                    ]
+                time.sleep(0.1)
+            steps = [r for r in read() if r["event"] == "step"]
+            victim = max(steps, key=lambda r: (r["rank"], r["time"]))  # type: ignore[arg-type]
+            sibling_pid = next((r["pid"] for r in steps if r["rank"] == 0), None)
+            os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+            (out_dir / "sprint").touch()
+            code = agent.wait(timeout=240)
+            text = agent.stdout.read() if agent.stdout else ""
+        finally:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        recs = read()
+        steps = [r for r in recs if r["event"] == "step"]
+        wrong = [r for r in steps if r["value"] != r["step"] * (r["step"] + 1) / 2]  # type: ignore[operator]
+        rounds = [r for r in recs if r["event"] == "round" and r["round"] != 0]
+        done = [r for r in recs if r["event"] == "done"]
+        later = [(r["rank"], r["step"]) for r in rounds]
+        detail = f"exit {code}; later rounds {later}; done {len(done)}; wrong values {len(wrong)}"
+        ok = code == 0 and not wrong and bool(done)
+        if devices >= 2:
+            newcomer = [r for r in rounds if r["pid"] == victim["pid"]]
+            kept = any(r["pid"] == sibling_pid for r in rounds)
+            got_state = any(int(r["step"]) > 0 for r in rounds if r["pid"] != sibling_pid)  # type: ignore[call-overload]
+            ok = ok and kept and got_state and not newcomer
+            detail += f"; sibling kept {kept}; newcomer got state {got_state}"
+        return ok, detail + " | " + text[-300:].replace("\n", " / ")
+
+
+def check_health() -> tuple[bool, str]:
+    out = _run([*RUN, "--health-check", "-m", "json.tool", "--help"], timeout=240)
+    return out.returncode == 0, f"exit {out.returncode}; " + (out.stderr[-300:]).replace(
+        "\n", " / "
+    )
+
+
+def main() -> int:
+    try:
+        import torch
+    except ImportError:
+        print("gpu_check: skipped (torch is not installed)")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_check: skipped (no CUDA device)")
+        return 0
+    devices = torch.cuda.device_count()
+    name = torch.cuda.get_device_name(0)
+    print(f"gpu_check: {devices} CUDA device(s): {name}, torch {torch.__version__}")
+    failures = 0
+    for name, check in (
+        ("launch", check_launch),
+        ("abort", check_abort),
+        ("live", lambda: check_live(devices)),
+        ("health", check_health),
+    ):
+        started = time.monotonic()
+        try:
+            ok, detail = check()
+        except Exception as exc:  # a check that breaks is a failed check, reported
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        failures += not ok
+        print(
+            f"{'PASS' if ok else 'FAIL'} {name} ({time.monotonic() - started:.1f} s): {detail}",
+            flush=True,
+        )
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(main())
