@@ -1,13 +1,24 @@
 """rallypoint.spec: the formal model and the tools that hold the core to it.
 
-* :mod:`rallypoint.spec.lifecycle` -- the words for a node's lifecycle (phases, states);
-* :mod:`rallypoint.spec.model` -- one node's lifecycle as a ``transitions`` machine;
-* :mod:`rallypoint.spec.invariants` -- the safety properties of docs/design.md;
-* :mod:`rallypoint.spec.check` -- an exhaustive model checker of the real core (its
-  parts are the ``check_*`` modules);
-* :mod:`rallypoint.spec.simulator` -- a deterministic many-node simulator (its
-  parts are the ``sim_*`` modules);
-* :mod:`rallypoint.spec.strategies` -- hypothesis strategies for your own properties.
+Its sub-packages, in the order a newcomer reads them:
+
+1. :mod:`rallypoint.spec.model` -- what must hold: the words for a node's lifecycle
+   (:mod:`~rallypoint.spec.model.lifecycle`: phases, states), one node's lifecycle
+   as a ``transitions`` machine (:mod:`~rallypoint.spec.model.machine`), and the
+   safety properties of docs/design.md (:mod:`~rallypoint.spec.model.invariants`);
+2. :mod:`rallypoint.spec.check` -- an exhaustive model checker of the real core for
+   a few nodes (the package puts it together; its modules: ``state``, ``steps``
+   with ``core_steps``, ``conformance`` and ``properties``, ``symmetry``,
+   ``search``, ``wire``, ``trace``);
+3. :mod:`rallypoint.spec.simulator` -- a deterministic many-node simulator (the
+   package wires its parts together: ``config``, ``report``, ``node``, then
+   ``events``, ``checks``, ``backend``, ``agent``, ``faults``);
+4. :mod:`rallypoint.spec.strategies` -- hypothesis strategies for your own
+   properties.
+
+Beside them: :mod:`rallypoint.spec.options` (the range checks the checker's and the
+simulator's configs share) and :mod:`rallypoint.spec.cli` (``rallypoint spec
+check|diagram``, ``rallypoint simulate``, ``python -m rallypoint.spec``).
 
 Simulations in your own hypothesis tests take the names below from here::
 

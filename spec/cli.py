@@ -183,7 +183,7 @@ def _diagram(out: Path, *, source_only: bool) -> int:
     if problem is not None:
         print(f"{prog}: {problem}", file=sys.stderr)
         return 2
-    from .model import ModelUnavailableError, diagram_source, write_diagram
+    from .model.machine import ModelUnavailableError, diagram_source, write_diagram
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

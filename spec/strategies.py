@@ -61,7 +61,7 @@ def rendezvous_settings(draw: st.DrawFn, max_nodes: int = 8) -> Settings:
 def rendezvous_states(draw: st.DrawFn, settings: Settings | None = None) -> RendezvousState:
     """Shared states, as stored (the state's own heartbeat counters; side counters
     live beside it on the backend), that satisfy
-    :func:`rallypoint.spec.invariants.check_state`. A complete round's ranks are
+    :func:`rallypoint.spec.model.invariants.check_state`. A complete round's ranks are
     any permutation of 0..n-1 (the stable-ranks option can give any); ``phase``
     and ``intent_cursor`` take any small value. Some redundant nodes (and nodes
     in no list) may be excluded, and some restarts charged (within the budget,

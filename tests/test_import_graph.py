@@ -32,7 +32,7 @@ LEAVES = (
     "rallypoint.agent.errors",
     "rallypoint.agent._reaper",
     "rallypoint.agent.live_channel",
-    "rallypoint.spec.lifecycle",
+    "rallypoint.spec.model.lifecycle",
 )
 
 Graph = Mapping[str, frozenset[str]]

@@ -4,7 +4,7 @@ Every state the protocol can reach, changed in one to three places the way a bug
 partial write or an attacker would change it (a field replaced, an entry dropped,
 duplicated, moved to another list or renumbered, a node added without its heartbeat):
 whatever ``decode_state`` accepts satisfies the safety properties
-(:func:`rallypoint.spec.invariants.check_state`) and can make progress; whatever it
+(:func:`rallypoint.spec.model.invariants.check_state`) and can make progress; whatever it
 rejects raises ``RendezvousStateError`` (any other exception fails the test).
 """
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from rallypoint.core import RendezvousState, RendezvousStateError, decode_state, encode_state
 from rallypoint.core import Settings as RendezvousSettings
-from rallypoint.spec.invariants import check_state
+from rallypoint.spec.model.invariants import check_state
 
 _LISTS = ("p", "w", "r", "hb", "lr")
 _FIELDS = ("round", "complete", "closed", "world", "lc", "lcs", "hs", "ph", "ic", "v")

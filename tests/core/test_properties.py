@@ -22,7 +22,7 @@ from rallypoint.core import (
     observe,
     sanitize,
 )
-from rallypoint.spec.invariants import check_state, check_transition
+from rallypoint.spec.model.invariants import check_state, check_transition
 
 _NODES_OPS = st.tuples(st.integers(0, 4), st.sampled_from([JoinOp(), ExitOp(), KeepAliveOp()]))
 

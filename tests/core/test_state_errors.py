@@ -45,7 +45,7 @@ from rallypoint.core import (
 )
 from rallypoint.core import errors as core_errors
 from rallypoint.core.codec import encode_shared_settings, shared_settings_differences
-from rallypoint.spec.invariants import check_state
+from rallypoint.spec.model.invariants import check_state
 
 #: real processes, servers or sockets: `make test-fast` leaves these out
 pytestmark = pytest.mark.integration

@@ -46,8 +46,8 @@ from rallypoint.spec.check import (
     relabel,
 )
 from rallypoint.spec.cli import spec_main
-from rallypoint.spec.invariants import check_admissions, check_removal_published
-from rallypoint.spec.lifecycle import Lifecycle
+from rallypoint.spec.model.invariants import check_admissions, check_removal_published
+from rallypoint.spec.model.lifecycle import Lifecycle
 
 #: Three nodes, every round, no crashes or close: the full space in seconds.
 SMALL = CheckConfig(nodes=3, max_crashes=0, allow_close=False)

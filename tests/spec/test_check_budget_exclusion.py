@@ -28,7 +28,7 @@ from rallypoint.spec.check import (
     relabel,
 )
 from rallypoint.spec.cli import simulate_main, spec_main
-from rallypoint.spec.invariants import check_state, check_transition
+from rallypoint.spec.model.invariants import check_state, check_transition
 from rallypoint.spec.simulator import SimConfig, SimConfigError, Simulator, simulate
 
 #: Two nodes, one of whose workers may fail twice, with a budget of one restart:
@@ -446,10 +446,11 @@ def test_the_simulator_checks_the_new_fields_on_writes_it_checks_by_entry() -> N
     sim = Simulator(SimConfig(nodes=300, check_every=10_000))
     a = NodeDesc("x", 1, 0)
     before = RendezvousState(round=1, restarts=2, charged_through=1, excluded={a: 3})
-    assert sim._check_touched(before, before.evolve(restarts=1), (a,))
-    assert sim._check_touched(before, before.evolve(participants={a: 0}, heartbeats={a: 1}), (a,))
-    assert sim._check_touched(before, before.evolve(excluded={}), (a,))
-    assert not sim._check_touched(before, before.evolve(restarts=3, charged_through=2), (a,))
+    assert sim.checks.check_touched(before, before.evolve(restarts=1), (a,))
+    joined = before.evolve(participants={a: 0}, heartbeats={a: 1})
+    assert sim.checks.check_touched(before, joined, (a,))
+    assert sim.checks.check_touched(before, before.evolve(excluded={}), (a,))
+    assert not sim.checks.check_touched(before, before.evolve(restarts=3, charged_through=2), (a,))
     # and over several writes, several failures may be counted
     after = before.evolve(round=2, restarts=4, charged_through=3)
     assert check_transition(before, after) and not check_transition(before, after, steps=2)

@@ -13,8 +13,16 @@ import pytest
 import rich.console
 
 from rallypoint.core import driver
-from rallypoint.spec import check_core, check_steps, check_symmetry, cli
-from rallypoint.spec.check import CheckConfig, CheckerConfigError, CheckerWorkerError, check
+from rallypoint.spec import cli
+from rallypoint.spec.check import (
+    CheckConfig,
+    CheckerConfigError,
+    CheckerWorkerError,
+    check,
+    core_steps,
+    steps,
+    symmetry,
+)
 from rallypoint.spec.cli import spec_main
 
 #: Two nodes, every round, a crash and close: the full space in about a second.
@@ -116,7 +124,7 @@ def test_memos_cleared_at_every_few_entries_search_the_same_space(
     """The memo tables are bounds on memory only: cleared whenever they hold 20
     entries, they give the same states, transitions and depth."""
     full = check(TWO)
-    for module in (check_core, check_steps, check_symmetry):
+    for module in (core_steps, steps, symmetry):
         monkeypatch.setattr(module, "CACHE_LIMIT", 20)
     cleared = check(TWO)
     assert cleared.ok and cleared.complete

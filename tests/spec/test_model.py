@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rallypoint.core import NodeDesc, Observations, RendezvousState, Settings
 from rallypoint.core.state import HeartbeatSighting, LastCallSighting
-from rallypoint.spec.model import (
+from rallypoint.spec.model.machine import (
     LOCAL_PHASES,
     MODEL_STATES,
     MODEL_TRANSITIONS,

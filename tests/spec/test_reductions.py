@@ -37,13 +37,13 @@ from helpers.checker_plants import (
 
 from rallypoint.core import NodeDesc, RendezvousState, actions, operators
 from rallypoint.core.actions import Action
-from rallypoint.spec import check_steps
 from rallypoint.spec.check import CheckConfig, Checker, CheckResult, Global, check
-from rallypoint.spec.check_search import Search
-from rallypoint.spec.check_state import Age, Deadline, Local, Op, Timers
-from rallypoint.spec.check_symmetry import Symmetry, relabel
-from rallypoint.spec.lifecycle import Lifecycle, Phase
-from rallypoint.spec.model import Guards, LifecycleModel, View, built
+from rallypoint.spec.check.search import Search
+from rallypoint.spec.check.state import Age, Deadline, Local, Op, Timers
+from rallypoint.spec.check.steps import Plan, Steps
+from rallypoint.spec.check.symmetry import Symmetry, relabel
+from rallypoint.spec.model.lifecycle import Lifecycle, Phase
+from rallypoint.spec.model.machine import Guards, LifecycleModel, View, built
 
 #: Two nodes, one crash, close: crashes, ghosts and finished nodes, in seconds.
 CRASHING = CheckConfig(nodes=2, max_crashes=1)
@@ -130,13 +130,13 @@ def test_a_bug_that_reads_a_restarted_pid_is_found(monkeypatch: pytest.MonkeyPat
 
 def _checking_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plans made afresh for every state: checked events checked in every state."""
-    plan = check_steps.Steps.plan
+    plan = Steps.plan
 
-    def every_time(self: check_steps.Steps, g: Global, event: object) -> check_steps.Plan:
+    def every_time(self: Steps, g: Global, event: object) -> Plan:
         self._plans.clear()
         return plan(self, g, event)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(check_steps.Steps, "plan", every_time)
+    monkeypatch.setattr(Steps, "plan", every_time)
 
 
 def test_checking_once_explores_what_checking_every_time_does(
@@ -200,13 +200,13 @@ class _NothingConformed(set[object]):
 
 
 def _conforming_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    init = check_steps.Steps.__init__
+    init = Steps.__init__
 
-    def forgetful(self: check_steps.Steps, *args: object, **kwargs: object) -> None:
+    def forgetful(self: Steps, *args: object, **kwargs: object) -> None:
         init(self, *args, **kwargs)  # type: ignore[arg-type]
         self._conformed = _NothingConformed()
 
-    monkeypatch.setattr(check_steps.Steps, "__init__", forgetful)
+    monkeypatch.setattr(Steps, "__init__", forgetful)
 
 
 def _changes_judged(monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, ...]]:
@@ -215,9 +215,9 @@ def _changes_judged(monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, ...]]:
     stepping node, in the order the search makes them, which does not depend on
     which steps are conformed: they match between two searches of one space."""
     judged: set[tuple[object, ...]] = set()
-    conform = check_steps.Steps._conform
+    conform = Steps._conform
 
-    def recording(self: check_steps.Steps, *args: object) -> None:
+    def recording(self: Steps, *args: object) -> None:
         conformed = args[-1]
         number = conformed[0] if isinstance(conformed, tuple) else conformed
         expect = self.conformance.expect
@@ -232,7 +232,7 @@ def _changes_judged(monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, ...]]:
         finally:
             del self.conformance.expect
 
-    monkeypatch.setattr(check_steps.Steps, "_conform", recording)
+    monkeypatch.setattr(Steps, "_conform", recording)
     return judged
 
 

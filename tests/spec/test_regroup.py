@@ -24,8 +24,8 @@ from rallypoint.core.driver import phase_of
 from rallypoint.core.errors import RendezvousStateError
 from rallypoint.core.operators import everyone_back
 from rallypoint.spec.check import CheckConfig, check
-from rallypoint.spec.sim_config import SimConfig
 from rallypoint.spec.simulator import simulate
+from rallypoint.spec.simulator.config import SimConfig
 
 #: Three nodes, one round of room above the minimum: a node waits beside a
 #: complete round, and regroups open with some of the last round returning.

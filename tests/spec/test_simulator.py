@@ -18,8 +18,8 @@ import rallypoint.core.liveness
 from rallypoint.core import encode_state
 from rallypoint.core.codec import EncodedSize
 from rallypoint.spec.cli import simulate_main
-from rallypoint.spec.invariants import check_state
-from rallypoint.spec.lifecycle import Phase
+from rallypoint.spec.model.invariants import check_state
+from rallypoint.spec.model.lifecycle import Phase
 from rallypoint.spec.simulator import SimConfig, SimConfigError, Simulator, Task, simulate
 from rallypoint.spec.strategies import rendezvous_settings, rendezvous_states, sim_configs
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import rallypoint.spec
 from rallypoint.spec import JoinReturn, SimConfig, Simulator, sim_configs, simulate
-from rallypoint.spec.lifecycle import Phase
+from rallypoint.spec.model.lifecycle import Phase
 
 
 @settings(max_examples=30, deadline=None)

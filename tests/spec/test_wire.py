@@ -1,4 +1,4 @@
-"""The checker's wire (spec/check_wire.py): states and events cross between its
+"""The checker's wire (spec/check/wire.py): states and events cross between its
 processes unchanged, and a search with workers is the search without them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from helpers.checker_plants import assert_same_space
 
 from rallypoint.spec.check import CheckConfig, Checker, Event, Global, check
-from rallypoint.spec.check_wire import Wire, event_of
+from rallypoint.spec.check.wire import Wire, event_of
 
 # Crashes, close, failures, exclusions and stable ranks: every kind of field of a
 # state and of an event occurs in the first 10,000 states (asserted below).

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core import Membership, NodeDesc
-from .sim_config import SimConfig
+from ...core import Membership, NodeDesc
+from .config import SimConfig
 
 __all__ = ["JoinReturn", "NodeStats", "RoundStat", "SimReport", "SimViolation"]
 

@@ -5,10 +5,10 @@ Two vocabularies, one for each half of what a node is:
 * :class:`Phase` -- what the node's process is doing locally (runs a join, trains,
   left its round...). The checker keeps it per node slot; the simulator per
   simulated node.
-* :class:`Lifecycle` -- the state of the model (:mod:`rallypoint.spec.model`): the
+* :class:`Lifecycle` -- the state of the model (:mod:`rallypoint.spec.model.machine`): the
   local phase refined by the node's membership in the shared state (a joining node
   listed as a participant is a *participant*; see
-  :func:`rallypoint.spec.model.lifecycle_state`).
+  :func:`rallypoint.spec.model.machine.lifecycle_state`).
 
 A phase and a lifecycle state of the same name mean the same thing (and are equal,
 as the strings they are). Members are strings so that they render and compare as
@@ -60,7 +60,7 @@ class Phase(Name):
     CLOSING = "closing"
 
 
-#: The phases the model knows (:func:`rallypoint.spec.model.lifecycle_state`).
+#: The phases the model knows (:func:`rallypoint.spec.model.machine.lifecycle_state`).
 LOCAL_PHASES: frozenset[Phase] = frozenset(
     {
         Phase.IDLE,

@@ -11,12 +11,16 @@ from typing import Any
 
 from immutables import Map
 
-from ..core import Action, NodeDesc, RendezvousState, Write, encode_state
-from ..core.codec import EncodedSize
-from .sim_checks import Checks
-from .sim_node import SimNode
+from ...core import Action, NodeDesc, RendezvousState, Write, encode_state
+from ...core.codec import EncodedSize
+from .checks import Checks
+from .events import EventLoop
+from .node import SimNode
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "StateChange"]
+
+#: An injected write: the stored state -> the state to store (None: write nothing).
+StateChange = Callable[[RendezvousState], RendezvousState | None]
 
 
 def _key_bytes(node: NodeDesc) -> int:
@@ -29,16 +33,29 @@ def _entry_bytes(node: NodeDesc) -> int:
     return len(str(node)) + 1
 
 
-class Backend(Checks):
+class Backend:
     """The backend's data and the requests it serves (each an event, answered
-    after the latency by a ``response`` event)."""
+    after the latency by a ``response`` event). Every write it commits goes
+    through ``checks`` first.
 
-    def _setup(self) -> None:
-        super()._setup()
+    Args:
+        loop: the run's event loop; the backend registers the handlers of its
+            requests (``backend_*``) and of injections there.
+        checks: what checks each committed write and removal.
+        initial: the stored state before the first write.
+    """
+
+    def __init__(self, loop: EventLoop, checks: Checks, initial: RendezvousState) -> None:
+        self.loop = loop
+        self.config = loop.config
+        self.report = loop.report
+        self.checks = checks
+        #: the stored state and its version (the compare-and-set token)
+        self.state = initial
+        self.version = 0
         #: the side counter of every node (an immutable map: a read hands out a
         #: snapshot without copying), the highest published phase (-1: none), and
-        #: the intent log of each round with its size in bytes (the state and its
-        #: version: :class:`.sim_events.EventLoop`)
+        #: the intent log of each round with its size in bytes
         self.side: Map[NodeDesc, int] = Map()
         self.published = -1
         self.intents: dict[int, list[NodeDesc]] = {}
@@ -46,24 +63,32 @@ class Backend(Checks):
         #: phase watches: the phase watched -> {slot: watch token}
         self._watching: dict[int, dict[int, int]] = {}
         #: injected writes waiting for the next compare-and-set (inject_write(race=True))
-        self._races: list[Callable[[RendezvousState], RendezvousState | None]] = []
+        self._races: list[StateChange] = []
         self.size = EncodedSize(self.state)
         #: bytes of the side counters of the state's heartbeat members
         self.counter_bytes = 0
+        loop.on("backend_watch", self._on_backend_watch)
+        loop.on("backend_read", self._on_backend_read)
+        loop.on("backend_cas", self._on_backend_cas)
+        loop.on("backend_beat", self._on_backend_beat)
+        loop.on("backend_announce", self._on_backend_announce)
+        loop.on("inject", self._on_inject)
 
     def _reply(self, node: SimNode, data: Any) -> None:
-        self._at(self.now + self._delay(), "response", node.slot, node.req, data)
+        loop = self.loop
+        loop.at(loop.now + loop.delay(), "response", node.slot, node.req, data)
 
     # -- phase watches -------------------------------------------------------------
 
-    def _watch(self, node: SimNode, phase: int) -> None:
+    def watch(self, node: SimNode, phase: int) -> None:
         """Ask the backend to notify ``node`` once a phase above ``phase`` is
         published (a request: lost while partitioned, the timer then decides)."""
-        self._unwatch(node)
+        self.unwatch(node)
         if not node.partitioned:
-            self._at(self.now + self._delay(), "backend_watch", node.slot, node.wtok, phase)
+            loop = self.loop
+            loop.at(loop.now + loop.delay(), "backend_watch", node.slot, node.wtok, phase)
 
-    def _unwatch(self, node: SimNode) -> None:
+    def unwatch(self, node: SimNode) -> None:
         """Drop ``node``'s phase watch (its pending events too)."""
         node.wtok += 1
         watched = node.watch_q
@@ -77,7 +102,8 @@ class Backend(Checks):
 
     def _on_backend_watch(self, node: SimNode, phase: int) -> None:
         if self.published > phase:
-            self._at(self.now + self._delay(), "notify", node.slot, node.wtok)
+            loop = self.loop
+            loop.at(loop.now + loop.delay(), "notify", node.slot, node.wtok)
             return
         self._watching.setdefault(phase, {})[node.slot] = node.wtok
         node.watch_q = phase
@@ -90,7 +116,8 @@ class Backend(Checks):
         self.published = phase
         self.report.phases += 1
         watching = self._watching
-        nodes = self.nodes
+        loop = self.loop
+        nodes = loop.nodes
         for watched in [q for q in watching if q < phase]:
             slots = watching.pop(watched)
             kept: dict[int, int] = {}
@@ -102,7 +129,7 @@ class Backend(Checks):
                     kept[slot] = token
                     continue
                 node.watch_q = None
-                self._at(self.now + self._delay(), "notify", slot, token)
+                loop.at(loop.now + loop.delay(), "notify", slot, token)
             if kept:
                 watching[watched] = kept
 
@@ -146,14 +173,14 @@ class Backend(Checks):
                 self._inject_write(change)
         stats = self.report.stats[node.slot]
         if expected != self.version or (
-            self.config.conflict_rate and self.rng.random() < self.config.conflict_rate
+            self.config.conflict_rate and self.loop.rng.random() < self.config.conflict_rate
         ):
             stats.conflicts += 1
             stats.bytes_read += self.size.value
             self._reply(node, ("cas", False, self.state, self.version, write))
             return
         for gone in sorted(write.dead):  # sorted: the report is independent of hashing
-            self._judge_death(node, gone)
+            self.checks.judge_death(node, gone)
         # The writer may be among the dead (its own counter stood still, e.g. while
         # it was partitioned): name each touched node once.
         touched = tuple(dict.fromkeys((node.desc, *sorted(write.dead), *write.admitted)))
@@ -186,14 +213,14 @@ class Backend(Checks):
         stats = self.report.stats[node.slot]
         stats.announces += 1
         stats.bytes_written += len(str(node.desc)) + 8
-        self._log(node, f"announces itself in round {round_}")
+        self.loop.log(node, f"announces itself in round {round_}")
         self._reply(node, ("announce", round_))
 
     def _commit(
         self, writer: SimNode | None, new: RendezvousState, touched: tuple[NodeDesc, ...]
     ) -> None:
         old = self.state
-        problems = self._check(old, new, touched)
+        problems = self.checks.check(old, new, touched)
         self.version += 1
         self.state = new
         size = self.size.update(new, touched)
@@ -213,57 +240,51 @@ class Backend(Checks):
             stats = self.report.stats[writer.slot]
             stats.writes += 1
             stats.bytes_written += size
-        self._account_round(old, new, touched)
+        self.checks.account_round(old, new, touched)
         if problems:
-            self._violate(problems)
+            self.loop.violate(problems)
 
     # -- injection (the conformance tests) ---------------------------------------
 
-    def inject_write(
-        self,
-        at: float,
-        change: Callable[[RendezvousState], RendezvousState | None],
-        *,
-        race: bool = False,
-    ) -> None:
+    def inject_write(self, at: float, change: StateChange, *, race: bool = False) -> None:
         """At simulated time ``at``, a writer that is not simulated replaces the
         stored state with ``change(state)`` (None: writes nothing). The write is
         committed like a node's: checked, versioned, and its phase published if it
         moved the state's. With ``race``, the write lands right before the first
         compare-and-set served at or after ``at``, which then loses to it."""
-        self._at(at, "inject", 0, -1, ("race" if race else "write", change))
+        self.loop.at(at, "inject", 0, -1, ("race" if race else "write", change))
 
     def inject_beat(self, at: float, node: NodeDesc) -> None:
         """At simulated time ``at``, bump the side heartbeat counter of ``node``
         (a node that is not simulated beats)."""
-        self._at(at, "inject", 0, -1, ("beat", node))
+        self.loop.at(at, "inject", 0, -1, ("beat", node))
 
     def inject_announce(self, at: float, node: NodeDesc, round_: int) -> None:
         """At simulated time ``at``, append ``node`` to the intent log of
         ``round_`` (a joiner that is not simulated announces itself)."""
-        self._at(at, "inject", 0, -1, ("announce", (node, round_)))
+        self.loop.at(at, "inject", 0, -1, ("announce", (node, round_)))
 
     def _on_inject(self, _: SimNode, data: Any) -> None:
         what, payload = data
         if what == "beat":
             self.side = self.side.set(payload, self.side.get(payload, 0) + 1)
-            self._log(None, f"injected beat of {payload}")
+            self.loop.log(None, f"injected beat of {payload}")
         elif what == "announce":
             node, round_ = payload
             self._append_intent(node, round_)
-            self._log(None, f"injected announce of {node} in round {round_}")
+            self.loop.log(None, f"injected announce of {node} in round {round_}")
         elif what == "race":
             self._races.append(payload)
         else:
             self._inject_write(payload)
 
-    def _inject_write(self, change: Callable[[RendezvousState], RendezvousState | None]) -> None:
+    def _inject_write(self, change: StateChange) -> None:
         old = self.state
         new = change(old)
         if new is None:
             return
         touched = old.members() | new.members() | set(old.heartbeats) | set(new.heartbeats)
-        self._log(None, "injected write")
+        self.loop.log(None, "injected write")
         self._commit(None, new, tuple(sorted(touched)))
         if new.phase > old.phase:
             self._publish(new.phase)

@@ -105,22 +105,40 @@ except where the driver itself does O(n) work (a counter read observes every
 member; a finished join lists its round's members) and on the rare writes that
 complete or advance a round.
 
-This module puts the simulator together; each part is a module of its own, and
-:class:`Simulator` is the chain of their classes, each built on the one before:
-:mod:`.sim_config` (the options), :mod:`.sim_report` (the report),
-:mod:`.sim_node` (a node slot), then :mod:`.sim_events` (the event heap and loop),
-:mod:`.sim_checks` (invariants, agreement, false deaths), :mod:`.sim_backend` (the
-backend and the injection), :mod:`.sim_agent` (what the handler and the agent do),
-:mod:`.sim_executor` (the driver's executor) and :mod:`.sim_faults` (fault
-injection). Their public names are imported from here.
+This module puts the simulator together. :class:`Simulator` is composed of
+collaborating parts, each a module of its own, not a chain of classes:
+
+* :class:`.events.EventLoop` -- the clock, the event heap, the random numbers
+  and the trace; every other part schedules its events there and registers the
+  handlers of the events it owns;
+* :class:`.checks.Checks` -- invariants of each committed write, agreement of
+  returned joins, false and unfenced deaths, the rounds' timings;
+* :class:`.backend.Backend` -- the stored state, the side counters, the
+  intent logs, the phase watches, the requests it serves, and the injection;
+* :class:`.agent.SimAgent` -- one per node slot (:class:`.node.SimNode`):
+  what the handler and the agent do, and the executor of the node's core;
+* :class:`.faults.FaultInjector` -- the faults, at their rates or on call.
+
+:mod:`.config` holds the options and :mod:`.report` the report. Their
+public names are imported from here.
 """
 
 from __future__ import annotations
 
-from .sim_config import SimConfig, SimConfigError
-from .sim_faults import Faults
-from .sim_node import SimNode, Task
-from .sim_report import JoinReturn, NodeStats, RoundStat, SimReport, SimViolation
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...core import NodeDesc, NodeInstruction, RendezvousState
+from ...core.codec import EncodedSize
+from .agent import AGENT_EVENTS, SimAgent
+from .backend import Backend, StateChange
+from .checks import Checks
+from .config import SimConfig, SimConfigError
+from .events import EventLoop
+from .faults import FaultInjector
+from .node import SimNode, Task
+from .report import JoinReturn, NodeStats, RoundStat, SimReport, SimViolation
 
 __all__ = [
     "JoinReturn",
@@ -136,7 +154,7 @@ __all__ = [
 ]
 
 
-class Simulator(Faults):
+class Simulator:
     """One deterministic run. Drive it with :meth:`run`, or step by step with
     :meth:`run_until` and the fault methods (the hypothesis machines do).
 
@@ -147,19 +165,45 @@ class Simulator(Faults):
             a node is about to carry out (Done and Verdict included), in order.
     """
 
-    def _setup(self) -> None:
-        super()._setup()
-        self._handlers = {
-            name[4:]: getattr(self, name) for name in dir(self) if name.startswith("_on_")
-        }
-        self.nodes = self._arrivals()
-        self._by_desc = {node.desc: node for node in self.nodes}
+    def __init__(
+        self,
+        config: SimConfig,
+        on_violation: Callable[[SimViolation], None] | None = None,
+        on_instruction: Callable[[int, NodeInstruction], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.settings = config.settings()
+        #: the run's report, filled in as it runs
+        self.report = SimReport(config, stats=[NodeStats() for _ in range(config.nodes)])
+        self.loop = EventLoop(config, self.report, on_violation)
+        initial = RendezvousState()
+        #: the node of each current process (the agents enter restarted ones)
+        by_desc: dict[NodeDesc, SimNode] = {}
+        self.checks = Checks(self.loop, self.settings, initial, by_desc)
+        self.backend = Backend(self.loop, self.checks, initial)
+        #: the node slots, and the agent of each
+        self.nodes = self._slots()
+        self.loop.nodes = self.nodes
+        by_desc.update((node.desc, node) for node in self.nodes)
+        self.agents = [
+            SimAgent(
+                node, self.loop, self.backend, self.checks, self.settings, by_desc, on_instruction
+            )
+            for node in self.nodes
+        ]
+        for kind in AGENT_EVENTS:
+            self.loop.on(kind, self._to_agent(kind))
+        self.faults = FaultInjector(self.loop, self.agents, self.settings)
+        # The random numbers are drawn in one order (every slot's clock, then each
+        # slot's arrival and first faults), so that a seed replays a run exactly.
+        for node in self.nodes:
+            self.loop.at(self.loop.rng.uniform(0.0, config.arrival_spread), "arrive", node.slot)
+            self.faults.schedule_faults(node)
 
-    def _arrivals(self) -> list[SimNode]:
-        """The node slots, each with its clock, its arrival and its first faults
-        scheduled."""
-        c, rng = self.config, self.rng
-        nodes = [
+    def _slots(self) -> list[SimNode]:
+        """The node slots, each with its clock."""
+        c, rng = self.config, self.loop.rng
+        return [
             SimNode(
                 i,
                 rng.uniform(-c.clock_offset, c.clock_offset),
@@ -168,10 +212,95 @@ class Simulator(Faults):
             )
             for i in range(c.nodes)
         ]
-        for node in nodes:
-            self._at(rng.uniform(0.0, c.arrival_spread), "arrive", node.slot)
-            self._schedule_faults(node)
-        return nodes
+
+    def _to_agent(self, kind: str) -> Callable[[SimNode, Any], None]:
+        """The handler of an agent's event: the agent of the event's node slot."""
+        handlers = [getattr(agent, f"on_{kind}") for agent in self.agents]
+
+        def handle(node: SimNode, data: Any) -> None:
+            handlers[node.slot](data)
+
+        return handle
+
+    # -- running -----------------------------------------------------------------
+
+    @property
+    def now(self) -> float:
+        """The simulated time (seconds since the run started)."""
+        return self.loop.now
+
+    @property
+    def state(self) -> RendezvousState:
+        """The state stored on the simulated backend."""
+        return self.backend.state
+
+    @property
+    def size(self) -> EncodedSize:
+        """The stored state's encoded size, kept incrementally."""
+        return self.backend.size
+
+    def run(self) -> SimReport:
+        """Run until ``duration`` (simulated seconds) and return the report."""
+        start = time.perf_counter()
+        self.run_until(self.config.duration)
+        self.report.wall_seconds = time.perf_counter() - start
+        return self.report
+
+    def run_until(self, t: float) -> None:
+        """Process every event up to simulated time ``t``."""
+        self.loop.run_until(t)
+        self.report.restarts = self.backend.state.restarts
+        self.report.closed = self.backend.state.closed
+
+    # -- faults (the hypothesis machines call them) --------------------------------
+
+    def crash(self, slot: int) -> None:
+        """Kill node ``slot``'s process now; it restarts after ``restart_delay``."""
+        self.faults.crash(slot)
+
+    def partition(self, slot: int, duration: float | None = None) -> None:
+        """Cut node ``slot`` off the backend (for ``duration``, or until healed)."""
+        self.faults.partition(slot, duration)
+
+    def heal(self, slot: int) -> None:
+        """Reconnect node ``slot`` to the backend."""
+        self.faults.heal(slot)
+
+    def leave(self, slot: int) -> None:
+        """Node ``slot`` leaves gracefully (see :meth:`.FaultInjector.leave`)."""
+        self.faults.leave(slot)
+
+    def fail_workers(self, slot: int) -> None:
+        """The workers of node ``slot`` fail while it trains (see
+        :meth:`.FaultInjector.fail_workers`)."""
+        self.faults.fail_workers(slot)
+
+    def fail_health_check(self, slot: int) -> None:
+        """Node ``slot`` fails its health check (see
+        :meth:`.FaultInjector.fail_health_check`)."""
+        self.faults.fail_health_check(slot)
+
+    def arrive(self, slot: int) -> None:
+        """Start node ``slot`` now if it is down (a new process joins)."""
+        self.faults.arrive(slot)
+
+    def close(self, slot: int) -> None:
+        """Node ``slot`` closes the rendezvous (the handler's ``shutdown()``)."""
+        self.faults.close(slot)
+
+    # -- injection (the conformance tests) ---------------------------------------
+
+    def inject_write(self, at: float, change: StateChange, *, race: bool = False) -> None:
+        """See :meth:`.Backend.inject_write`."""
+        self.backend.inject_write(at, change, race=race)
+
+    def inject_beat(self, at: float, node: NodeDesc) -> None:
+        """See :meth:`.Backend.inject_beat`."""
+        self.backend.inject_beat(at, node)
+
+    def inject_announce(self, at: float, node: NodeDesc, round_: int) -> None:
+        """See :meth:`.Backend.inject_announce`."""
+        self.backend.inject_announce(at, node, round_)
 
 
 def simulate(config: SimConfig) -> SimReport:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ..core import Membership, NodeDesc, NodeView, Operator, RendezvousNode, Settings
-from .lifecycle import Name, Phase
+from ...core import Membership, NodeDesc, NodeView, Operator, RendezvousNode, Settings
+from ..model.lifecycle import Name, Phase
 
 __all__ = ["SimNode", "Task"]
 

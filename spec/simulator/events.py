@@ -1,22 +1,20 @@
 """The simulator's event machinery: one heap of events ordered by simulated time
 and a sequence number, the random numbers, the trace of the last events, and the
-loop that hands each event to its handler (:class:`EventLoop`, the base of
-:class:`rallypoint.spec.simulator.Simulator`)."""
+loop that hands each event to its handler (:class:`EventLoop`, one of the parts
+:class:`rallypoint.spec.simulator.Simulator` wires together)."""
 
 from __future__ import annotations
 
 import gc
 import heapq
 import random
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..core import NodeDesc, NodeInstruction, RendezvousState
-from .sim_config import SimConfig
-from .sim_node import SimNode
-from .sim_report import NodeStats, SimReport, SimViolation
+from .config import SimConfig
+from .node import SimNode
+from .report import SimReport, SimViolation
 
 __all__ = ["EventLoop"]
 
@@ -42,80 +40,75 @@ _GC_THRESHOLD = 50_000
 
 
 class EventLoop:
-    """The clock, the event heap, the report and the stored state of one run.
+    """The clock, the event heap, the random numbers and the trace of one run.
 
-    The parts of the simulator (:mod:`.sim_checks`, :mod:`.sim_backend`,
-    :mod:`.sim_agent`, :mod:`.sim_executor`, :mod:`.sim_faults`) build on it, each a
-    class of its own in that order; :class:`rallypoint.spec.simulator.Simulator`
-    puts them together. Every event is handled by the method ``_on_<kind>``. Each
-    part sets up its own state in :meth:`_setup`, which ``__init__`` calls last;
-    the arguments are :class:`~rallypoint.spec.simulator.Simulator`'s.
+    Every other part of the simulator schedules its events here (:meth:`at`) and
+    registers the handler of each kind of event it owns (:meth:`on`); the loop
+    hands each event to its handler with the node slot it concerns, and drops the
+    events of a request, wait, watch or training session the node has moved past.
+    Violations found by any part go to the run's report (:meth:`violate`).
+
+    Args:
+        config: the run's options (its seed seeds :attr:`rng`).
+        report: the report of the run, which the loop fills in as it goes.
+        on_violation: called with every violation as it is found.
     """
-
-    #: the node slots, by slot and by their current process (set by the Simulator)
-    nodes: list[SimNode]
-    _by_desc: dict[NodeDesc, SimNode]
-    #: the handler of each kind of event (``_on_<kind>``)
-    _handlers: dict[str, Callable[[SimNode, Any], None]]
 
     def __init__(
         self,
         config: SimConfig,
+        report: SimReport,
         on_violation: Callable[[SimViolation], None] | None = None,
-        on_instruction: Callable[[int, NodeInstruction], None] | None = None,
     ) -> None:
         self.config = config
-        self.settings = config.settings()
+        self.report = report
+        #: every random choice of the run, in the order the parts make them
         self.rng = random.Random(config.seed)
         self.now = 0.0
+        #: the node slots (set once they are made, before the run starts)
+        self.nodes: list[SimNode] = []
         self._heap: list[tuple[float, int, str, int, int, Any]] = []
         self._seq = 0
-        #: the backend's state and its version (the rest of the backend:
-        #: :class:`.sim_backend.Backend`)
-        self.version = 0
-        self.state = RendezvousState()
-        self.report = SimReport(config, stats=[NodeStats() for _ in range(config.nodes)])
+        self._handlers: dict[str, Callable[[SimNode, Any], None]] = {}
         self._trace: deque[tuple[float, int, str]] = deque(maxlen=config.trace_length)
         self._on_violation = on_violation
-        self._on_instruction = on_instruction
-        self._setup()
 
-    def _setup(self) -> None:
-        """Set up the state of each part, base first (each part's ``_setup`` calls
-        its base's, then sets up its own)."""
+    def on(self, kind: str, handler: Callable[[SimNode, Any], None]) -> None:
+        """Hand every event of ``kind`` to ``handler(node, data)``."""
+        if kind in self._handlers:
+            raise ValueError(f"two handlers for the simulator's event {kind!r}")
+        self._handlers[kind] = handler
 
     # -- event plumbing ----------------------------------------------------------
 
-    def _at(self, t: float, kind: str, slot: int, token: int = -1, data: Any = None) -> None:
+    def at(self, t: float, kind: str, slot: int, token: int = -1, data: Any = None) -> None:
+        """Schedule an event of ``kind`` for node ``slot`` at simulated time ``t``
+        (``token``: the node's request, watch or tick token it belongs to; -1: none)."""
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, slot, token, data))
 
-    def _delay(self) -> float:
+    def delay(self) -> float:
+        """One way through the network: ``latency`` +- ``jitter``."""
         c = self.config
         return c.latency + self.rng.uniform(-c.jitter, c.jitter) if c.latency else 0.0
 
-    def _log(self, node: SimNode | None, text: str) -> None:
+    def log(self, node: SimNode | None, text: str) -> None:
+        """Add ``text`` to the trace of the last events (None: no node's)."""
         self._trace.append((self.now, -1 if node is None else node.slot, text))
 
-    def _finding(self, problems: list[str]) -> SimViolation:
+    def finding(self, problems: list[str]) -> SimViolation:
         """``problems`` found now, with the last events as their trace."""
         trace = tuple(f"t={t:.6f} node {slot}: {text}" for t, slot, text in self._trace)
         return SimViolation(self.now, tuple(problems), trace)
 
-    def _violate(self, problems: list[str]) -> None:
-        violation = self._finding(problems)
+    def violate(self, problems: list[str]) -> None:
+        """Report ``problems`` found now as a violation."""
+        violation = self.finding(problems)
         self.report.violations.append(violation)
         if self._on_violation is not None:
             self._on_violation(violation)
 
     # -- running ---------------------------------------------------------------
-
-    def run(self) -> SimReport:
-        """Run until ``duration`` (simulated seconds) and return the report."""
-        start = time.perf_counter()
-        self.run_until(self.config.duration)
-        self.report.wall_seconds = time.perf_counter() - start
-        return self.report
 
     def run_until(self, t: float) -> None:
         """Process every event up to simulated time ``t``.
@@ -157,10 +150,8 @@ class EventLoop:
                     continue  # of an earlier request, wait, watch or training session
             handlers[kind](node, data)
             if limit is not None and report.node_steps > limit:
-                self._violate([f"more than {limit} node-steps: livelock?"])
+                self.violate([f"more than {limit} node-steps: livelock?"])
                 heap.clear()
                 break
         self.now = max(self.now, t)
         report.simulated = self.now
-        report.restarts = self.state.restarts
-        report.closed = self.state.closed

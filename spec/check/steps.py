@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from operator import itemgetter
 from typing import NamedTuple
 
-from ..core import (
+from ...core import (
     Beat,
     ChargeRestartOp,
     CloseOp,
@@ -36,11 +36,13 @@ from ..core import (
     Wait,
     Write,
 )
-from ..core.actions import Action
-from .check_conformance import Conformance
-from .check_core import CoreStep, CoreSteps
-from .check_properties import StepProperties
-from .check_state import (
+from ...core.actions import Action
+from ..model.lifecycle import TERMINAL_PHASES, Lifecycle, Phase
+from ..model.machine import built
+from .conformance import Conformance
+from .core_steps import CoreStep, CoreSteps
+from .properties import StepProperties
+from .state import (
     STARTS,
     STEPPING_EVENTS,
     Age,
@@ -56,10 +58,8 @@ from .check_state import (
     node_of,
     with_local,
 )
-from .check_symmetry import CACHE_LIMIT, Instances
-from .check_trace import narrate
-from .lifecycle import TERMINAL_PHASES, Lifecycle, Phase
-from .model import built
+from .symmetry import CACHE_LIMIT, Instances
+from .trace import narrate
 
 __all__ = ["Plan", "Steps", "Template"]
 

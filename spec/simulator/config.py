@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core import Settings
-from .options import Rule, check_ranges, check_settings
+from ...core import Settings
+from ..options import Rule, check_ranges, check_settings
 
 __all__ = ["SimConfig", "SimConfigError"]
 

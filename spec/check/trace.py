@@ -10,12 +10,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..core import Announce, Decision, Done, NodeDesc, Operator, Write
-from .check_state import Age, Deadline, Event, Found, Global, Local, Timers, node_of
+from ...core import Announce, Decision, Done, NodeDesc, Operator, Write
+from .state import Age, Deadline, Event, Found, Global, Local, Timers, node_of
 
 if TYPE_CHECKING:
-    from .check_steps import Steps
-    from .check_symmetry import Symmetry
+    from .steps import Steps
+    from .symmetry import Symmetry
 
 __all__ = ["Replay", "describe", "narrate", "replay"]
 

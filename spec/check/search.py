@@ -27,12 +27,12 @@ from typing import Any, TypeVar
 
 import psutil
 
-from .check_state import CheckerWorkerError, CheckResult, Event, Found, Global, Violation
-from .check_steps import Steps
-from .check_symmetry import Symmetry, relabel
-from .check_trace import replay
-from .check_wire import Wire, WireTuple, event_of
-from .invariants import check_state
+from ..model.invariants import check_state
+from .state import CheckerWorkerError, CheckResult, Event, Found, Global, Violation
+from .steps import Steps
+from .symmetry import Symmetry, relabel
+from .trace import replay
+from .wire import Wire, WireTuple, event_of
 
 __all__ = ["Search"]
 

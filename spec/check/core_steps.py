@@ -5,7 +5,7 @@ timers the step chose, steps a :class:`~rallypoint.core.RendezvousNode` on it (t
 entry point every executor uses; it asks :func:`rallypoint.core.driver.decide`,
 looked up at call time, so that a test can plant a bug in it or in the core it
 calls), carries the instruction out, and checks the step's safety properties
-(:mod:`rallypoint.spec.invariants`). It is a pure function of its arguments, so
+(:mod:`rallypoint.spec.model.invariants`). It is a pure function of its arguments, so
 it is memoized: most states share their shared state and timers with others.
 """
 
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from immutables import Map
 
-from ..core import (
+from ...core import (
     Announce,
     Beat,
     Decision,
@@ -39,18 +39,18 @@ from ..core import (
     Write,
     heartbeat_of,
 )
-from ..core.actions import Action
-from ..core.errors import InvalidTransitionError
-from .check_state import Age, Deadline, Found, Global, Timers
-from .check_symmetry import CACHE_LIMIT, Instances
-from .invariants import (
+from ...core.actions import Action
+from ...core.errors import InvalidTransitionError
+from ..model.invariants import (
     check_admissions,
     check_removal_published,
     check_return,
     check_state,
     check_transition,
 )
-from .model import Guards, View, built
+from ..model.machine import Guards, View, built
+from .state import Age, Deadline, Found, Global, Timers
+from .symmetry import CACHE_LIMIT, Instances
 
 __all__ = ["CoreStep", "CoreSteps"]
 

@@ -4,18 +4,18 @@ The stepping node's change is judged on its own guards, by the trigger its actio
 names; its peers change only through peer triggers (``declared_dead`` when a
 sanitize removed them, ``admitted`` when its write took them in, and
 ``round_completed`` when the round completed or advanced under them). See
-:mod:`rallypoint.spec.model`.
+:mod:`rallypoint.spec.model.machine`.
 """
 
 from __future__ import annotations
 
-from ..core import CloseOp, NodeDesc, Operator, RendezvousState, Settings
-from ..core import driver as core_driver
-from ..core.actions import Action
-from ..core.errors import InvalidTransitionError
-from .check_state import Found, Global, node_of, slot_of
-from .lifecycle import Lifecycle
-from .model import Guards, LifecycleModel, View, lifecycle_state
+from ...core import CloseOp, NodeDesc, Operator, RendezvousState, Settings
+from ...core import driver as core_driver
+from ...core.actions import Action
+from ...core.errors import InvalidTransitionError
+from ..model.lifecycle import Lifecycle
+from ..model.machine import Guards, LifecycleModel, View, lifecycle_state
+from .state import Found, Global, node_of, slot_of
 
 __all__ = ["Conformance"]
 

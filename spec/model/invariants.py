@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..core import NodeDesc, RendezvousState, Settings
+from ...core import NodeDesc, RendezvousState, Settings
 
 __all__ = [
     "AgreementTracker",

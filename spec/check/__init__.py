@@ -27,9 +27,9 @@ checker carries it out:
 * ``Read`` on a view read at this instant is a violation: an executor would read
   the same view and be told to read again, forever.
 
-In every reachable state the checker verifies :mod:`rallypoint.spec.invariants`
+In every reachable state the checker verifies :mod:`rallypoint.spec.model.invariants`
 (state, step, removal, admission and agreement properties), that every node's
-lifecycle change is an edge of the :mod:`rallypoint.spec.model` whose guards hold
+lifecycle change is an edge of the :mod:`rallypoint.spec.model.machine` whose guards hold
 (conformance), and that no write leaves a waiter asleep: a write that publishes no
 new phase leaves the decision of every node waiting on the state as it was (see
 :meth:`StepProperties.missed_wakeups`).
@@ -49,7 +49,7 @@ The state space is made finite and small the way TLA+ specs do it:
 * **Returns checked, not kept.** What a join returned is checked against the
   state it returned on when it returns, and not kept: with the step properties
   that implies agreement between any two returns of a round (see
-  :func:`rallypoint.spec.invariants.check_return`).
+  :func:`rallypoint.spec.model.invariants.check_return`).
 * **Local events merged into steps.** Starting a join, exit or close changes only
   the node's own local state, which commutes with every other node's events, so it
   is taken together with the operation's first step.
@@ -102,14 +102,14 @@ so a violation is replayed from the initial state into a readable trace.
 
 The checker's parts, one module each:
 
-* :mod:`~rallypoint.spec.check_state` -- the config, states, events and result;
-* :mod:`~rallypoint.spec.check_steps` -- the step rules: events, timer choices,
-  successors (the driver's part in :mod:`~rallypoint.spec.check_core`, conformance
-  in :mod:`~rallypoint.spec.check_conformance`, wake-ups and leases in
-  :mod:`~rallypoint.spec.check_properties`);
-* :mod:`~rallypoint.spec.check_symmetry` -- normal forms, symmetry, fingerprints;
-* :mod:`~rallypoint.spec.check_search` -- the breadth-first search and its workers;
-* :mod:`~rallypoint.spec.check_trace` -- states described, steps narrated, traces.
+* :mod:`~rallypoint.spec.check.state` -- the config, states, events and result;
+* :mod:`~rallypoint.spec.check.steps` -- the step rules: events, timer choices,
+  successors (the driver's part in :mod:`~rallypoint.spec.check.core_steps`, conformance
+  in :mod:`~rallypoint.spec.check.conformance`, wake-ups and leases in
+  :mod:`~rallypoint.spec.check.properties`);
+* :mod:`~rallypoint.spec.check.symmetry` -- normal forms, symmetry, fingerprints;
+* :mod:`~rallypoint.spec.check.search` -- the breadth-first search and its workers;
+* :mod:`~rallypoint.spec.check.trace` -- states described, steps narrated, traces.
 
 This module puts them together (:class:`Checker`, :func:`check`).
 """
@@ -118,9 +118,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from ..core import RendezvousState
-from .check_search import Search
-from .check_state import (
+from ...core import RendezvousState
+from ..model.lifecycle import Phase
+from .search import Search
+from .state import (
     Age,
     CheckConfig,
     CheckerConfigError,
@@ -136,10 +137,9 @@ from .check_state import (
     Violation,
     node_of,
 )
-from .check_steps import Steps
-from .check_symmetry import Instances, Symmetry, relabel
-from .check_trace import describe, replay
-from .lifecycle import Phase
+from .steps import Steps
+from .symmetry import Instances, Symmetry, relabel
+from .trace import describe, replay
 
 __all__ = [
     "Age",

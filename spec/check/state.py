@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
-from ..core import (
+from ...core import (
     Decision,
     NodeDesc,
     RendezvousState,
     Settings,
 )
-from .lifecycle import Name, Phase
-from .model import built
-from .options import Rule, check_ranges, check_settings
+from ..model.lifecycle import Name, Phase
+from ..model.machine import built
+from ..options import Rule, check_ranges, check_settings
 
 __all__ = [
     "Age",
@@ -241,7 +241,7 @@ class Local(NamedTuple):
     Sightings are not kept: every step chooses their ages afresh (see
     :meth:`Steps.expand`). Nor is what a join returned: each return is checked
     against the state it returned on, which implies agreement (see
-    :func:`rallypoint.spec.invariants.check_return`).
+    :func:`rallypoint.spec.model.invariants.check_return`).
     """
 
     incarnation: int

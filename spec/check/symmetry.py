@@ -15,10 +15,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
-from ..core import NodeDesc, RendezvousState
-from .check_state import CheckConfig, Deadline, Global, Local, node_of
-from .lifecycle import TERMINAL_PHASES, Phase
-from .model import built
+from ...core import NodeDesc, RendezvousState
+from ..model.lifecycle import TERMINAL_PHASES, Phase
+from ..model.machine import built
+from .state import CheckConfig, Deadline, Global, Local, node_of
 
 __all__ = ["CACHE_LIMIT", "Instances", "Symmetry", "relabel"]
 

@@ -5,8 +5,8 @@ completed rounds' timings (:class:`Checks`)."""
 
 from __future__ import annotations
 
-from ..core import Done, Membership, NodeDesc, RendezvousState
-from .invariants import (
+from ...core import Done, Membership, NodeDesc, RendezvousState, Settings
+from ..model.invariants import (
     AgreementTracker,
     RoundResult,
     check_budget,
@@ -16,22 +16,46 @@ from .invariants import (
     check_state,
     check_transition,
 )
-from .lifecycle import Phase
-from .sim_events import EventLoop
-from .sim_node import SimNode
-from .sim_report import JoinReturn, RoundStat
+from ..model.lifecycle import Phase
+from .config import SimConfig
+from .events import EventLoop
+from .node import SimNode
+from .report import JoinReturn, RoundStat
 
 __all__ = ["Checks"]
 
 
-class Checks(EventLoop):
-    """The checks of writes, joins and removals, and the rounds' accounting."""
+class Checks:
+    """The checks of writes, joins and removals, and the rounds' accounting.
 
-    def _setup(self) -> None:
-        super()._setup()
+    The backend hands it every committed write (:meth:`check`,
+    :meth:`account_round`) and every node a write removed as dead
+    (:meth:`judge_death`); the agents every join that returned
+    (:meth:`join_returned`). What it finds goes to the loop's report.
+
+    Args:
+        loop: the run's event loop (its clock, trace and report).
+        settings: the rendezvous settings of the run.
+        initial: the backend's state before the first write.
+        by_desc: the simulated node of each current process (kept up to date by
+            the agents as processes restart).
+    """
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        settings: Settings,
+        initial: RendezvousState,
+        by_desc: dict[NodeDesc, SimNode],
+    ) -> None:
+        self.loop = loop
+        self.config: SimConfig = loop.config
+        self.settings = settings
+        self.report = loop.report
+        self._by_desc = by_desc
         self._check_every = self.config.check_interval()
         self._unchecked = 0
-        self._checked = self.state
+        self._checked = initial
         # Agreement of returned joins, per round: the world size, rank -> node, the
         # union of the memberships, and the memberships already united (by the
         # identity of the participants they were made from, kept alive).
@@ -40,7 +64,7 @@ class Checks(EventLoop):
         self._round_pending: dict[int, set[NodeDesc]] = {}
         self._round_size: dict[int, int] = {}
 
-    def _check(
+    def check(
         self, old: RendezvousState, new: RendezvousState, touched: tuple[NodeDesc, ...]
     ) -> list[str]:
         """The safety properties of the write ``old -> new`` (see check_every)."""
@@ -61,9 +85,9 @@ class Checks(EventLoop):
             self._unchecked = 0
             self._checked = new
             return problems
-        return self._check_touched(old, new, touched)
+        return self.check_touched(old, new, touched)
 
-    def _check_touched(
+    def check_touched(
         self, old: RendezvousState, new: RendezvousState, touched: tuple[NodeDesc, ...]
     ) -> list[str]:
         """check_state and check_transition on the entries ``touched`` (the write
@@ -100,11 +124,14 @@ class Checks(EventLoop):
             problems += check_exclusions_kept(old, new, touched)
         return problems
 
-    def _account_round(
+    def account_round(
         self, old: RendezvousState, new: RendezvousState, touched: tuple[NodeDesc, ...]
     ) -> None:
+        """Time the rounds the write ``old -> new`` opened, completed, or let
+        complete (its last pending members left or died)."""
+        now = self.loop.now
         if new.participants and not new.complete and new.round not in self._round_opened:
-            self._round_opened[new.round] = self.now
+            self._round_opened[new.round] = now
         if new.complete and not old.complete:
             self._round_pending[new.round] = set(new.participants)
             self._round_size[new.round] = new.world_size
@@ -123,14 +150,15 @@ class Checks(EventLoop):
         pending = self._round_pending.get(round_)
         if pending is not None and not pending:
             del self._round_pending[round_]
-            opened = self._round_opened.get(round_, self.now)
-            self.report.rounds.append(RoundStat(round_, self._round_size[round_], opened, self.now))
+            now = self.loop.now
+            opened = self._round_opened.get(round_, now)
+            self.report.rounds.append(RoundStat(round_, self._round_size[round_], opened, now))
 
-    def _judge_death(self, observer: SimNode, gone: NodeDesc) -> None:
+    def judge_death(self, observer: SimNode, gone: NodeDesc) -> None:
         """Count a removal by a peer; a false one if the node was alive, reachable
         and heartbeating on schedule (docs/design.md, decision 2)."""
         self.report.deaths += 1
-        self._log(observer, f"declares {gone} dead")
+        self.loop.log(observer, f"declares {gone} dead")
         node = self._by_desc.get(gone)
         if node is None or node.desc != gone:
             return
@@ -139,19 +167,32 @@ class Checks(EventLoop):
             # should have fenced itself first (core.driver.must_fence).
             self.report.unfenced_deaths += 1
             problem = f"unfenced death: {observer.desc} declared {gone} dead while it trained"
-            self.report.unfenced_log.append(self._finding([problem]))
+            self.report.unfenced_log.append(self.loop.finding([problem]))
         if node.alive and node.phase in (Phase.JOINING, Phase.TRAINING, Phase.EXITING):
             grace = self.settings.liveness_window + self.config.request_timeout * 2
-            if not node.partitioned and self.now - node.healed_at > grace:
+            if not node.partitioned and self.loop.now - node.healed_at > grace:
                 self.report.false_deaths += 1
                 problem = f"false death: {observer.desc} declared live {gone} dead"
-                self.report.false_death_log.append(self._finding([problem]))
+                self.report.false_death_log.append(self.loop.finding([problem]))
+
+    def join_returned(self, desc: NodeDesc, done: Done, joined: Membership) -> None:
+        """A node's join returned: check that it agrees with the others of its
+        round, and count the node out of the round's pending members."""
+        problems = self._agree(desc, done, joined)
+        if problems:
+            self.loop.violate(problems)
+        pending = self._round_pending.get(joined.round)
+        if pending is not None:
+            pending.discard(desc)
+            self._round_done(joined.round)
 
     def _agree(self, desc: NodeDesc, done: Done, joined: Membership) -> list[str]:
         """Agreement of one returned join with the others of its round, and the
         join's entry in the report's ``returns``. The round's node -> rank map is
         shared by every node that returned on the same state, so the tracker
         merges it once."""
-        self.report.returns.append(JoinReturn(self.now, self._by_desc[desc].slot, desc, joined))
+        self.report.returns.append(
+            JoinReturn(self.loop.now, self._by_desc[desc].slot, desc, joined)
+        )
         result = RoundResult(joined.round, joined.rank, joined.world_size, joined.participants)
         return self.agreement.add(desc, result)

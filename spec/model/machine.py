@@ -43,7 +43,7 @@ from typing import Any, Literal, NamedTuple, cast
 
 from transitions import Machine, MachineError
 
-from ..core import HeartbeatSighting, LastCallSighting, NodeDesc, RendezvousState, Settings
+from ...core import HeartbeatSighting, LastCallSighting, NodeDesc, RendezvousState, Settings
 from .lifecycle import LOCAL_PHASES, TERMINAL_PHASES, Lifecycle, Phase
 
 #: ``built(Cls, (every field, in order))``: a named tuple made without the

@@ -2,7 +2,7 @@
 
 With several workers, every state of a level goes from the worker that reached it
 to the main process, and from there to the worker that steps it (see
-:mod:`~rallypoint.spec.check_search`). Pickled as they are, a state's nodes, enum
+:mod:`~rallypoint.spec.check.search`). Pickled as they are, a state's nodes, enum
 members, maps and local states each cost a Python call to pickle and another to
 unpickle: on the 3-node space that was 5.5 CPU-seconds of the workers' and most of
 the main process's 6.8, on a 2-core machine where the main process takes its CPU
@@ -22,10 +22,10 @@ from typing import Any
 
 from immutables import Map
 
-from ..core import NodeDesc, RendezvousState
-from .check_state import Age, Deadline, Event, EventKind, Global, Local, Op, Timers
-from .check_symmetry import CACHE_LIMIT
-from .lifecycle import Phase
+from ...core import NodeDesc, RendezvousState
+from ..model.lifecycle import Phase
+from .state import Age, Deadline, Event, EventKind, Global, Local, Op, Timers
+from .symmetry import CACHE_LIMIT
 
 __all__ = ["Wire", "event_of"]
 

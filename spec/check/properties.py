@@ -1,4 +1,4 @@
-"""The checker's own properties of a step, beyond :mod:`rallypoint.spec.invariants`.
+"""The checker's own properties of a step, beyond :mod:`rallypoint.spec.model.invariants`.
 
 * **No missed wake-up** (:meth:`StepProperties.missed_wakeups`, the reason phases
   exist): a write that publishes no new phase leaves the decision of every node
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..core import (
+from ...core import (
     Decision,
     HeartbeatSighting,
     NodeDesc,
@@ -20,11 +20,11 @@ from ..core import (
     Wait,
     Write,
 )
-from ..core import driver as core_driver
-from .check_core import CoreStep, CoreSteps
-from .check_state import Age, Deadline, Global, Local, Op, Timers, node_of
-from .check_symmetry import CACHE_LIMIT
-from .lifecycle import Phase
+from ...core import driver as core_driver
+from ..model.lifecycle import Phase
+from .core_steps import CoreStep, CoreSteps
+from .state import Age, Deadline, Global, Local, Op, Timers, node_of
+from .symmetry import CACHE_LIMIT
 
 __all__ = ["StepProperties"]
 

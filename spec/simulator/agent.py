@@ -1,0 +1,454 @@
+"""A simulated agent (:class:`SimAgent`, one per node slot): what the handler and
+the agent do around the driver -- a node's process starting and stopping,
+starting operations, acting on an operation's end (Done) and on the monitor's
+Verdict, a training node's heartbeats and monitor passes -- and the executor of
+the node's :class:`~rallypoint.core.RendezvousNode`: it steps the node, carries
+each instruction out against the simulated backend as StateSync does, with the
+IO turned into events, and feeds the result back to the node."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ...core import (
+    Action,
+    Announce,
+    AnnounceResult,
+    Beat,
+    BeatResult,
+    ChargeRestartOp,
+    CloseOp,
+    Done,
+    ExcludeOp,
+    ExitOp,
+    JoinOp,
+    KeepAliveOp,
+    LeaveOp,
+    NodeDesc,
+    NodeInstruction,
+    Operator,
+    Read,
+    ReadResult,
+    RendezvousNode,
+    Settings,
+    Unreachable,
+    Verdict,
+    Wait,
+    WaitResult,
+    Write,
+    WriteResult,
+    keep_alive_period,
+)
+from ..model.lifecycle import Phase
+from .backend import Backend
+from .checks import Checks
+from .events import EventLoop
+from .node import SimNode, Task
+
+__all__ = ["AGENT_EVENTS", "SimAgent"]
+
+#: The events a node's agent handles (each by its method ``on_<kind>``).
+AGENT_EVENTS = ("arrive", "tick", "notify", "response", "retry", "wake", "request_timeout")
+
+
+class SimAgent:
+    """The agent and handler of one node slot, and the executor of its core.
+
+    Args:
+        node: the slot it drives (its clock, its core, its tokens).
+        loop: the run's event loop (its clock, random numbers, trace, report).
+        backend: the simulated backend its requests go to.
+        checks: what checks the joins that return.
+        settings: the rendezvous settings of the run.
+        by_desc: the simulated node of each current process (a restarted
+            process is entered under its new name).
+        on_instruction: called with ``(slot, instruction)`` for every
+            instruction the node is about to carry out.
+    """
+
+    def __init__(
+        self,
+        node: SimNode,
+        loop: EventLoop,
+        backend: Backend,
+        checks: Checks,
+        settings: Settings,
+        by_desc: dict[NodeDesc, SimNode],
+        on_instruction: Callable[[int, NodeInstruction], None] | None = None,
+    ) -> None:
+        self.node = node
+        self.loop = loop
+        self.backend = backend
+        self.checks = checks
+        self.settings = settings
+        self.config = loop.config
+        self.report = loop.report
+        self.stats = loop.report.stats[node.slot]
+        self._by_desc = by_desc
+        self._on_instruction = on_instruction
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def stop(self) -> None:
+        """The node's process stops: whatever it drives, waits for or trains ends
+        (its pending events are dropped)."""
+        node = self.node
+        node.alive = False
+        node.phase = Phase.DOWN
+        self._cancel()
+        node.ticks += 1
+        node.task = None
+        node.joined = None
+        node.queued_beat = node.queued_monitor = False
+
+    def _cancel(self) -> None:
+        """Forget the request, wait, watch or backoff in flight (their events are
+        dropped)."""
+        node = self.node
+        node.req += 1
+        node.waiting = False
+        node.mwait = False
+        self.backend.unwatch(node)
+
+    def on_arrive(self, data: Any) -> None:
+        """A process starts in the slot, if none runs there (after a crash or a
+        stop: a new one, with a new pid), and regroups: exit, then join."""
+        node = self.node
+        if node.alive or node.phase is Phase.CLOSED:
+            return
+        node.alive = True
+        if node.incarnation:
+            self._by_desc.pop(node.desc, None)
+            node.desc = NodeDesc(node.desc.addr, 1000 + node.incarnation, 0)
+            self._by_desc[node.desc] = node
+        node.incarnation += 1
+        node.core = RendezvousNode(node.desc, self.settings)
+        self.loop.log(node, f"starts as {node.desc}")
+        self._regroup()
+        self.drive()
+
+    def begin(self, op: Operator, deadline: float, phase: Phase, fresh: bool) -> None:
+        """Start an operation (StateSync.run): stop the heartbeats, the monitor and
+        whatever the node was doing; unless ``fresh``, the first decision reads."""
+        node = self.node
+        self._cancel()
+        node.ticks += 1
+        node.queued_beat = node.queued_monitor = False
+        node.task = Task.OP
+        node.core.start(op, node.local(self.loop.now), deadline, fresh=fresh)
+        node.phase = phase
+        node.losses = 0
+        node.leaving = False
+
+    def _regroup(self) -> None:
+        """The handler's next_rendezvous: exit the current round, then join."""
+        node = self.node
+        deadline = node.local(self.loop.now) + self.settings.join_timeout
+        self.begin(ExitOp(), deadline, Phase.JOINING, fresh=False)
+
+    # -- what the handler and the agent do with Done and Verdict -----------------------
+
+    def _done(self, done: Done) -> bool:
+        """Act on an operation's end; True: the node drives on (a next operation)."""
+        node = self.node
+        if node.task is Task.BEAT:
+            return self._idle()  # a failed keep-alive is only logged
+        op, action = node.op, done.action
+        if isinstance(op, (ChargeRestartOp, ExcludeOp)) and action is Action.FINISH:
+            if done.state.closed:
+                # The budget is spent (this charge closed it) or the job ended.
+                self.loop.log(node, f"{type(op).__name__} -> the rendezvous is closed: stops")
+                self._stop_closed()
+                return False
+            # Charged: leave the round, then join the next; excluded (out of its
+            # round already): join again, as a spare while excluded. Either
+            # decides on the view its write left (fresh).
+            after = ExitOp() if isinstance(op, ChargeRestartOp) else JoinOp()
+            self.begin(after, node.deadline, Phase.JOINING, fresh=True)
+            return True
+        if isinstance(op, (ExitOp, LeaveOp)) and action is Action.FINISH:
+            if node.leaving:
+                self.stop()
+                self.loop.at(self.loop.now + self.config.restart_delay, "arrive", node.slot)
+                return False
+            # next_rendezvous: the join decides on the exit's view (fresh).
+            self.begin(JoinOp(), node.deadline, Phase.JOINING, fresh=True)
+            return True
+        if isinstance(op, JoinOp) and action is Action.FINISH:
+            if done.rejoin:
+                self.loop.log(node, f"round {done.state.round} lost its rank 0: rejoins")
+                self.begin(ExitOp(), node.deadline, Phase.JOINING, fresh=False)
+                return True
+            self._joined(done)
+            return False
+        self.loop.log(node, f"{type(op).__name__} -> {action.name}")
+        if (action is Action.FINISH and isinstance(op, CloseOp)) or action in (
+            Action.ERROR_CLOSED,
+            Action.ERROR_GRACEFUL_EXIT,
+        ):
+            self._stop_closed()
+            return False
+        # ERROR_TIMEOUT: the agent gives up on this attempt and starts over.
+        self.report.timeouts += 1
+        self.stop()
+        self.loop.at(self.loop.now + self.config.restart_delay, "arrive", node.slot)
+        return False
+
+    def _stop_closed(self) -> None:
+        """The rendezvous is closed: the node stops for good."""
+        node = self.node
+        self.stop()
+        node.phase = Phase.CLOSED
+
+    def _joined(self, done: Done) -> None:
+        """The join returned: check agreement, then train (heartbeats and monitor)."""
+        node = self.node
+        joined = done.joined
+        assert joined is not None
+        self.loop.log(node, f"joined round {joined.round} as rank {joined.rank}")
+        self.checks.join_returned(node.desc, done, joined)
+        node.phase = Phase.TRAINING
+        node.joined = joined
+        node.task = None
+        node.next_beat = node.local(self.loop.now) + keep_alive_period(self.settings)
+        self._monitor_wait()
+
+    def _verdict(self, verdict: Verdict) -> bool:
+        """The agent's monitor: stop once the rendezvous is closed (elsewhere: the
+        budget spent, or the job ended), regroup on waiting nodes or lost
+        participants, else wait for the next phase (or monitor_interval) and
+        check again."""
+        node = self.node
+        if node.view.state.closed:
+            self.loop.log(node, "the rendezvous is closed: stops its workers")
+            self._stop_closed()
+            return False
+        if verdict.waiting or verdict.lost:
+            reason = "peer lost" if verdict.lost else "nodes waiting"
+            self.loop.log(node, f"re-rendezvous: {reason}")
+            self._regroup()
+            return True
+        self._monitor_wait()
+        return self._idle()
+
+    # -- training: heartbeats and the agent's monitor -----------------------------
+
+    def _monitor_wait(self) -> None:
+        """The agent's ``wait_for_change(monitor_interval)``: a phase watch on the
+        view's phase, and the monitor's timer."""
+        node = self.node
+        node.mwait = True
+        node.next_monitor = node.local(self.loop.now) + self.config.monitor_interval
+        self.backend.watch(node, node.view.state.phase)
+        self._schedule_tick()
+
+    def _end_monitor_wait(self) -> None:
+        """The monitor's wait ended (a phase, or its timer): a pass is due."""
+        node = self.node
+        node.mwait = False
+        self.backend.unwatch(node)
+        self.stats.wakeups += 1
+        node.queued_monitor = True
+        node.next_monitor = math.inf
+        self._schedule_tick()
+
+    def _schedule_tick(self) -> None:
+        node = self.node
+        node.ticks += 1  # one pending tick per node
+        due = min(node.next_beat, node.next_monitor)
+        if due < math.inf:
+            self.loop.at(node.global_time(due), "tick", node.slot, node.ticks, due)
+
+    def on_tick(self, due: float) -> None:
+        """A training timer is due (local time ``due``): fence if the lease ran
+        out, else queue the heartbeat or monitor pass it is for."""
+        node = self.node
+        if node.phase is Phase.TRAINING and node.core.must_fence(due):
+            # The agent's lease check: its workers stop, and it rejoins (it cannot
+            # reach the store to leave first).
+            self.report.fences += 1
+            self.loop.log(node, "lease ran out: fences (stops its workers) and rejoins")
+            self._regroup()
+            self.drive()
+            return
+        if node.next_beat <= due:
+            node.queued_beat = True
+            node.next_beat += keep_alive_period(self.settings)
+        if node.next_monitor <= due and node.mwait:
+            self._end_monitor_wait()
+        self._schedule_tick()
+        if node.task is None and self._idle():
+            self.drive()
+
+    def _idle(self) -> bool:
+        """A training node's task ended: start a queued one. True: drive it now."""
+        node = self.node
+        node.task = None
+        if node.queued_beat:
+            # The handler's heartbeat loop: KeepAliveOp on the current view (fresh).
+            node.queued_beat = False
+            node.task = Task.BEAT
+            now = node.local(self.loop.now)
+            node.core.start(KeepAliveOp(), now, now + self.settings.heartbeat_timeout, fresh=True)
+            node.losses = 0
+            return True
+        if node.queued_monitor:
+            # The agent's num_nodes_waiting / dead_participants (StateSync.monitor):
+            # the view is stale, so the driver's monitor reads first (with the
+            # counters when they are due).
+            node.queued_monitor = False
+            node.task = Task.MONITOR
+            node.losses = 0
+            node.core.watch(node.joined)
+            return True
+        return False
+
+    # -- carrying out instructions ---------------------------------------------------
+
+    def drive(self) -> None:
+        """Decide and carry out instructions until one needs the backend or time
+        (StateSync._drive, with the IO turned into events)."""
+        node = self.node
+        report = self.report
+        stats = self.stats
+        while node.task is not None:
+            instruction = node.core.next(node.local(self.loop.now))
+            report.node_steps += 1
+            stats.steps += 1
+            if self._on_instruction is not None:
+                self._on_instruction(node.slot, instruction)
+            if type(instruction) is Read:
+                data = (instruction.counters, instruction.intents, instruction.state)
+                self._request("backend_read", data)
+                return
+            if type(instruction) is Write:
+                if instruction.action is not None or instruction.dead:
+                    what = "publish" if instruction.action is None else instruction.action.name
+                    self.loop.log(node, f"{self._task_name()} -> {what}")
+                self._request("backend_cas", (node.core.token, instruction))
+                return
+            if type(instruction) is Beat:
+                self._request("backend_beat")
+                return
+            if type(instruction) is Announce:
+                self._request("backend_announce", instruction.round)
+                return
+            if type(instruction) is Wait:
+                self._wait(instruction.until, instruction.phase, node.local(self.loop.now))
+                return
+            if type(instruction) is Done:
+                if not self._done(instruction):
+                    return
+                continue
+            assert type(instruction) is Verdict
+            if not self._verdict(instruction):
+                return
+
+    def _task_name(self) -> str:
+        node = self.node
+        return "monitor" if node.task is Task.MONITOR else type(node.op).__name__
+
+    def _request(self, kind: str, data: Any = None) -> None:
+        node = self.node
+        node.req += 1
+        if node.partitioned:
+            self.loop.at(
+                self.loop.now + self.config.request_timeout, "request_timeout", node.slot, node.req
+            )
+            return
+        self.loop.at(self.loop.now + self.loop.delay(), kind, node.slot, node.req, data)
+
+    def _wait(self, until: float | None, phase: int, now: float) -> None:
+        """StateSync._wait: wait_for_phase(phase), with a wake at ``until`` (just
+        past it) or after poll_interval, whichever comes first."""
+        node = self.node
+        timeout = self.config.poll_interval
+        if until is not None:
+            timeout = min(timeout, max(0.0, until - now) + self.config.wake_epsilon)
+        node.req += 1
+        node.waiting = True
+        self.loop.at(node.global_time(now + timeout), "wake", node.slot, node.req)
+        self.backend.watch(node, phase)
+
+    def _end_wait(self) -> None:
+        node = self.node
+        node.waiting = False
+        node.req += 1  # drop the other of notification and wake
+        self.backend.unwatch(node)
+        self.stats.wakeups += 1
+        node.core.feed(WaitResult(), node.local(self.loop.now))
+
+    def on_notify(self, data: Any) -> None:
+        """A phase above the watched one was published: a Wait or the
+        monitor's wait ends."""
+        node = self.node
+        node.watch_q = None
+        self.stats.notifications += 1
+        if node.waiting:
+            self._end_wait()
+            self.drive()
+        elif node.mwait:
+            self._end_monitor_wait()
+            if node.task is None and self._idle():
+                self.drive()
+
+    # -- results coming back -------------------------------------------------------------
+
+    def on_response(self, data: Any) -> None:
+        """The backend answered the request in flight: feed the result to the
+        core (a lost compare-and-set backs off first) and drive on."""
+        node = self.node
+        now = node.local(self.loop.now)
+        what = data[0]
+        if what == "read":
+            # (state None: Read(state=False), the node keeps its state and token)
+            _, state, version, side, log = data
+            node.core.feed(ReadResult(state, version, side, log), now)
+        elif what == "cas":
+            _, won, stored, version, _write = data
+            node.core.feed(WriteResult(won, stored, version), now)
+            if not won:
+                node.losses += 1
+                # StateSync's jittered, capped exponential backoff before deciding again.
+                cap = min(self.config.max_backoff, 0.001 * 2 ** min(node.losses, 16))
+                self.loop.at(
+                    self.loop.now + self.loop.rng.uniform(0, cap), "retry", node.slot, node.req
+                )
+                return
+            node.losses = 0
+        elif what == "announce":
+            node.core.feed(AnnounceResult(), now)
+        else:  # a beat
+            node.core.feed(BeatResult(data[1]), now)
+        self.drive()
+
+    def on_retry(self, data: Any) -> None:
+        """The backoff after a lost compare-and-set is over: decide again."""
+        self.drive()
+
+    def on_wake(self, data: Any) -> None:
+        """A Wait's timer ran out before any notification."""
+        node = self.node
+        if not node.waiting:
+            return
+        self._end_wait()
+        self.drive()
+
+    def on_request_timeout(self, data: Any) -> None:
+        """The request in flight was lost (the node is partitioned)."""
+        node = self.node
+        self.stats.timeouts += 1
+        self.loop.log(node, "request timed out")
+        if node.task is Task.OP:
+            # An operation retries (StateSync within its retry window): read again.
+            node.core.feed(Unreachable(), node.local(self.loop.now))
+            self.drive()
+            return
+        if node.task is Task.MONITOR:
+            # The agent's monitor pass failed: it waits and checks again.
+            self._monitor_wait()
+        # A heartbeat or monitor pass gives up until its next tick.
+        if self._idle():
+            self.drive()
