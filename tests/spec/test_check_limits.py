@@ -42,6 +42,7 @@ def test_a_memory_limit_stops_the_search_with_its_figures(workers: int) -> None:
     assert f"more than max_memory={TINY_GIB:g} GiB" in result.summary()
 
 
+@pytest.mark.slow
 def test_a_memory_limit_not_reached_changes_nothing() -> None:
     limited, unlimited = check(CheckConfig(nodes=2, max_memory=1000.0)), check(TWO)
     assert limited.complete and limited.stopped_by is None
@@ -135,6 +136,7 @@ def test_memos_cleared_at_every_few_entries_search_the_same_space(
     )
 
 
+@pytest.mark.slow
 def test_the_live_line_shows_the_memory_the_search_holds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

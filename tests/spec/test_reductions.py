@@ -66,6 +66,7 @@ def _without_local_normal_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Symmetry, "_normal_locals", unchanged)
 
 
+@pytest.mark.slow
 def test_finished_nodes_and_forgotten_crashes_lose_no_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -139,6 +140,7 @@ def _checking_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Steps, "plan", every_time)
 
 
+@pytest.mark.slow
 def test_checking_once_explores_what_checking_every_time_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -236,6 +238,7 @@ def _changes_judged(monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, ...]]:
     return judged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [CRASHING, SMALL], ids=["crashing", "small"])
 def test_conforming_once_judges_every_change_conforming_every_step_does(
     monkeypatch: pytest.MonkeyPatch, config: CheckConfig
@@ -281,6 +284,7 @@ def test_a_declared_dead_change_the_model_refuses_is_found(
         assert any("training --declared_dead-->" in p for p in result.violation.problems)
 
 
+@pytest.mark.slow
 def test_plans_make_the_successors_the_step_rules_make() -> None:
     checker, result, states = _search(CRASHING)
     assert result.ok
@@ -300,6 +304,7 @@ def test_plans_make_the_successors_the_step_rules_make() -> None:
     assert compared > 10_000
 
 
+@pytest.mark.slow
 def test_fingerprints_tell_states_apart_exactly_up_to_relabelling() -> None:
     """A state's fingerprint and representative are those of each of its
     relabellings (ties in the slots' signatures included: the initial state's
@@ -338,6 +343,7 @@ def test_one_construction_paths_build_what_the_constructors_build() -> None:
     assert Guards._fields[-3:] == ("announced", "excluded", "all_back")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [CRASHING, SMALL], ids=["crashing", "small"])
 def test_subsumption_steps_fewer_states_and_loses_none(config: CheckConfig) -> None:
     """Every state the search without subsumption steps has a stand-in (itself,

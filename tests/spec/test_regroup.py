@@ -147,6 +147,7 @@ def test_a_newcomer_a_waiter_or_a_spare_keeps_the_last_call():
 # -- the checker and the simulator ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_checker_explores_leaving_for_good_without_violation():
     result = check(dataclasses.replace(SMALL, leaves=True))
     assert result.complete and result.violation is None, result.summary()
@@ -168,6 +169,7 @@ def test_a_planted_restart_storm_is_found_by_the_checker_and_the_simulator(
     assert any("wait beside full complete round" in p or "still waiting" in p for p in found)
 
 
+@pytest.mark.slow
 def test_a_regroup_that_waits_out_its_last_call_is_found_by_the_checker(
     monkeypatch: pytest.MonkeyPatch,
 ):

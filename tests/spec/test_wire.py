@@ -37,6 +37,7 @@ def _states(config: CheckConfig) -> list[Global]:
     return states
 
 
+@pytest.mark.slow
 def test_every_state_and_event_of_a_search_crosses_the_wire_unchanged() -> None:
     checker = Checker(SPACE)
     states = _states(SPACE)
