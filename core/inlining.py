@@ -154,13 +154,26 @@ def _expanded(
         for node in ast.walk(definition)
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
     }
-    renamed = _Renamed(local, prefix)
+    assigned = {
+        node.id
+        for node in ast.walk(definition)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
+    }
+    # A parameter the rule never assigns, passed a name or a constant, is read in
+    # place; any other argument is evaluated once into a fresh local.
+    direct: dict[str, ast.expr] = {
+        param: argument
+        for param, argument in zip(params, arguments, strict=True)
+        if param not in assigned and isinstance(argument, (ast.Name, ast.Constant))
+    }
+    renamed = _Renamed(local - direct.keys(), prefix, direct)
     body = [renamed.visit(statement) for statement in definition.body]
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]  # the docstring
     bound: list[ast.stmt] = [
         ast.Assign([ast.Name(prefix + param, ast.Store())], argument)
         for param, argument in zip(params, arguments, strict=True)
+        if param not in direct
     ]
     if target is None:
         if not _always_returns(body):
@@ -171,10 +184,12 @@ def _expanded(
 
 
 class _Renamed(ast.NodeTransformer):
-    def __init__(self, names: set[str], prefix: str) -> None:
-        self.names, self.prefix = names, prefix
+    def __init__(self, names: set[str], prefix: str, direct: dict[str, ast.expr]) -> None:
+        self.names, self.prefix, self.direct = names, prefix, direct
 
-    def visit_Name(self, node: ast.Name) -> ast.Name:
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        if node.id in self.direct:
+            return copy.deepcopy(self.direct[node.id])
         return ast.Name(self.prefix + node.id, node.ctx) if node.id in self.names else node
 
 
