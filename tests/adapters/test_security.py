@@ -350,7 +350,7 @@ def test_c10d_host_on_an_address_not_of_this_host_fails_at_once() -> None:
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match="not an address of this host"):
         create_handler(params)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 20  # at once, not at the join timeout (60 s)
 
 
 @pytest.mark.parametrize(

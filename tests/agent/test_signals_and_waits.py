@@ -113,7 +113,7 @@ def _finish(proc: subprocess.Popen[str], within: float) -> tuple[int, str, float
     return proc.returncode, err, time.monotonic() - started
 
 
-# --- item 5: signals while blocked in a store call --------------------------------
+# --- signals while blocked in a store call -----------------------------------------
 
 
 def test_sigint_while_connecting_to_a_c10d_store_exits_130_at_once(
@@ -165,7 +165,7 @@ def test_an_unknown_master_addr_exits_2_at_once_before_the_store_is_opened(
     assert not any((tmp_path / "logs").glob("*"))  # nothing was started
 
 
-# --- item 6: waits bounded by what the user set ------------------------------------
+# --- waits bounded by what the user set --------------------------------------------
 
 
 def test_a_port_held_by_a_silent_server_fails_within_read_timeout(
@@ -179,7 +179,7 @@ def test_a_port_held_by_a_silent_server_fails_within_read_timeout(
     with pytest.raises(RendezvousConnectionError, match="did not answer as a c10d store"):
         create_handler(params)
     assert silent_server.accepted.is_set()
-    assert time.monotonic() - started < 3 + 5
+    assert time.monotonic() - started < 3 + 20  # read_timeout, not join_timeout (60 s)
 
 
 def test_an_unreachable_store_fails_within_join_timeout_in_one_line(

@@ -145,8 +145,8 @@ def test_c10d_state_value_that_is_not_a_state_fails_at_once(tcp_server: TCPStore
     sync = StateSync(backend, node(0), settings(1, 1))
     started = time.monotonic()
     with pytest.raises(RendezvousStateError) as caught:
-        sync.run(JoinOp(), time.monotonic() + 5)
-    assert time.monotonic() - started < 2
+        sync.run(JoinOp(), time.monotonic() + 60)
+    assert time.monotonic() - started < 20  # at once, not at the deadline
     assert "rallypoint/junk/state" in str(caught.value)
     assert isinstance(caught.value, core_errors.RendezvousStateError)
 
@@ -229,7 +229,7 @@ def test_every_reachable_state_decodes_under_its_settings(run) -> None:  # type:
 
 def test_a_state_with_a_participant_but_no_heartbeat_fails_the_join_at_once() -> None:
     """Such a state used to be accepted; agents waited out the join timeout."""
-    s = _quick_settings("stall", 2, 2, join_timeout=30.0)
+    s = _quick_settings("stall", 2, 2, join_timeout=60.0)
     state = joined([node(1)], s)
     backend = MemoryBackend("stall")
     doc = _doc(state)
@@ -238,8 +238,8 @@ def test_a_state_with_a_participant_but_no_heartbeat_fails_the_join_at_once() ->
     sync = StateSync(backend, node(0), s)
     started = time.monotonic()
     with pytest.raises(RendezvousStateError, match="has no heartbeat entry"):
-        sync.run(JoinOp(), time.monotonic() + 30)
-    assert time.monotonic() - started < 2
+        sync.run(JoinOp(), time.monotonic() + 60)
+    assert time.monotonic() - started < 20  # at once, not at the join timeout
 
 
 # --- 3. nodes that disagree on their settings -----------------------------------------
