@@ -10,7 +10,7 @@ Phase two: an agent that saw ``done`` closes the rendezvous (the job is over;
 closing a closed one costs a read), counts itself out, then waits until all have.
 Whichever agent hosts the store therefore stays until every agent has seen
 ``done`` and closed: none of them then finds the store gone and logs a failed
-close (issue 12, point 6); once counted out, a vanished store is harmless.
+close; once counted out, a vanished store is harmless.
 
 A job that ends in failure ends the same way, shorter: the agent that gave up and
 closed the rendezvous waits (bounded) until the round's other agents have seen
