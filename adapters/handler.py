@@ -366,7 +366,7 @@ class RallypointHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Nodes in the wait list (after removing the ones this node sees dead).
         Reads the backend at most every ``cache_duration`` seconds."""
-        return self._sync.monitor(self._joined, self.cache_duration).waiting
+        return self._sync.watch(self._joined, self.cache_duration).waiting
 
     def must_fence(self) -> bool:
         """Whether this node's workers must stop now: it has not renewed its
@@ -383,7 +383,7 @@ class RallypointHandler(RendezvousHandler):
         most every ``cache_duration`` seconds."""
         if self._joined is None:
             return frozenset()
-        return self._sync.monitor(self._joined, self.cache_duration).lost
+        return self._sync.watch(self._joined, self.cache_duration).lost
 
     def leave(self) -> None:
         """Leave the current round now (an agent stopping on a signal or a

@@ -189,7 +189,7 @@ class StateSync:
         on_instruction: called with every instruction before it is carried out
             (tracing, and the conformance tests).
 
-    Thread-safe: one operation (or monitor pass) drives the node at a time; the
+    Thread-safe: one operation (or watch pass) drives the node at a time; the
     node is stepped under a lock that is never held while waiting on the backend,
     so queries (:meth:`must_fence`, :attr:`view`) answer meanwhile.
     """
@@ -406,9 +406,9 @@ class StateSync:
         assert isinstance(done, Done)
         return done
 
-    def monitor(self, joined: Membership | None, max_age: float = 0.0) -> Verdict:
+    def watch(self, joined: Membership | None, max_age: float = 0.0) -> Verdict:
         """What a node whose workers run in ``joined`` must act on (see
-        :func:`rallypoint.core.driver.monitor`), on a view at most ``max_age``
+        :func:`rallypoint.core.driver.watch`), on a view at most ``max_age``
         seconds old.
 
         Raises:

@@ -14,7 +14,7 @@ next round. This module holds the loop; its parts live beside it:
 
 * :mod:`.ranks`: the rank agreement through the round's store (:class:`Assignment`);
 * :mod:`.worker_specs`: each worker's environment, command and log files;
-* :mod:`.monitor`: watching a round (:class:`RoundOutcome`) and the group;
+* :mod:`.group_watch`: watching a round (:class:`RoundOutcome`) and the group;
 * :mod:`.charging`: whether a failure spends a restart (:class:`RestartBudget`);
 * :mod:`.exit_barrier`: finishing together;
 * :mod:`.lease`: stopping the workers once this node's lease runs out;
@@ -46,10 +46,10 @@ from .config import LaunchConfig
 from .errors import AgentError, ProcessFailure
 from .events import EventKind, EventRecorder
 from .exit_barrier import acknowledge_close, exit_barrier, wait_for_acknowledgements
+from .group_watch import GroupWatch, RoundOutcome
 from .handover import LiveWorkers
 from .lease import LeaseGuard, fence_grace
 from .logs import EventLog, StartedWorker, make_log_root
-from .monitor import GroupWatch, RoundOutcome
 from .ranks import Assignment, RoundAbandoned, agree_ranks, choose_master
 from .recovery import Recovery
 from .rendezvous import HandlerView
@@ -72,7 +72,7 @@ _CLOSED_BEFORE_REJOINING = "(the job finished or gave up) before this node could
 
 class AgentState(enum.Enum):
     """How an agent's run ended (how one round ended is
-    :class:`rallypoint.agent.monitor.RoundOutcome`)."""
+    :class:`rallypoint.agent.group_watch.RoundOutcome`)."""
 
     SUCCEEDED = "succeeded"
     FAILED = "failed"

@@ -25,7 +25,7 @@ import time
 
 from torch.distributed import Store
 
-from .monitor import GroupWatch
+from .group_watch import GroupWatch
 from .ranks import KEY_PREFIX, Assignment
 from .signals import SignalReceived
 

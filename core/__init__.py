@@ -31,7 +31,7 @@ the operation's deadline (:attr:`RendezvousNode.deadline`; a won ``Write`` may m
 it: a redundant node that becomes a joiner starts a fresh join timeout): an executor
 that cannot reach the store gives up once it passed. Keep-alive (a ``KeepAliveOp``
 pass every quarter keep-alive interval, answering ``Beat`` when one is due) and
-watching the round (``driver.monitor``: side counters read when due, dead peers
+watching the round (``driver.watch``: side counters read when due, dead peers
 published, a ``Verdict`` the node turns into ``Regroup``; a lease run out answers
 ``Regroup(fenced=True)``) are instructions the node asks for while it is a member;
 ``Verdict`` reaches the caller only from :meth:`RendezvousNode.watch`, for an agent
@@ -41,7 +41,7 @@ documents what each instruction obliges the caller to do and in which order;
 executors of it (asyncio, threads).
 
 Underneath, :mod:`rallypoint.core.driver` is the node's loop as pure functions
-(``decide``, ``monitor``, ``after_*``) on a :class:`NodeView`; the decisions under
+(``decide``, ``watch``, ``after_*``) on a :class:`NodeView`; the decisions under
 it (operators, :func:`apply`, :func:`observe`, :func:`sanitize`) are public for
 tests that study one decision. The shared state never holds a clock value, so clock
 skew between hosts cannot kill live nodes. Store the state as :func:`encode_state`
@@ -74,8 +74,8 @@ from .driver import (
     after_wait,
     after_write,
     decide,
-    monitor,
     phase_of,
+    watch,
 )
 from .errors import (
     InvalidTransitionError,
@@ -199,11 +199,11 @@ __all__ = [
     "join_row",
     "keep_alive_due",
     "keep_alive_period",
-    "monitor",
     "observe",
     "observe_own",
     "phase_of",
     "sanitize",
     "shared_settings_differences",
     "wake_at",
+    "watch",
 ]

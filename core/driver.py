@@ -2,7 +2,7 @@
 
 An adapter, the simulator and the model checker all run a node the same way: they
 hold its :class:`NodeView` (what it last read, and when it saw what), ask
-:func:`decide` (or :func:`monitor`, for a node whose workers run) for the next
+:func:`decide` (or :func:`watch`, for a node whose workers run) for the next
 :class:`Instruction`, carry it out, and feed the result back with
 :func:`after_read`, :func:`after_write`, :func:`after_beat`, :func:`after_announce`
 or :func:`after_wait`, which update the view. Carrying out is IO, clocks, threads
@@ -19,7 +19,7 @@ and backoff; every decision is made here (etcd-io/raft's ``Ready``, dask's
     Wait(until, phase)  block until a phase above ``phase`` is published or local
                      time ``until`` (None: only a phase), then after_wait()
     Done(action)     the operation is over: FINISH or an ERROR_* action
-    Verdict(...)     (monitor only) what the agent must know: waiting nodes, and
+    Verdict(...)     (watch only) what the agent must know: waiting nodes, and
                      the participants of its round that are gone
 
 The rules that make the loop safe and cheap, decided here and nowhere else:
@@ -111,9 +111,9 @@ __all__ = [
     "after_wait",
     "after_write",
     "decide",
-    "monitor",
     "must_fence",
     "phase_of",
+    "watch",
 ]
 
 
@@ -215,7 +215,7 @@ class Done(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    """What a node whose workers run must act on (see :func:`monitor`).
+    """What a node whose workers run must act on (see :func:`watch`).
 
     ``waiting``: nodes in the wait list; ``lost``: participants of the node's round
     that left it or were declared dead (the node itself when it was removed).
@@ -249,7 +249,7 @@ class Decision(NamedTuple):
     @classmethod
     def of(cls, instruction: Instruction, view: NodeView) -> Decision:
         """The decision that gave ``instruction``, from the record of it that
-        :func:`decide` or :func:`monitor` left in ``view``."""
+        :func:`decide` or :func:`watch` left in ``view``."""
         assert view.decided_on is not None, "the view has decided nothing yet"
         return _built(cls, (instruction, view.decided_action, view.decided_on, view.declared_dead))
 
@@ -264,7 +264,7 @@ class NodeView:
 
     A view belongs to the one node it is driven for, and changes in place: the
     ``after_*`` functions update its knowledge and return it; :func:`decide` and
-    :func:`monitor` write in it what they decided on (``decided_*``, for
+    :func:`watch` write in it what they decided on (``decided_*``, for
     :meth:`Decision.of`) and the last removal of dead peers they judged (a memo),
     and change nothing else; :func:`must_fence` only reads it. (Views change on
     every read and write of every node: setting the few fields that moved costs a
@@ -895,7 +895,7 @@ def decide(
     return _write(view, node, settings, op, action, sanitized, dead, now)
 
 
-def monitor(
+def watch(
     view: NodeView,
     node: NodeDesc,
     settings: Settings,

@@ -417,7 +417,7 @@ class RendezvousNode:
                     self.view, self.desc, self.settings, self.op, self.deadline, now
                 )
             elif task == _WATCH:
-                instruction = driver.monitor(self.view, self.desc, self.settings, self._joined, now)
+                instruction = driver.watch(self.view, self.desc, self.settings, self._joined, now)
             else:
                 instruction = self._member_next(now)
             if type(instruction) is Write:

@@ -11,7 +11,7 @@ What is simulated:
 * **Nodes** run the core's driver (:mod:`rallypoint.core.driver`) exactly as the
   production executor (:class:`rallypoint.adapters.sync.StateSync`, driven by the
   handler and the agent) does; the simulator decides nothing itself. It asks
-  ``driver.decide`` (or ``driver.monitor``) for the next instruction, carries it
+  ``driver.decide`` (or ``driver.watch``) for the next instruction, carries it
   out against the simulated backend, and feeds the result back with the
   ``after_*`` functions (looked up on the module at every call, so that a test can
   plant a bug in them)::
@@ -44,7 +44,7 @@ What is simulated:
   the keep-alive operator on its current view without re-reading (usually Done
   or a Beat at once); and the agent's monitor loop waits for a phase above its view's (the handler's
   ``wait_for_change``) or ``monitor_interval``, whichever comes first, then reads
-  the state with the counters and runs ``driver.monitor`` until a Verdict, and
+  the state with the counters and runs ``driver.watch`` until a Verdict, and
   waits again; waiting nodes or lost participants make it re-rendezvous (exit,
   then join). A node has one request in flight at a time: a tick that finds it
   busy is queued until the current task ends (the monitor's phase watch runs

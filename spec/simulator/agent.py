@@ -295,7 +295,7 @@ class SimAgent:
             node.losses = 0
             return True
         if node.queued_monitor:
-            # The agent's num_nodes_waiting / dead_participants (StateSync.monitor):
+            # The agent's num_nodes_waiting / dead_participants (StateSync.watch):
             # the view is stale, so the driver's monitor reads first (with the
             # counters when they are due).
             node.queued_monitor = False

@@ -508,18 +508,18 @@ def test_the_time_the_backend_was_unreachable_is_not_held_against_the_peers(
     now = [0.0]
     sync = StateSync(backend, node(0), s, clock=lambda: now[0])
     joined = Membership(state.round, 0, 2, state.participants)
-    assert sync.monitor(joined).lost == frozenset()
+    assert sync.watch(joined).lost == frozenset()
     now[0] = 1.5  # the counters are due: node(1)'s is sighted
-    assert sync.monitor(joined).lost == frozenset()
+    assert sync.watch(joined).lost == frozenset()
     # Ten seconds pass in which node(1) beats nowhere: the backend was unreachable
     # for everybody (it went down and came back), or it was not.
     if outage:
         backend.outages += 2
     now[0] = 10.0
-    lost = sync.monitor(joined).lost
+    lost = sync.watch(joined).lost
     if not outage:
         assert lost == {node(1)}  # a silence of 10 s, with the backend up: dead
         return
     assert lost == frozenset()  # timed afresh from the first read after the outage
     now[0] = 10.0 + 2 * s.liveness_window
-    assert sync.monitor(joined).lost == {node(1)}  # still silent after it: dead
+    assert sync.watch(joined).lost == {node(1)}  # still silent after it: dead

@@ -24,9 +24,9 @@ from torch.distributed import HashStore
 from rallypoint.agent.charging import RestartBudget
 from rallypoint.agent.config import LaunchConfig
 from rallypoint.agent.exit_barrier import exit_barrier
+from rallypoint.agent.group_watch import GroupWatch, RoundOutcome
 from rallypoint.agent.lease import LeaseGuard, fence_grace
 from rallypoint.agent.logs import EventStatus
-from rallypoint.agent.monitor import GroupWatch, RoundOutcome
 from rallypoint.agent.ranks import Assignment, RoundAbandoned, agree_ranks, assign_ranks
 from rallypoint.agent.rendezvous import HandlerView
 from rallypoint.agent.worker_specs import ROUND_ENV, return_files, worker_launches

@@ -48,8 +48,8 @@ from rallypoint.core import (
     decide,
     driver,
     heartbeat_of,
-    monitor,
     phase_of,
+    watch,
 )
 from rallypoint.core.driver import _VIEW_SLOTS
 
@@ -61,7 +61,7 @@ def _counters(state: RendezvousState, value: int = 0) -> dict:
 
 
 def _decision(decider, view: NodeView, *args) -> Decision:  # type: ignore[no-untyped-def]
-    """What ``decider`` (decide or monitor) decides on ``view``, and on what."""
+    """What ``decider`` (decide or watch) decides on ``view``, and on what."""
     return Decision.of(decider(view, *args), view)
 
 
@@ -103,8 +103,8 @@ def test_due_counters_are_read_even_on_a_view_that_is_not_stale() -> None:
     membership = decide(view, node(0), S, JoinOp(), FAR, 0.0).joined
     # re-read without counters at 1.4: fresh, but its counters were read at 0
     refreshed = after_read(view, node(0), state, None, 1.4)
-    assert monitor(refreshed, node(0), S, membership, 1.5) == Verdict(0, frozenset())
-    assert monitor(refreshed, node(0), S, membership, 1.6) == Read(True)
+    assert watch(refreshed, node(0), S, membership, 1.5) == Verdict(0, frozenset())
+    assert watch(refreshed, node(0), S, membership, 1.6) == Read(True)
     assert decide(refreshed, node(0), S, KeepAliveOp(), FAR, 1.6) == Read(True)
 
 
@@ -323,10 +323,10 @@ def test_a_redundant_node_that_becomes_a_joiner_gets_a_fresh_deadline() -> None:
 def test_monitor_reports_waiting_nodes_and_lost_participants() -> None:
     state = joined([node(0), node(1), node(2)], S)
     membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).joined
-    assert monitor(_view(state), node(0), S, membership, 0.0) == Verdict(0, frozenset())
+    assert watch(_view(state), node(0), S, membership, 0.0) == Verdict(0, frozenset())
     left = step(state, node(2), Action.REMOVE_FROM_PARTICIPANTS, S)
     waiting = step(left, node(3), Action.ADD_TO_WAIT_LIST, S)
-    verdict = monitor(_view(waiting), node(0), S, membership, 0.0)
+    verdict = watch(_view(waiting), node(0), S, membership, 0.0)
     assert verdict == Verdict(1, frozenset({node(2)}))
 
 
@@ -336,10 +336,10 @@ def test_monitor_publishes_a_dead_participant_then_reports_it_lost() -> None:
     assert membership is not None
     # node(0) and node(2) moved at t=5, node(1) stood still since t=0.
     view = after_read(_view(state), node(0), state, {node(0): 3, node(1): 0, node(2): 4}, 5.0)
-    d = _decision(monitor, view, node(0), S, membership, 5.0)
+    d = _decision(watch, view, node(0), S, membership, 5.0)
     assert isinstance(d.instruction, Write) and d.instruction.dead == {node(1)}
     after = after_write(view, node(0), True, d.instruction.state, 5.0)
-    verdict = monitor(after, node(0), S, membership, 5.0)
+    verdict = watch(after, node(0), S, membership, 5.0)
     assert verdict == Verdict(0, frozenset({node(1)}))
 
 
@@ -348,7 +348,7 @@ def test_monitor_of_a_round_that_moved_on_loses_everyone() -> None:
     membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).joined
     later = state.evolve(round=1, complete=False, world_size=0, participants=Map())
     later = later.evolve(heartbeats=Map({node(0): 1}))
-    verdict = monitor(_view(later), node(0), S, membership, 0.0)
+    verdict = watch(_view(later), node(0), S, membership, 0.0)
     assert verdict == Verdict(0, membership.members)
 
 
@@ -419,13 +419,13 @@ def test_decide_reads_first_exactly_when_the_counters_are_due_or_the_view_is_sta
 def test_decide_changes_nothing_in_the_view_but_the_record_of_the_decision(
     node_view, s, now, deadline, leaving
 ):
-    """decide and monitor only read the view, and leave in it what they decided on
+    """decide and watch only read the view, and leave in it what they decided on
     (Decision.of): a copy taken before compares equal after, field by field."""
     node, view = node_view
     op = ExitOp() if leaving else JoinOp()
     for decider in (
         lambda: decide(view, node, s, op, deadline, now),
-        lambda: driver.monitor(view, node, s, None, now),
+        lambda: driver.watch(view, node, s, None, now),
     ):
         before = view.copy()
         try:
@@ -489,17 +489,17 @@ def test_a_view_whose_peers_moved_at_the_same_instant_is_judged_afresh():
     view = after_read(NodeView(), me, state, {moved: 0, silent: 0}, 0.0)
     now = s.liveness_window + 1  # both peers silent since 0, the counters read now
     after_read(view, me, state, {moved: 0, silent: 0}, now)
-    driver.monitor(view, me, s, None, now)
+    driver.watch(view, me, s, None, now)
     assert view.declared_dead == {moved, silent}
     after_read(view, me, state, {moved: 1, silent: 0}, now)
-    driver.monitor(view, me, s, None, now)
+    driver.watch(view, me, s, None, now)
     assert view.declared_dead == {silent}
 
 
 def _monitored(view: NodeView, node: NodeDesc, s: Settings, now: float):  # type: ignore[no-untyped-def]
-    """monitor's decision, or the error it raised (see _outcome)."""
+    """watch's decision, or the error it raised (see _outcome)."""
     try:
-        return Decision.of(driver.monitor(view, node, s, None, now), view)
+        return Decision.of(driver.watch(view, node, s, None, now), view)
     except Exception as error:  # compared below, not swallowed
         return type(error), str(error)
 

@@ -1,6 +1,6 @@
 """RendezvousNode: the one entry point. A pure executor here (a dict store, a shared
 simulated clock, no IO) steps nodes as an embedder would, knowing nothing of the
-keep-alive cadence, KeepAliveOp or monitor: the node asks for all of it."""
+keep-alive cadence, KeepAliveOp or a watch of its round: the node asks for all of it."""
 
 from __future__ import annotations
 

@@ -327,7 +327,7 @@ def run_state_sync(node: NodeDesc) -> tuple[list[Instruction], RendezvousState]:
                 if check:
                     # max_age=0: a fresh read with the counters, as the simulated
                     # agent reads (no other read happens at the same instant here).
-                    verdict = sync.monitor(joined, max_age=0.0)
+                    verdict = sync.watch(joined, max_age=0.0)
                     if verdict.waiting or verdict.lost:
                         joined = next_rendezvous().joined
                         next_beat = backend.clock() + quarter
