@@ -56,7 +56,7 @@ from immutables import Map
 
 from . import operators as _operators
 from .actions import _RESETTING_DEADLINE, _TERMINAL, Action, _apply, apply
-from .inlining import inlining
+from .codegen import CompiledForms, current_form, inlining, run_source
 from .liveness import (
     _fence_due,
     _last_call_seen,
@@ -74,9 +74,7 @@ from .operators import (
     JoinOp,
     Operator,
     _beat_due,
-    _CompiledTable,
     _exit_answer,
-    _generated,
     _wake_at,
     everyone_back,
 )
@@ -585,11 +583,11 @@ def _compile_phase(parts: tuple[str, ...]) -> tuple[_PhaseOf, _SamePhase]:
     for part in parts:
         source += f"    if ({of('a', part)}) != ({of('b', part)}):\n        return False\n"
     source += "    return True\n"
-    rules = _generated(source, "<PHASE_PARTS>", {"everyone_back": everyone_back})
+    rules = run_source(source, "<PHASE_PARTS>", {"everyone_back": everyone_back})
     return rules["phase_of"], rules["same_phase"]
 
 
-_PHASE_FORMS: _CompiledTable[tuple[str, ...], tuple[_PhaseOf, _SamePhase]] = _CompiledTable(
+_PHASE_FORMS: CompiledForms[tuple[str, ...], tuple[_PhaseOf, _SamePhase]] = CompiledForms(
     _compile_phase
 )
 
@@ -617,6 +615,7 @@ def phase_of(state: RendezvousState, settings: Settings) -> tuple[object, ...]:
 _phase_rules()  # (parts that do not compile fail the import)
 
 
+@inlining(current_form)
 def _phased(
     new: RendezvousState,
     base: RendezvousState,
@@ -631,9 +630,8 @@ def _phased(
     :data:`PHASE_PARTS`. ``made``: ``new`` was made for this write and nobody else
     holds it (see :meth:`RendezvousState._phase_set`)."""
     phase = None
-    forms = _PHASE_FORMS
-    same_phase = (forms.form if PHASE_PARTS is forms.table else _phase_rules())[1]
-    if not same_phase(new, base, settings):
+    rules = current_form(_PHASE_FORMS, PHASE_PARTS)
+    if not rules[1](new, base, settings):
         phase = base.phase + 1
         new = new._phase_set(phase) if made else new._derive({"phase": phase})
     return _built(Write, (new, action, dead, phase, deadline, admitted))
@@ -841,7 +839,7 @@ def _done(node: NodeDesc, op: Operator, action: Action, state: RendezvousState) 
 
 # The steps of a decision are inlined into it: a call costs about as much as a
 # small step (see core/inlining.py).
-@inlining(_counters_due, _none_expired, _exit_answer, _write, _no_write, _phased)
+@inlining(_counters_due, _none_expired, _exit_answer, _write, _no_write, _phased, current_form)
 def decide(
     view: NodeView,
     node: NodeDesc,
@@ -874,9 +872,7 @@ def decide(
     own = view.own
     kind = type(op)
     if kind is JoinOp:
-        forms = _JOIN_FORMS
-        table = _operators.JOIN_TABLE
-        decision = forms.form if table is forms.table else forms.of(table)
+        decision = current_form(_JOIN_FORMS, _operators.JOIN_TABLE)
         action = decision(node, sanitized, settings, now, own, view.last_call, deadline).action
     elif kind is ExitOp:
         action = _exit_answer(node, sanitized, now, deadline)

@@ -20,11 +20,12 @@ import ast
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Generic, TypeAlias, TypeVar, cast
+from typing import TypeAlias
 
 from immutables import Map
 
 from .actions import Action
+from .codegen import CompiledForms, run_source
 from .state import (
     Context,
     HeartbeatSighting,
@@ -314,44 +315,13 @@ def compile_join_table(table: tuple[JoinRow, ...]) -> JoinDecision:
         "_no_row": _no_row,
     }
     namespace.update({f"_row_{index}": row for index, row in enumerate(table)})
-    decision: JoinDecision = _generated(join_source(table), "<JOIN_TABLE>", namespace)[
+    decision: JoinDecision = run_source(join_source(table), "<JOIN_TABLE>", namespace)[
         "join_decision"
     ]
     return decision
 
 
-def _generated(source: str, filename: str, namespace: dict[str, Any]) -> dict[str, Any]:
-    """``namespace`` with the definitions of ``source`` (generated from a table;
-    ``filename`` names the table in tracebacks) executed into it."""
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace
-
-
-_Table = TypeVar("_Table")
-_Form = TypeVar("_Form")
-
-
-class _CompiledTable(Generic[_Table, _Form]):
-    """The compiled form of a table in force: made by ``compile_table`` from the
-    table it is asked for, and made again whenever that is another object (an
-    edited table, a checker's planted bug), so that what runs is always the
-    table."""
-
-    def __init__(self, compile_table: Callable[[_Table], _Form]) -> None:
-        self._compile = compile_table
-        #: the table last compiled (None: none yet), and its form: a caller on a hot
-        #: path may test ``table is forms.table`` and take ``forms.form`` with no call
-        self.table: _Table | None = None
-        self.form: _Form = cast(_Form, None)
-
-    def of(self, table: _Table) -> _Form:
-        if table is not self.table:
-            self.form = self._compile(table)
-            self.table = table
-        return self.form
-
-
-_JOIN_FORMS: _CompiledTable[tuple[JoinRow, ...], JoinDecision] = _CompiledTable(compile_join_table)
+_JOIN_FORMS: CompiledForms[tuple[JoinRow, ...], JoinDecision] = CompiledForms(compile_join_table)
 
 
 def _compiled_join() -> JoinDecision:

@@ -1,6 +1,7 @@
-"""The driver's hot functions with the liveness rules they call compiled in.
+"""Fast forms generated at import time from the one source: rules inlined into the
+driver's hot functions, and tables compiled into functions.
 
-A rule is written once, as a plain function (``core/liveness.py``, the driver's own
+**Inlining.** A rule is written once, as a plain function (``core/liveness.py``, the driver's own
 timers); the driver calls it on every step, and a Python call costs about as much
 as a small rule's body. :func:`inline` makes, at import time, a copy of a caller in
 which each call to one of the named rules is replaced by the rule's body: the fast
@@ -17,6 +18,13 @@ read that it lacked (under the same names, for the same objects).
 
 Patching a rule at run time (a test's planted bug) does not reach a caller that
 inlined it: patch the caller, or the rule where it is called plainly.
+
+**Compiled tables.** A rule written as a table (the join table, the phase's parts)
+runs as Python source generated from it (:func:`run_source`).
+:class:`CompiledForms` holds the form of the table in force and compiles it again
+whenever the table is another object (an edited table, a checker's planted bug), so
+what runs is always the table; :func:`current_form` is the lookup a hot path
+inlines.
 """
 
 from __future__ import annotations
@@ -28,11 +36,46 @@ import inspect
 import itertools
 import textwrap
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
-__all__ = ["inline", "inlining"]
+__all__ = ["CompiledForms", "current_form", "inline", "inlining", "run_source"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_Table = TypeVar("_Table")
+_Form = TypeVar("_Form")
+
+
+def run_source(source: str, filename: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """``namespace`` with the definitions of ``source`` (generated from a table;
+    ``filename`` names the table in tracebacks) executed into it."""
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace
+
+
+class CompiledForms(Generic[_Table, _Form]):
+    """The compiled form of a table in force: made by ``compile_table`` from the
+    table it is asked for, and made again whenever that is another object."""
+
+    def __init__(self, compile_table: Callable[[_Table], _Form]) -> None:
+        self._compile = compile_table
+        #: the table last compiled (None: none yet), and its form
+        self.table: _Table | None = None
+        self.form: _Form = cast(_Form, None)
+
+    def of(self, table: _Table) -> _Form:
+        """The form of ``table``, compiled now if it is not the table last compiled."""
+        if table is not self.table:
+            self.form = self._compile(table)
+            self.table = table
+        return self.form
+
+
+def current_form(forms: CompiledForms[_Table, _Form], table: _Table) -> _Form:
+    """``forms.of(table)`` with no call while ``table`` is the one last compiled:
+    the lookup a hot path inlines (:func:`inline`)."""
+    if table is forms.table:
+        return forms.form
+    return forms.of(table)
 
 
 def inlining(*rules: Callable[..., Any]) -> Callable[[_F], _F]:
