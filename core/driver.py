@@ -838,7 +838,7 @@ def _done(node: NodeDesc, op: Operator, action: Action, state: RendezvousState) 
 
 
 # The steps of a decision are inlined into it: a call costs about as much as a
-# small step (see core/inlining.py).
+# small step (see core/codegen.py).
 @inlining(_counters_due, _none_expired, _exit_answer, _write, _no_write, _phased, current_form)
 def decide(
     view: NodeView,
