@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -52,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import psutil
+from rallypoint.agent.workers import kill_tree
 
 NODES = 3
 SETTLE_S = 1.5
@@ -113,15 +112,7 @@ def _free_port(pair: bool = False) -> int:
 
 
 def _kill_tree(popen: subprocess.Popen[bytes]) -> None:
-    procs: list[psutil.Process] = []
-    with contextlib.suppress(psutil.Error):
-        root = psutil.Process(popen.pid)
-        procs = [root, *root.children(recursive=True)]
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signal.SIGKILL)
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+    kill_tree(popen.pid)
     popen.wait()
 
 

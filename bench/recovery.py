@@ -59,7 +59,7 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-import psutil
+from rallypoint.agent.workers import kill_tree
 
 NODES = 4
 SETTLE_S = 1.5  # a round must run this long with no new worker before the signal
@@ -108,20 +108,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    with contextlib.suppress(psutil.Error):
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    return []
-
-
 def _kill(popen: subprocess.Popen[bytes]) -> None:
-    procs = _tree(popen.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signal.SIGKILL)
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+    kill_tree(popen.pid)
     popen.wait()
 
 
@@ -303,16 +291,11 @@ def measure_loss(
         # The last active agent, which does not host the c10d store, is the one lost.
         victim = agents.agents[NODES - 1][0]
         survivors = {popen.pid for popen, _ in agents.agents} - {victim.pid}
-        doomed = _tree(victim.pid)
         signalled = time.time()
         if how in ("sigterm", "preempt"):
             victim.send_signal(signal.SIGTERM)
         else:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(victim.pid, signal.SIGKILL)
-            for proc in doomed:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
+            kill_tree(victim.pid)
         deadline = time.monotonic() + give_up
         while time.monotonic() < deadline:
             first: dict[int, float] = {}

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from rallypoint.agent.config import Std
-from rallypoint.agent.workers import WorkerGroup, WorkerLaunch
+from rallypoint.agent.workers import WorkerGroup, WorkerLaunch, kill_tree
 
 #: real processes, servers or sockets: `make test-fast` leaves these out
 pytestmark = pytest.mark.integration
@@ -72,6 +72,56 @@ def test_stop_kills_the_whole_tree_after_the_grace(tmp_path: Path) -> None:
         for proc in (worker, *kids):
             if proc.is_running():
                 proc.kill()
+
+
+# Cleans up on SIGTERM (writes argv[2]), after writing its pid file.
+TIDY = r"""
+import os, signal, sys, time
+def tidy(*_):
+    open(sys.argv[2], "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, tidy)
+with open(sys.argv[1] + ".tmp", "w") as fp:
+    fp.write(str(os.getpid()))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+
+def _started(tmp_path: Path, code: str, *args: str) -> subprocess.Popen[bytes]:
+    script = tmp_path / "tree.py"
+    script.write_text(code)
+    popen = subprocess.Popen([sys.executable, str(script), *args], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not Path(args[0]).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return popen
+
+
+@pytest.mark.parametrize("grace", [None, 10.0])
+def test_kill_tree_reaches_escaped_descendants_and_gives_a_grace_only_when_asked(
+    tmp_path: Path, grace: float | None
+) -> None:
+    popen = _started(tmp_path, STUBBORN, str(tmp_path / "pids"))
+    kids = [psutil.Process(int(p)) for p in (tmp_path / "pids").read_text().split()]
+    tidy = _started(tmp_path, TIDY, str(tmp_path / "tidy-pid"), str(tmp_path / "tidied"))
+    try:
+        kill_tree(tidy.pid, grace=grace)  # it exits on SIGTERM: the grace is not waited
+        kill_tree(popen.pid, grace=None if grace is None else 1.0)
+        assert popen.wait(timeout=30) == -signal.SIGKILL  # it ignores SIGTERM
+        _, alive = psutil.wait_procs(kids, timeout=10)
+        assert not alive
+        tidy.wait(timeout=30)
+        # SIGKILL at once: no cleanup; with a grace, SIGTERM first and it cleans up.
+        assert (tmp_path / "tidied").exists() == (grace is not None)
+    finally:
+        for proc in (popen, tidy):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for kid in kids:
+            if kid.is_running():
+                kid.kill()
 
 
 def test_exit_codes_and_signals_are_reported(tmp_path: Path) -> None:

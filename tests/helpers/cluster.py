@@ -25,6 +25,8 @@ from typing import Any
 
 import psutil
 
+from rallypoint.agent import workers
+
 MARK_ENV = "RALLYPOINT_CHAOS_MARK"
 HERE = Path(__file__).resolve().parent
 
@@ -62,15 +64,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def kill_tree(popen: subprocess.Popen[Any]) -> None:
     """SIGKILL a launched process, its process group and every descendant it has
     now (those that left the group too), then reap it."""
-    procs: list[psutil.Process] = []
-    with contextlib.suppress(psutil.Error):
-        root = psutil.Process(popen.pid)
-        procs = [root, *root.children(recursive=True)]
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signal.SIGKILL)
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+    workers.kill_tree(popen.pid)
     popen.wait()
 
 
