@@ -29,29 +29,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-WORKER = """
-import os
-
-import torch
-import torch.distributed as dist
-
-
-def sum_ranks():
-    dist.init_process_group("gloo")
-    total = torch.tensor([int(os.environ["RANK"]) + 1])
-    dist.all_reduce(total)
-    return int(total.item())
-
-
-if __name__ == "__main__":
-    print("sum", sum_ranks(), flush=True)
-"""
+#: the worker: a gloo group joined, all-reduced and never destroyed
+WORKER = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "gloo_sum.py"
 
 FIGURES = ("function", "run-path", "script")
 
 
 def _function(launcher: str, workdir: Path, run: int) -> str:
-    from bench_exit_worker import sum_ranks  # type: ignore[import-not-found]
+    from gloo_sum import sum_ranks  # type: ignore[import-not-found]
 
     logs = str(workdir / f"{launcher}-logs-{run}")
     if launcher == "rallypoint":
@@ -83,7 +68,7 @@ def _function(launcher: str, workdir: Path, run: int) -> str:
 
 
 def _command(launcher: str, figure: str, workdir: Path, run: int) -> str:
-    script = str(workdir / "bench_exit_worker.py")
+    script = str(WORKER)
     flags = ["--run-path"] if figure == "run-path" else []
     if launcher == "rallypoint":
         argv = [sys.executable, "-m", "rallypoint.run", "--log-dir",
@@ -106,11 +91,10 @@ def main() -> None:
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="rallypoint-bench-exit-") as tmp:
         workdir = Path(tmp)
-        (workdir / "bench_exit_worker.py").write_text(WORKER)
         # The function workers import the function by name; the scripts need no path.
-        sys.path.insert(0, tmp)
+        sys.path.insert(0, str(WORKER.parent))
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            [tmp, *filter(None, [os.environ.get("PYTHONPATH")])]
+            [str(WORKER.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         for figure in opts.figures.split(","):

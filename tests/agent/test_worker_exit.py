@@ -133,27 +133,8 @@ def test_a_function_worker_ends_like_the_interpreter_but_unfinalized(
         assert not returned.exists()
 
 
-# A gloo group that is never destroyed: its teardown at interpreter exit can abort.
-GLOO = """
-import os
-import sys
-
-import torch
-import torch.distributed as dist
-
-
-def sum_ranks():
-    dist.init_process_group("gloo")
-    total = torch.tensor([int(os.environ["RANK"]) + 1])
-    dist.all_reduce(total)
-    return int(total.item())
-
-
-if __name__ == "__main__":
-    # One write: the two workers share the console, and an unbuffered print writes
-    # its pieces one by one, so two prints could interleave mid-line.
-    sys.stdout.write(f"sum {sum_ranks()}\\n")
-"""
+#: a worker that never destroys its gloo group (its teardown at exit can abort)
+GLOO_SUM = Path(__file__).resolve().parents[1] / "helpers" / "gloo_sum.py"
 RUNS = 2  # a few jobs; bench/worker_exit.py runs many
 
 
@@ -161,10 +142,9 @@ RUNS = 2  # a few jobs; bench/worker_exit.py runs many
 def test_workers_that_leave_a_gloo_group_undestroyed_finish(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "gloo_sum.py").write_text(GLOO)
     # The function workers import the function by its module's name.
-    monkeypatch.syspath_prepend(str(tmp_path))
-    paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.syspath_prepend(str(GLOO_SUM.parent))
+    paths = [str(GLOO_SUM.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")
     sum_ranks = importlib.import_module("gloo_sum").sum_ranks
@@ -173,7 +153,7 @@ def test_workers_that_leave_a_gloo_group_undestroyed_finish(
         done = subprocess.run(
             [sys.executable, "-m", "rallypoint.run", "--standalone", "--nproc-per-node", "2",
              "--monitor-interval", "0.05", "--log-dir", str(logs), "--run-path",
-             str(tmp_path / "gloo_sum.py")],
+             str(GLOO_SUM)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
