@@ -1,8 +1,9 @@
 """rallypoint.adapters: backends, the sync engine, and torch's RendezvousHandler.
 
 ``create_handler(params)`` builds a :class:`RallypointHandler` from torch's
-``RendezvousParameters`` (backend ``c10d``/``etcd`` or the torchrun entry-point
-names ``rallypoint-c10d``/``rallypoint-etcd``). See docs/adapters.md.
+``RendezvousParameters`` (backend ``c10d``, ``etcd`` or ``etcd-embedded``, or the
+torchrun entry-point names ``rallypoint-c10d``, ``rallypoint-etcd`` and
+``rallypoint-etcd-embedded``). See docs/adapters.md.
 
 Importing this package stays cheap (no torch), so that the launcher can check its
 flags with :mod:`rallypoint.adapters.config` before torch loads; everything else

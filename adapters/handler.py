@@ -21,7 +21,7 @@ completes, no node waits for rank 0 to start a server and announce it: the
 address is one read away.
 
 The settings every node must share (:data:`rallypoint.core.codec.SHARED_SETTINGS`:
-node counts, keep-alive, stable ranks) are published under
+node counts, keep-alive, stable ranks, restart budget, exclusion rounds) are published under
 ``rallypoint/<run_id>/settings`` by the first node that joins; every later node
 compares its own with them before it touches the state, and one started with other
 settings gets a :class:`RendezvousSettingsError` naming each difference, instead of

@@ -4,9 +4,9 @@ Plain data only (docs/design.md, decision 3): the backend is shared by every nod
 can write to it; decoding it must never execute code, and anything malformed must
 raise :class:`RendezvousStateError` with a message that says what is wrong.
 
-Format, version 3 (keys are short because the state is rewritten often)::
+Format, version 4 (keys are short because the state is rewritten often)::
 
-    {"v": 3, "round": 0, "complete": false, "closed": false, "world": 0,
+    {"v": 4, "round": 0, "complete": false, "closed": false, "world": 0,
      "p": [[addr, pid, local_id, rank], ...],     # participants
      "w": [[addr, pid, local_id], ...],           # wait list
      "r": [[addr, pid, local_id], ...],           # redundancy list
@@ -16,7 +16,9 @@ Format, version 3 (keys are short because the state is rewritten often)::
      "hs": heartbeat_seq,
      "ph": phase, "ic": intent_cursor,                # version 2 added these two
      "rs": restarts, "ct": charged_through,          # version 3 added these three
-     "x": [[addr, pid, local_id, until], ...]}       # excluded nodes
+     "x": [[addr, pid, local_id, until], ...],       # excluded nodes
+     "rt": [[addr, pid, local_id], ...],             # returning nodes (version 4
+     "rg": regroup}                                  # added these two)
 
 Decoding checks more than the format: a state that breaks a safety property, or
 that no node could make progress from (a member without a heartbeat entry, so

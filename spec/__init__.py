@@ -1,6 +1,6 @@
 """rallypoint.spec: the formal model and the tools that hold the core to it.
 
-Its sub-packages, in the order a newcomer reads them:
+Its parts, in the order a newcomer reads them (three sub-packages, then a module):
 
 1. :mod:`rallypoint.spec.model` -- what must hold: the words for a node's lifecycle
    (:mod:`~rallypoint.spec.model.lifecycle`: phases, states), one node's lifecycle

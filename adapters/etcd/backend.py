@@ -28,10 +28,10 @@ key                   value
                       the agent (per-round namespaces, bootstrap addresses).
 ====================  =========================================================
 
-Waiting is an etcd watch on ``state`` starting at ``token + 1``: no event is
-missed between the read and the watch, and a waiter wakes as soon as the next
-write commits. Waiting for a phase reads ``phase`` and watches it from the read's
-revision + 1, ignoring puts of a phase not above the one waited on.
+Waiting for a phase reads ``phase`` and watches it from the read's revision + 1:
+no put is missed between the read and the watch, a waiter wakes as soon as a
+phase above the one waited on commits, and puts of a phase not above it are
+ignored.
 
 With ``ttl``, every state write attaches a fresh lease of ``ttl`` seconds (to
 ``phase`` too) and heartbeats refresh it: a run's state disappears ``ttl`` seconds

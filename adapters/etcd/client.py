@@ -167,7 +167,8 @@ class EtcdConnection:
     Args:
         endpoints: the members' ``host:port`` (for messages), in failover order;
             the first client goes to a random member (so the nodes of a job spread
-            over the cluster), each replacement to the next one in the list.
+            over the cluster), or to the first with ``first_listed``; each
+            replacement goes to the next one in the list.
         connect: builds a client to member ``i`` (authenticating if configured);
             may raise a client error, which the caller classifies.
         client: a ready client instead of ``connect`` (one endpoint; a failure
@@ -183,6 +184,7 @@ class EtcdConnection:
         connect: Callable[[int], Any] | None = None,
         *,
         client: Any = None,
+        first_listed: bool = False,
     ) -> None:
         if not endpoints:
             raise ValueError("an etcd connection needs at least one endpoint")
@@ -191,7 +193,7 @@ class EtcdConnection:
         self._endpoints = tuple(endpoints)
         self._connect = connect
         self._client = client
-        self._index = random.randrange(len(self._endpoints))
+        self._index = 0 if first_listed else random.randrange(len(self._endpoints))
         self._closed = False
         self._lock = threading.Lock()
         #: how many times a client was replaced or reset

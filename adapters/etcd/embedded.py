@@ -593,6 +593,7 @@ def create_embedded_backend(config: RendezvousConfig) -> tuple[EtcdBackend, Etcd
             client_config,
             diagnose=lambda: quorum_report(embedded, connect),
             on_close=[leave, stop_member],
+            first_listed=member is not None,  # its own member: no network hop
         )
     except BaseException:
         stop_member()

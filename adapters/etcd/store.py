@@ -307,6 +307,7 @@ def create_etcd_backend(
     *,
     diagnose: Callable[[], str | None] | None = None,
     on_close: Sequence[Callable[[], None]] = (),
+    first_listed: bool = False,
 ) -> tuple[EtcdBackend, EtcdStore]:
     """Connect to the etcd cluster named by ``config.endpoint`` (one member or a
     comma-separated list, default port 2379), over TLS with ``config.etcd_tls``
@@ -319,6 +320,8 @@ def create_etcd_backend(
 
     Returns the backend and the store handed to the agent (same connection).
     ``diagnose`` and ``on_close`` go to :class:`EtcdBackend` (the embedded etcd's).
+    ``first_listed``: use the first member of the list first (a node's own embedded
+    member), not a random one.
 
     Raises:
         ConfigError: a malformed endpoint or endpoint list.
@@ -351,7 +354,7 @@ def create_etcd_backend(
             connect = _connector(members, config, attempt_timeout(config))
         except (OSError, ValueError) as exc:  # an unreadable or malformed PEM file
             raise failed(exc) from exc
-        connection = EtcdConnection(labels, connect)
+        connection = EtcdConnection(labels, connect, first_listed=first_listed)
     else:
         connection = EtcdConnection.around(client, endpoint)
     backend = EtcdBackend(

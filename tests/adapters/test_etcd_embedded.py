@@ -270,6 +270,10 @@ def test_three_members_rendezvous_then_stop_and_leave_nothing(
     )
     embedded_handlers.extend(made)
     assert [p.name() for p in _etcd_processes(tmp_path)].count("etcd") == 3
+    # Each agent talks to its own member first (no network hop while it is up).
+    members = endpoint.split(",")
+    in_use = [h._backend.connection.endpoint_in_use for h in made]  # type: ignore[attr-defined]
+    assert in_use == members
     infos = join_all(made, 120)
     assert sorted(i.rank for i in infos) == [0, 1, 2]
     by_rank = {i.rank: i for i in infos}
