@@ -204,8 +204,8 @@ def handlers() -> Iterator[Callable[..., RallypointHandler]]:
 def test_nodes_started_with_different_node_counts_are_told_which_setting_differs(
     handlers: Callable[..., RallypointHandler],
 ) -> None:
-    """Today: ``InvalidTransitionError: ... round is full`` on the node with the
-    smaller max_nodes."""
+    """A node started with another max_nodes is refused with a settings error naming
+    the difference, not an ``InvalidTransitionError: ... round is full`` later."""
     first = handlers(1, 3, last_call_timeout=1.0)
     joiner = threading.Thread(target=first.next_rendezvous, daemon=True)
     joiner.start()
