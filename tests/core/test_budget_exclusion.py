@@ -13,12 +13,8 @@ from rallypoint.core import (
     ChargeRestartOp,
     ExcludeOp,
     InvalidTransitionError,
-    RendezvousStateError,
-    Settings,
     decode_state,
-    encode_shared_settings,
     encode_state,
-    shared_settings_differences,
 )
 
 
@@ -119,46 +115,3 @@ def test_the_wire_form_carries_the_budget_and_the_exclusions():
     doc = _doc(state)
     assert (doc["rs"], doc["ct"], doc["x"]) == (1, 1, [["host2", 102, 0, 2]])
     assert decode_state(encode_state(state), s) == state
-
-
-@pytest.mark.parametrize(
-    ("mutate", "message"),
-    [
-        (lambda d: d["x"].append([*d["p"][0][:3], 9]), "is excluded until round 9 but is a member"),
-        (lambda d: d["x"].append(["host7", 1, 0, 0]), "exclusion ended at round 0"),
-        (lambda d: d.update(ct=5), "counted through round 4, after round 0"),
-        (lambda d: d.update(ct=1, rs=0), "the restart count is 0"),
-        (lambda d: d.update(rs=3, ct=1), "restart budget of 2 is spent but the rendezvous is open"),
-        (lambda d: d.update(rs=9, ct=1, closed=True), "overspend the restart budget of 2"),
-        (lambda d: d.update(rs=-1), "restarts must be >= 0"),
-    ],
-)
-def test_decode_rejects_a_broken_budget_or_exclusion(mutate, message):
-    s = settings(2, 3, restart_budget=2)
-    doc = _doc(completed(3, s))
-    mutate(doc)
-    with pytest.raises(RendezvousStateError, match=message):
-        decode_state(json.dumps(doc).encode(), s)
-
-
-def test_nodes_with_different_budgets_are_told_so():
-    ours = settings(2, 3, restart_budget=3)
-    theirs = settings(2, 3, restart_budget=None, exclusion_rounds=2)
-    assert shared_settings_differences(ours, encode_shared_settings(theirs)) == [
-        "restart_budget: 3 on this node, None for the run",
-        "exclusion_rounds: 1 on this node, 2 for the run",
-    ]
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("restart_budget", -1, "restart_budget must be at least 0"),
-        ("restart_budget", 1.5, "restart_budget must be an integer or None"),
-        ("restart_budget", True, "restart_budget must be an integer or None"),
-        ("exclusion_rounds", 0, "exclusion_rounds must be an integer >= 1"),
-    ],
-)
-def test_settings_refuse_a_bad_budget_or_exclusion_length(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        Settings("job", 1, 2, **{field: value})

@@ -22,13 +22,14 @@ import json
 from typing import Any
 
 import pytest
-from helpers.core_scenarios import completed, joined, node, reachable_runs, settings
+from helpers.core_scenarios import completed, joined, node, reachable_runs, settings, step
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from rallypoint.core import (
     MAX_STATE_BYTES,
+    Action,
     NodeDesc,
     RendezvousState,
     RendezvousStateError,
@@ -201,6 +202,43 @@ def test_decode_with_settings_rejects_what_the_settings_forbid(state, mutate, me
     mutate(doc)
     with pytest.raises(RendezvousStateError, match=message):
         decode_state(_bytes(doc), s)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["x"].append([*d["p"][0][:3], 9]), "is excluded until round 9 but is a member"),
+        (lambda d: d["x"].append(["host7", 1, 0, 0]), "exclusion ended at round 0"),
+        (lambda d: d.update(ct=5), "counted through round 4, after round 0"),
+        (lambda d: d.update(ct=1, rs=0), "the restart count is 0"),
+        (lambda d: d.update(rs=3, ct=1), "restart budget of 2 is spent but the rendezvous is open"),
+        (lambda d: d.update(rs=9, ct=1, closed=True), "overspend the restart budget of 2"),
+        (lambda d: d.update(rs=-1), "restarts must be >= 0"),
+    ],
+)
+def test_decode_rejects_a_broken_budget_or_exclusion(mutate, message):
+    s = settings(2, 3, restart_budget=2)
+    doc = _doc(completed(3, s))
+    mutate(doc)
+    with pytest.raises(RendezvousStateError, match=message):
+        decode_state(json.dumps(doc).encode(), s)
+
+
+def test_decode_rejects_a_waiter_beside_a_full_complete_round():
+    s = settings(2, 3)
+    full = completed(3, s)
+    forged = full.evolve(
+        wait_list={node(5)},
+        heartbeats=full.heartbeats.set(node(5), full.heartbeat_seq + 1),
+        heartbeat_seq=full.heartbeat_seq + 1,
+    )
+    data = encode_state(forged)
+    assert decode_state(data) == forged  # without settings nothing tells it is full
+    with pytest.raises(RendezvousStateError, match=r"is full .* and a node waits beside it"):
+        decode_state(data, s)
+    # A complete round with room may have waiters.
+    room = step(completed(2, s), node(5), Action.ADD_TO_WAIT_LIST, s)
+    assert decode_state(encode_state(room), s) == room
 
 
 # --- fuzzing --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ through a real store is in ``tests/adapters/test_state_errors.py``.
 from __future__ import annotations
 
 import pytest
+from helpers.core_scenarios import settings
 
 from rallypoint.core import RendezvousStateError, Settings
 from rallypoint.core.codec import encode_shared_settings, shared_settings_differences
@@ -67,3 +68,26 @@ def test_the_shared_settings_comparison_names_each_difference() -> None:
     for bad in (b"", b"[]", b'{"v": 1}', b'{"v": 1, "min_nodes": "2"}', b"x" * 5000):
         with pytest.raises(RendezvousStateError, match="corrupt published settings"):
             shared_settings_differences(run, bad)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("restart_budget", -1, "restart_budget must be at least 0"),
+        ("restart_budget", 1.5, "restart_budget must be an integer or None"),
+        ("restart_budget", True, "restart_budget must be an integer or None"),
+        ("exclusion_rounds", 0, "exclusion_rounds must be an integer >= 1"),
+    ],
+)
+def test_settings_refuse_a_bad_budget_or_exclusion_length(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        Settings("job", 1, 2, **{field: value})
+
+
+def test_nodes_with_different_budgets_are_told_so():
+    ours = settings(2, 3, restart_budget=3)
+    theirs = settings(2, 3, restart_budget=None, exclusion_rounds=2)
+    assert shared_settings_differences(ours, encode_shared_settings(theirs)) == [
+        "restart_budget: 3 on this node, None for the run",
+        "exclusion_rounds: 1 on this node, 2 for the run",
+    ]
