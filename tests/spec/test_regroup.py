@@ -1,6 +1,7 @@
 """Regroups: a waiter a round formed without stands by (no restart storm), and a
-regroup waits no last call for nodes known gone. The core's rules, the codec's
-check, and the checker and simulator finding each rule planted the old way."""
+regroup waits no last call for nodes known gone. The core's rules, and the checker
+and simulator finding each rule planted the old way (the codec's refusal of a
+waiter beside a full round: tests/core/test_codec.py)."""
 
 from __future__ import annotations
 
