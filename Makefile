@@ -2,7 +2,7 @@
 #   make demo   run the main job: a real elastic launch with the embedded c10d store,
 #               a worker crash mid-run and a live regroup
 #   make test   install everything into .venv and run the whole suite
-#   (make test-fast: the pure parts only, in seconds)
+#   (make test-fast: the pure parts only, in about a minute and a half)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -34,7 +34,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10
 
 # The pure parts (core, spec, the driver's executor on the memory backend), without
-# real processes, servers or the long checker searches: seconds, for the edit loop.
+# real processes, servers or the long checker searches: about 80 s, for the edit loop.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not integration and not slow"
 

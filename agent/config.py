@@ -554,8 +554,9 @@ class LaunchConfig:
         ]
         if wanted and BACKEND_IMPLEMENTATIONS[self.rdzv_backend] != "rallypoint":
             raise ConfigError(
-                f"{', '.join(wanted)} needs rallypoint's rendezvous (--rdzv-backend c10d or "
-                f"etcd), which keeps restarts and exclusions in the shared state; "
+                f"{', '.join(wanted)} needs rallypoint's rendezvous (--rdzv-backend c10d, "
+                f"etcd or etcd-embedded), which keeps restarts and exclusions in the shared "
+                f"state; "
                 f"{self.rdzv_backend} cannot"
             )
 

@@ -181,9 +181,10 @@ def choose_master(config: LaunchConfig, handler: RendezvousHandler, info: Rendez
     agent's store (``TORCHELASTIC_USE_AGENT_STORE``)."""
     if BACKEND_IMPLEMENTATIONS.get(config.rdzv_backend) == "torch":
         # torch's handlers decide, as under torchrun: the static one hosts its store
-        # at the master address for the whole job; the dynamic ones share the
-        # rank-0 agent's store unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, when
-        # they publish a free port for rank 0's first worker to host.
+        # at the master address for the whole job; the c10d one shares the rank-0
+        # agent's store unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and the etcd-v1
+        # one never does: then a free port is published for rank 0's first worker
+        # to host.
         bootstrap = info.bootstrap_store_info
         if bootstrap is not None:
             shared = bool(handler.use_agent_store)

@@ -127,7 +127,8 @@ class HandlerView:
         """Exclude this node; the first round it may take part in again."""
         if self._exclude is None:
             raise AgentError(
-                "this rendezvous backend cannot exclude a node (use c10d or etcd, rallypoint's own)"
+                "this rendezvous backend cannot exclude a node (use c10d, etcd or etcd-embedded, "
+                "rallypoint's own)"
             )
         return int(self._exclude())
 

