@@ -9,9 +9,11 @@ imported (``sys.modules[name] = None``: an import raises ModuleNotFoundError and
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +60,21 @@ def test_the_core_and_the_spec_import_and_simulate_without_the_extras() -> None:
     count, slots = proc.stdout.split(" ", 1)
     assert int(count) > 20  # every module of core/ and spec/, sub-packages included
     assert slots.strip() == str(list(range(8)))
+
+
+def test_the_readme_asyncio_embedding_runs_without_the_extras() -> None:
+    """An embedder's own executor needs only the core: the asyncio executor and the
+    memory backend import without torch (their errors are then the core's)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", readme, re.M | re.S)
+    (block,) = [b for b in blocks if "AsyncRendezvous" in b]
+    proc = _run_without(EXTRA_ONLY, block)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sorted(line for line in lines if line.endswith("FINISH")) == [
+        "node 0: FINISH",
+        "node 1: FINISH",
+    ]
 
 
 def test_the_model_checker_runs_without_the_extras() -> None:
