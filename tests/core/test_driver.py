@@ -15,8 +15,8 @@ from helpers.core_strategies import (
     nodes_and_views,
     times,
 )
+from helpers.examples import examples
 from hypothesis import given
-from hypothesis import settings as examples
 from hypothesis import strategies as st
 from immutables import Map
 
@@ -395,7 +395,7 @@ def _outcome(view: NodeView, node: NodeDesc, s: Settings, op: object, deadline: 
         return type(error), str(error)
 
 
-@examples(max_examples=1000)
+@examples(1000)
 @given(nodes_and_views(), any_settings(), times, st.booleans())
 def test_decide_reads_first_exactly_when_the_counters_are_due_or_the_view_is_stale(
     node_view, s, now, leaving
@@ -414,7 +414,7 @@ def test_decide_reads_first_exactly_when_the_counters_are_due_or_the_view_is_sta
         assert read.intents or (read == Read(True) and outcome.state != view.state)
 
 
-@examples(max_examples=300)
+@examples(300)
 @given(nodes_and_views(), any_settings(), times, times, st.booleans())
 def test_decide_changes_nothing_in_the_view_but_the_record_of_the_decision(
     node_view, s, now, deadline, leaving
@@ -441,7 +441,7 @@ def test_decide_changes_nothing_in_the_view_but_the_record_of_the_decision(
 _DECISION_RECORD = {"decided_action", "decided_on", "declared_dead", "_removal"}
 
 
-@examples(max_examples=300)
+@examples(300)
 @given(
     nodes_and_views(),
     any_settings(),

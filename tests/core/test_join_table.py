@@ -13,8 +13,8 @@ import inspect
 import pytest
 from helpers.core_scenarios import FAR, completed, ctx, joined, node, settings, step
 from helpers.core_strategies import any_observations, any_settings, any_states, nodes, times
+from helpers.examples import examples
 from hypothesis import given
-from hypothesis import settings as examples
 from hypothesis import strategies as st
 
 from rallypoint.core import (
@@ -363,7 +363,7 @@ def _tables(draw: st.DrawFn) -> tuple[JoinRow, ...]:
     return (*rows, JoinRow("otherwise", "True", Action.SYNC))
 
 
-@examples(max_examples=300)
+@examples(300)
 @given(_tables(), nodes, any_states(), any_settings(), times, any_observations(), times)
 def test_a_compiled_table_answers_what_walking_it_answers(table, me, state, s, now, obs, deadline):
     """The compiler reads each fact once, lazily, and leaves out the facts whose

@@ -6,7 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from helpers.examples import examples
+from hypothesis import given
 from hypothesis import strategies as st
 
 from rallypoint.core import NodeDesc, Observations, RendezvousState, Settings
@@ -95,7 +96,7 @@ guard_values = st.builds(Guards, **{name: st.booleans() for name in GUARD_NAMES}
 triggers = sorted({t["trigger"] for t in MODEL_TRANSITIONS})
 
 
-@settings(max_examples=300, deadline=None)
+@examples(300, deadline=None)
 @given(
     source=st.sampled_from(MODEL_STATES),
     trigger=st.sampled_from(triggers),
