@@ -87,18 +87,27 @@ def _scripts(out: Path) -> str:
     return str(out / "worker.py")
 
 
-def _started(out: Path, attempt: int) -> dict[str, psutil.Process]:
-    """The attempt's worker, helper and daemon, once the worker has reported them."""
+def _started(out: Path, attempt: int) -> dict[str, psutil.Process | None]:
+    """The attempt's worker, helper and daemon, once the worker has reported them
+    (None: gone and reaped before it was looked up, as a worker that fails at once)."""
     path = out / f"started.{attempt}"
     if not path.exists():
         return {}
-    return {name: psutil.Process(pid) for name, pid in json.loads(path.read_text()).items()}
+    procs: dict[str, psutil.Process | None] = {}
+    for name, pid in json.loads(path.read_text()).items():
+        try:
+            procs[name] = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            procs[name] = None
+    return procs
 
 
-def _running(procs: dict[str, psutil.Process]) -> list[str]:
+def _running(procs: dict[str, psutil.Process | None]) -> list[str]:
     """Those of ``procs`` still running (a zombie is dead; a recycled pid is not it)."""
     alive = []
     for name, proc in procs.items():
+        if proc is None:
+            continue
         try:
             if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
                 alive.append(name)
@@ -124,9 +133,11 @@ def test_a_workers_helper_and_daemon_do_not_outlive_the_agent(
     worker = _scripts(cluster.dir)
     agent = cluster.start(_agent_args(worker, cluster.dir), "a")
     procs = cluster.wait_for(lambda: _started(cluster.dir, 0), "the helper and daemon", WAIT)
+    daemon, helper, worker_proc = procs["daemon"], procs["helper"], procs["worker"]
+    assert daemon is not None and helper is not None and worker_proc is not None
     # The daemon's parent exited at once: it came back to the agent, not to init.
-    assert procs["daemon"].ppid() == agent.pid
-    assert procs["helper"].ppid() == procs["worker"].pid
+    assert daemon.ppid() == agent.pid
+    assert helper.ppid() == worker_proc.pid
     if stop == signal.SIGKILL:
         cluster.kill("a", machine=False)  # the agent alone: its watchdog's job
         deadline = time.monotonic() + 10

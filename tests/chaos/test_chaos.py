@@ -162,6 +162,16 @@ def _regroup(
     return number, new_round_s, time.monotonic() - killed_at
 
 
+def _false_deaths(cluster: Cluster) -> list[str]:
+    """The agents' log lines that found a peer gone (none may, while every node lives)."""
+    return [
+        line
+        for agent in cluster.agents.values()
+        for line in agent.log().splitlines()
+        if "left the round or stopped heartbeating" in line
+    ]
+
+
 def _agent_traceback(log: str) -> bool:
     """Whether the agent itself printed a traceback (the workers' own, from torch,
     come prefixed with their rank)."""
@@ -556,19 +566,23 @@ def test_wall_clocks_two_hours_off_are_harmless(
     }
     for name, shift in shifts.items():
         assert abs(stamped[name] - stamped["a"] - shift) < 120, stamped
-    # Run a while with the skewed nodes: no regroup may happen.
+    # Run a while with the skewed nodes: no regroup may happen. (Two agents may have
+    # formed a round before the third arrived, past the 0.3 s last call: that is a
+    # join, not a death; nobody may be found dead before the real loss.)
     first = int(running[0]["round"])
     hold = 30.0 if FULL else 3.0
     time.sleep(hold)
-    assert {r["round"] for r in _records(cluster)} == {first}, cluster.logs()
+    assert max(r["round"] for r in _records(cluster)) == first, cluster.logs()
+    assert not _false_deaths(cluster), cluster.logs()
     killed_at = cluster.kill("b", machine=True)
     number, new_round_s, resumed_s = _regroup(cluster, killed_at, ["a", "c"], first)
     _sprint(cluster)
     for name in "ac":
         assert cluster.wait(name, WAIT) == 0, cluster.logs()
     _check_training(cluster, steps)
-    # Exactly two rounds: the first, and the one after the real loss.
-    assert {r["round"] for r in _records(cluster)} == {first, number}, cluster.logs()
+    # Exactly two rounds from the first of three on: it, and the one after the real loss.
+    rounds = {r["round"] for r in _records(cluster)}
+    assert {n for n in rounds if n >= first} == {first, number}, cluster.logs()
     left = cluster.leftovers()
     report.append(
         Row(
