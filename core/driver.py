@@ -48,6 +48,7 @@ The rules that make the loop safe and cheap, decided here and nowhere else:
 from __future__ import annotations
 
 import ast
+import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -95,6 +96,7 @@ __all__ = [
     "Decision",
     "Done",
     "Instruction",
+    "MemberResponse",
     "Membership",
     "NodeView",
     "Read",
@@ -109,6 +111,7 @@ __all__ = [
     "after_wait",
     "after_write",
     "decide",
+    "member_response",
     "must_fence",
     "phase_of",
     "watch",
@@ -224,6 +227,30 @@ class Verdict(NamedTuple):
 
 
 Instruction = Read | Write | Beat | Announce | Wait | Done | Verdict
+
+
+class MemberResponse(enum.Enum):
+    """What a node whose workers run does after a look at its round
+    (:func:`member_response`)."""
+
+    #: nothing changed: the workers go on; look again at the next phase or interval
+    CARRY_ON = "carry on"
+    #: nodes wait to join, or participants are gone: stop the workers and join the
+    #: next round
+    REGROUP = "regroup"
+    #: the rendezvous is closed (the job ended, or its restart budget is spent):
+    #: stop the workers for good
+    CLOSED = "closed"
+
+
+def member_response(verdict: Verdict, state: RendezvousState) -> MemberResponse:
+    """The response to ``verdict``, decided on ``state`` (the view it came from)."""
+    if state.closed:
+        return MemberResponse.CLOSED
+    if verdict.waiting or verdict.lost:
+        return MemberResponse.REGROUP
+    return MemberResponse.CARRY_ON
+
 
 #: The two plain reads a decision asks for, and the beat (immutable: one
 #: instance each).

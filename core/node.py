@@ -88,6 +88,7 @@ from .driver import (
     Announce,
     Beat,
     Done,
+    MemberResponse,
     Membership,
     NodeView,
     Read,
@@ -481,11 +482,12 @@ class RendezvousNode:
 
     def _judged(self, verdict: Verdict, now: float) -> NodeInstruction | None:
         """What a member makes of a look at its group (None: drive on)."""
-        if self.view.state.closed:
+        response = driver.member_response(verdict, self.view.state)
+        if response is MemberResponse.CLOSED:
             self._after = _NONE
             self.membership = None
             return Done(Action.ERROR_CLOSED, self.view.state)
-        if verdict.lost or verdict.waiting:
+        if response is MemberResponse.REGROUP:
             return self._regroup(verdict.lost, verdict.waiting, False, now)
         return None
 

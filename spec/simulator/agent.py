@@ -41,6 +41,7 @@ from ...core import (
     WriteResult,
     keep_alive_period,
 )
+from ...core.driver import MemberResponse, member_response
 from ..model.lifecycle import Phase
 from .backend import Backend
 from .checks import Checks
@@ -221,11 +222,12 @@ class SimAgent:
         participants, else wait for the next phase (or monitor_interval) and
         check again."""
         node = self.node
-        if node.view.state.closed:
+        response = member_response(verdict, node.view.state)
+        if response is MemberResponse.CLOSED:
             self.loop.log(node, "the rendezvous is closed: stops its workers")
             self._stop_closed()
             return False
-        if verdict.waiting or verdict.lost:
+        if response is MemberResponse.REGROUP:
             reason = "peer lost" if verdict.lost else "nodes waiting"
             self.loop.log(node, f"re-rendezvous: {reason}")
             self._regroup()

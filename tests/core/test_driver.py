@@ -51,7 +51,7 @@ from rallypoint.core import (
     phase_of,
     watch,
 )
-from rallypoint.core.driver import _VIEW_SLOTS
+from rallypoint.core.driver import _VIEW_SLOTS, MemberResponse, member_response
 
 S = settings(2, 3)  # keep-alive 1 s, liveness window 3 s, last call 10 s
 
@@ -320,7 +320,7 @@ def test_a_redundant_node_that_becomes_a_joiner_gets_a_fresh_deadline() -> None:
     assert d.instruction.deadline == 57.0
 
 
-def test_monitor_reports_waiting_nodes_and_lost_participants() -> None:
+def test_watch_reports_waiting_nodes_and_lost_participants() -> None:
     state = joined([node(0), node(1), node(2)], S)
     membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).joined
     assert watch(_view(state), node(0), S, membership, 0.0) == Verdict(0, frozenset())
@@ -330,7 +330,7 @@ def test_monitor_reports_waiting_nodes_and_lost_participants() -> None:
     assert verdict == Verdict(1, frozenset({node(2)}))
 
 
-def test_monitor_publishes_a_dead_participant_then_reports_it_lost() -> None:
+def test_watch_publishes_a_dead_participant_then_reports_it_lost() -> None:
     state = joined([node(0), node(1), node(2)], S)
     membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).joined
     assert membership is not None
@@ -343,13 +343,28 @@ def test_monitor_publishes_a_dead_participant_then_reports_it_lost() -> None:
     assert verdict == Verdict(0, frozenset({node(1)}))
 
 
-def test_monitor_of_a_round_that_moved_on_loses_everyone() -> None:
+def test_watch_of_a_round_that_moved_on_loses_everyone() -> None:
     state = joined([node(0), node(1), node(2)], S)
     membership = decide(_view(state), node(0), S, JoinOp(), FAR, 0.0).joined
     later = state.evolve(round=1, complete=False, world_size=0, participants=Map())
     later = later.evolve(heartbeats=Map({node(0): 1}))
     verdict = watch(_view(later), node(0), S, membership, 0.0)
     assert verdict == Verdict(0, membership.members)
+
+
+def test_a_member_regroups_on_waiting_or_lost_nodes_and_stops_on_a_close() -> None:
+    state = joined([node(0), node(1)], S)
+    quiet, lost, waiting = (
+        Verdict(0, frozenset()),
+        Verdict(0, frozenset({node(1)})),
+        Verdict(2, frozenset()),
+    )
+    assert member_response(quiet, state) is MemberResponse.CARRY_ON
+    assert member_response(lost, state) is MemberResponse.REGROUP
+    assert member_response(waiting, state) is MemberResponse.REGROUP
+    closed = state.evolve(closed=True)
+    for verdict in (quiet, lost, waiting):
+        assert member_response(verdict, closed) is MemberResponse.CLOSED
 
 
 # --- properties over views of every shape ----------------------------------------
