@@ -531,17 +531,11 @@ def _reap_adopted(
         time.sleep(0.01)
 
 
-def kill_tree(pid: int, grace: float | None = None) -> None:
+def kill_tree(pid: int) -> None:
     """SIGKILL ``pid``, its process group and every descendant it has now (also
-    those that left the group: a new session, a daemon). With ``grace`` seconds,
-    SIGTERM them first and SIGKILL what is left after ``grace``; without, nobody gets
-    a chance to clean up (a host lost). The caller reaps ``pid`` if it is its child."""
-    tree = _tree(pid)
-    if grace is not None:
-        _signal_tree(tree, signal.SIGTERM)
-        with contextlib.suppress(psutil.Error):
-            psutil.wait_procs(tree.members, timeout=grace)
-    _signal_tree(tree, signal.SIGKILL)
+    those that left the group: a new session, a daemon), with no chance to clean up
+    (a host lost). The caller reaps ``pid`` if it is its child."""
+    _signal_tree(_tree(pid), signal.SIGKILL)
 
 
 #: A teed stream: which one, its log file, the console (None: not shown) and the
