@@ -38,7 +38,7 @@ import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, cast
 
-__all__ = ["CompiledForms", "current_form", "inline", "inlining", "run_source"]
+__all__ = ["CompiledForms", "current_form", "inline", "inlining", "renamed", "run_source"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _Table = TypeVar("_Table")
@@ -68,6 +68,13 @@ class CompiledForms(Generic[_Table, _Form]):
             self.form = self._compile(table)
             self.table = table
         return self.form
+
+
+def renamed(expression: str, names: dict[str, str]) -> str:
+    """The source of ``expression`` with each name of ``names`` replaced by its
+    value (a table's part read from another variable)."""
+    direct: dict[str, ast.expr] = {old: ast.Name(new, ast.Load()) for old, new in names.items()}
+    return ast.unparse(_Renamed(set(), "", direct).visit(ast.parse(expression, mode="eval")))
 
 
 def current_form(forms: CompiledForms[_Table, _Form], table: _Table) -> _Form:

@@ -47,7 +47,6 @@ The rules that make the loop safe and cheap, decided here and nowhere else:
 
 from __future__ import annotations
 
-import ast
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -57,7 +56,7 @@ from immutables import Map
 
 from . import operators as _operators
 from .actions import _RESETTING_DEADLINE, _TERMINAL, Action, _apply, apply
-from .codegen import CompiledForms, current_form, inlining, run_source
+from .codegen import CompiledForms, current_form, inlining, renamed, run_source
 from .liveness import (
     _fence_due,
     _last_call_seen,
@@ -587,28 +586,15 @@ _PhaseOf = Callable[[RendezvousState, Settings], tuple[object, ...]]
 _SamePhase = Callable[[RendezvousState, RendezvousState, Settings], bool]
 
 
-class _StateAs(ast.NodeTransformer):
-    """Renames ``state`` in a part to the state it is read from."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def visit_Name(self, node: ast.Name) -> ast.Name:
-        return ast.Name(self.name, node.ctx) if node.id == "state" else node
-
-
 def _compile_phase(parts: tuple[str, ...]) -> tuple[_PhaseOf, _SamePhase]:
     """``parts`` as two functions: the phase of a state (the tuple of its parts),
     and whether two states have the same phase (part by part, ending at the first
     difference: no tuples built, run on every write)."""
-
-    def of(name: str, part: str) -> str:
-        return ast.unparse(_StateAs(name).visit(ast.parse(part, mode="eval")))
-
     source = "def phase_of(state, settings):\n    return (" + "".join(f"{p}, " for p in parts)
     source += ")\n\ndef same_phase(a, b, settings):\n"
     for part in parts:
-        source += f"    if ({of('a', part)}) != ({of('b', part)}):\n        return False\n"
+        a, b = renamed(part, {"state": "a"}), renamed(part, {"state": "b"})
+        source += f"    if ({a}) != ({b}):\n        return False\n"
     source += "    return True\n"
     rules = run_source(source, "<PHASE_PARTS>", {"everyone_back": everyone_back})
     return rules["phase_of"], rules["same_phase"]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rallypoint.core import driver
-from rallypoint.core.codegen import inline
+from rallypoint.core.codegen import inline, renamed
 
 LIMIT = 3
 
@@ -104,3 +104,10 @@ def test_the_drivers_hot_functions_are_compiled_forms_of_their_source() -> None:
         assert function.__code__ is not function.__wrapped__.__code__
     inlined = set(driver.decide.__code__.co_names)
     assert not inlined & {"_none_expired", "_write", "_no_write", "_phased", "current_form"}
+
+
+def test_a_renamed_expression_reads_the_other_variable_and_nothing_else() -> None:
+    assert renamed("state.complete and len(state.p) < n", {"state": "a"}) == (
+        "a.complete and len(a.p) < n"
+    )
+    assert renamed("everyone_back(state)", {"state": "b"}) == "everyone_back(b)"
