@@ -27,6 +27,23 @@ as well, so that a bad write surfaces as an error at once instead of stalling ev
 node until its join timeout. Given the node's :class:`Settings`, the checks that
 depend on min/max nodes run too.
 
+The version is the integer 4: ``4.0`` or ``true`` is another format. Two things
+that look odd are accepted because the protocol writes them:
+
+* a returning node that is neither a member nor beating (``rt`` lists it, ``hb``
+  does not): every participant that leaves a complete round to join the next one
+  is that until its join lands. If it never lands (the node died in between),
+  nobody can declare it dead, having no counter to watch, and none needs to: it
+  only keeps the round from completing at quorum at once (``everyone_back``), so
+  the round waits out its last call, as one that may still see a newcomer does,
+  and a completion forgets it. It never becomes a participant, holds no rank
+  and blocks no join.
+* ``rg`` true in a complete round of any number, round 0 included: a completion
+  sets it, meaning "the next open round is a regroup of this one". What is
+  refused is the regroup mark, or a returning node, in round 0 before it
+  completed: no node writes that, and the mark would let round 0 complete at
+  quorum without its last call.
+
 The size of a state's encoding is also kept incrementally across writes
 (:class:`EncodedSize`, from the same layout), for executors and simulations that
 count bytes without encoding every state they see.
@@ -356,7 +373,7 @@ def _document(data: bytes) -> dict[str, Any]:
         raise _fail(f"{len(data)} bytes exceeds the limit of {MAX_STATE_BYTES}")
     doc = _json_object(data, _fail)
     version = doc.get("v")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != FORMAT_VERSION:  # 4.0 and true are not 4
         raise _fail(f"format version {version!r} is not supported (expected {FORMAT_VERSION})")
     missing = _KEYS - doc.keys()
     unknown = doc.keys() - _KEYS
@@ -424,6 +441,15 @@ def _check_round(state: RendezvousState) -> None:
         )
     if state.charged_through and not state.restarts:
         raise _fail("failures are counted but the restart count is 0")
+    if state.round == 0 and not state.complete and (state.regroup or state.returning):
+        # Only a completion sets the regroup mark and only a complete round's
+        # participant returns: before round 0 completes there is no round to come
+        # back from. Accepted, the mark would let round 0 complete at quorum
+        # without its last call, leaving out the nodes still on their way.
+        raise _fail(
+            "round 0 has not completed, yet it is marked a regroup or has returning "
+            "nodes: there is no earlier round to return from"
+        )
 
 
 def _check_members(state: RendezvousState) -> None:
@@ -575,7 +601,7 @@ def _decode_shared_settings(data: bytes) -> dict[str, Any]:
     if len(data) > 4096:
         raise _settings_fail(f"{len(data)} bytes is far more than settings take")
     doc = _json_object(data, _settings_fail)
-    if doc.get("v") != _SETTINGS_VERSION or isinstance(doc.get("v"), bool):
+    if type(doc.get("v")) is not int or doc.get("v") != _SETTINGS_VERSION:
         raise _settings_fail(f"format version {doc.get('v')!r} is not supported")
     # Fields a later version adds are not ours to compare; every field of ours must be
     # there, of the type Settings holds.

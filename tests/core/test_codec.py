@@ -89,6 +89,7 @@ def _bytes(doc: dict) -> bytes:  # type: ignore[type-arg]
         (lambda d: d.update(ph=-1), "phase must be >= 0"),
         (lambda d: d.update(ic="0"), "intent cursor must be an integer"),
         (lambda d: d.update(v=True), "format version True"),
+        (lambda d: d.update(v=4.0), "format version 4.0 is not supported"),
         (lambda d: d.pop("round"), "missing fields"),
         (lambda d: d.update(extra=1), "unknown fields"),
         (lambda d: d.update(round="1"), "round must be an integer"),
@@ -113,6 +114,32 @@ def test_decode_rejects_malformed_state(mutate, message):
     mutate(doc)
     with pytest.raises(RendezvousStateError, match=message):
         decode_state(_bytes(doc))
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [lambda d: d.update(rg=True), lambda d: d["rt"].append(["ghost", 1, 0])],
+    ids=["regroup mark", "returning node"],
+)
+def test_decode_rejects_a_return_to_a_round_0_that_never_completed(mutate):
+    doc = _doc(joined([node(0)], settings(2, 3)))
+    mutate(doc)
+    with pytest.raises(RendezvousStateError, match="no earlier round to return from"):
+        decode_state(_bytes(doc))
+
+
+def test_decode_accepts_what_the_protocol_writes_on_a_departure_from_round_0():
+    """Round 0 complete carries the regroup mark; its participant leaving to join
+    the next round is returning with no heartbeat entry until its join lands."""
+    s = settings(2, 3)
+    state = completed(2, s)
+    assert state.round == 0 and state.regroup
+    assert decode_state(encode_state(state), s) == state
+    leaver = node(0)
+    departed = step(state, leaver, Action.REMOVE_FROM_PARTICIPANTS, s)
+    assert leaver in departed.returning
+    assert leaver not in departed.members() and leaver not in departed.heartbeats
+    assert decode_state(encode_state(departed), s) == departed
 
 
 def test_decode_rejects_assigned_ranks_in_an_incomplete_round():

@@ -65,7 +65,9 @@ def test_the_shared_settings_comparison_names_each_difference() -> None:
         "stable_ranks: True on this node, False for the run",
         "keep_alive_interval: 1.0 on this node, 5.0 for the run",
     ]
-    for bad in (b"", b"[]", b'{"v": 1}', b'{"v": 1, "min_nodes": "2"}', b"x" * 5000):
+    as_float = published.replace(b'"v":2', b'"v":2.0')
+    assert as_float != published
+    for bad in (b"", b"[]", b'{"v": 1}', b'{"v": 1, "min_nodes": "2"}', b"x" * 5000, as_float):
         with pytest.raises(RendezvousStateError, match="corrupt published settings"):
             shared_settings_differences(run, bad)
 
