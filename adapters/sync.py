@@ -64,6 +64,7 @@ from ..core import (
     encode_state,
 )
 from ..core import errors as core_errors
+from ..core.deprecation import renamed_method
 from .backend import RendezvousBackend, StateSizeLimit, Token
 from .errors import RendezvousConnectionError, RendezvousStateError, describe
 
@@ -425,6 +426,9 @@ class StateSync:
             verdict = self._drive(None)
         assert isinstance(verdict, Verdict)
         return verdict
+
+    #: Renamed :meth:`watch` in 0.2.0 (CHANGELOG.md); warns, and goes in the next release.
+    monitor = renamed_method("monitor", "watch")
 
     def invalidate(self) -> None:
         """Make the next decision read the state first."""

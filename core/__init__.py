@@ -56,6 +56,7 @@ from .codec import (
     encode_state,
     shared_settings_differences,
 )
+from .deprecation import moved_names as _moved_names
 from .driver import (
     Announce,
     Beat,
@@ -207,3 +208,21 @@ __all__ = [
     "wake_at",
     "watch",
 ]
+
+# Names this package exported before 0.2.0 (CHANGELOG.md): each still works, with
+# a warning naming where it lives now, until the next release.
+__getattr__ = _moved_names(
+    __name__,
+    {
+        "monitor": f"{__name__}.driver:watch",
+        "FORMAT_VERSION": f"{__name__}.codec:FORMAT_VERSION",
+        "SHARED_SETTINGS": f"{__name__}.codec:SHARED_SETTINGS",
+        "JoinRow": f"{__name__}.operators:JoinRow",
+        "last_call_passed": f"{__name__}.operators:last_call_passed",
+        "SIDE_BITS": f"{__name__}.liveness:SIDE_BITS",
+        "fence_after": f"{__name__}.liveness:fence_after",
+        "lease_expiry": f"{__name__}.liveness:lease_expiry",
+        "after_outage": f"{__name__}.driver:after_outage",
+        "must_fence": f"{__name__}.driver:must_fence",
+    },
+)

@@ -57,6 +57,7 @@ from immutables import Map
 from . import operators as _operators
 from .actions import _RESETTING_DEADLINE, _TERMINAL, Action, _apply, apply
 from .codegen import CompiledForms, current_form, inlining, renamed, run_source
+from .deprecation import moved_names as _moved_names
 from .liveness import (
     _fence_due,
     _last_call_seen,
@@ -938,3 +939,7 @@ def watch(
             # nobody left (no scan of the members).
             lost = frozenset(n for n in joined.participants if n not in now_in)
     return Verdict(len(sanitized.wait_list), lost)
+
+
+# Renamed in 0.2.0 (CHANGELOG.md): the alias warns, and goes in the next release.
+__getattr__ = _moved_names(__name__, {"monitor": f"{__name__}:watch"})

@@ -1,0 +1,71 @@
+"""Renamed and moved public names keep working for one release, with a warning.
+
+* each old spelling gives the object the new one names, and warns with a
+  ``DeprecationWarning`` that names the new spelling;
+* a name that never existed is still an ``AttributeError``;
+* CHANGELOG.md lists every alias under "Deprecated", so a user can find it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+from helpers.core_scenarios import completed, node, settings
+
+from rallypoint.adapters import MemoryBackend, StateSync
+from rallypoint.core import Membership, encode_state
+
+CHANGELOG = Path(__file__).resolve().parents[2] / "CHANGELOG.md"
+
+#: (module, old name, module, new name)
+MOVED = [
+    ("rallypoint.core.driver", "monitor", "rallypoint.core.driver", "watch"),
+    ("rallypoint.core", "monitor", "rallypoint.core.driver", "watch"),
+    ("rallypoint.core", "FORMAT_VERSION", "rallypoint.core.codec", "FORMAT_VERSION"),
+    ("rallypoint.core", "SHARED_SETTINGS", "rallypoint.core.codec", "SHARED_SETTINGS"),
+    ("rallypoint.core", "JoinRow", "rallypoint.core.operators", "JoinRow"),
+    ("rallypoint.core", "last_call_passed", "rallypoint.core.operators", "last_call_passed"),
+    ("rallypoint.core", "SIDE_BITS", "rallypoint.core.liveness", "SIDE_BITS"),
+    ("rallypoint.core", "fence_after", "rallypoint.core.liveness", "fence_after"),
+    ("rallypoint.core", "lease_expiry", "rallypoint.core.liveness", "lease_expiry"),
+    ("rallypoint.core", "after_outage", "rallypoint.core.driver", "after_outage"),
+    ("rallypoint.core", "must_fence", "rallypoint.core.driver", "must_fence"),
+]
+
+
+@pytest.mark.parametrize(("module", "old", "where", "new"), MOVED)
+def test_an_old_name_gives_the_new_object_and_warns(module, old, where, new):
+    with pytest.warns(DeprecationWarning, match=re.escape(f"use {where}.{new}")):
+        value = getattr(importlib.import_module(module), old)
+    assert value is getattr(importlib.import_module(where), new)
+
+
+def test_a_name_that_never_existed_is_still_an_attribute_error():
+    core = importlib.import_module("rallypoint.core")
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        core.no_such_name  # noqa: B018
+
+
+def test_state_sync_monitor_warns_and_answers_as_watch():
+    s = settings(2, 2)
+    state = completed(2, s)
+    backend = MemoryBackend()
+    backend.set_state(encode_state(state))
+    for member in (node(0), node(1)):
+        backend.beat(str(member))
+    sync = StateSync(backend, node(0), s, clock=lambda: 0.0)
+    joined = Membership(state.round, 0, 2, state.participants)
+    with pytest.warns(DeprecationWarning, match=r"StateSync\.monitor .* use StateSync\.watch"):
+        verdict = sync.monitor(joined)
+    assert verdict == sync.watch(joined)
+
+
+def test_the_changelog_lists_every_alias_as_deprecated():
+    text = CHANGELOG.read_text()
+    deprecated = text.split("### Deprecated", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    for module, old, _where, _new in MOVED:
+        assert f"`{module}.{old}`" in deprecated, (module, old)
+    assert "`StateSync.monitor`" in deprecated
