@@ -25,11 +25,22 @@ What each instruction obliges the caller to do, in this order:
 
 ``Read(counters, intents, state)``
     1. Unless ``state`` is False, read the stored state and its token (decode it
-       with :func:`~rallypoint.core.decode_state`).
+       with :func:`~rallypoint.core.decode_state`). With ``state`` False (right
+       after a lost compare-and-set, which returned what is stored) read nothing
+       of the state: "that state" below is the one the node holds
+       (:attr:`RendezvousNode.view`), and the result's ``state`` and ``token`` are
+       None; the node keeps the state and token it holds.
     2. With ``counters``, read the side heartbeat counter of every node in that
-       state's ``heartbeats`` (0 for a node that never beat).
-    3. With ``intents``, read the intent log of that state's round (its entries
-       as :class:`~rallypoint.core.NodeDesc`, in append order).
+       state's ``heartbeats`` (0 for a node that never beat). A store keys the
+       counters by ``str(desc)`` (a string is what a store can hold); the result
+       maps each :class:`~rallypoint.core.NodeDesc` to its counter, so look each
+       node up by ``str(node)``.
+    3. With ``intents``, read the intent log of that state's round (0 when
+       nothing is stored) and turn each entry back into a node with
+       :meth:`NodeDesc.parse <rallypoint.core.NodeDesc.parse>` (an entry is the
+       ``str(desc)`` that an ``Announce`` appended), in append order. An entry
+       that does not parse was written by something other than a node of this
+       run: report it as a :class:`~rallypoint.core.RendezvousStateError`.
     Then step with :class:`ReadResult` (``state=None`` when nothing is stored or
     ``state`` was False).
 ``Write(state, phase=...)``
@@ -37,7 +48,11 @@ What each instruction obliges the caller to do, in this order:
     token :attr:`RendezvousNode.token` held when ``step`` returned the write;
     after a win, publish ``phase`` if it is not None. Then step with
     :class:`WriteResult` (on a loss: what is stored now, and its token). Back off
-    a little (jittered) before stepping after a loss: others are writing too. A
+    a little (jittered) before stepping after a loss: others are writing too
+    (the bundled executors wait a uniform draw from 0 to ``min(0.05, 0.001 *
+    2**losses)`` seconds, ``losses`` the losses in a row:
+    :func:`rallypoint.adapters.sync.backoff_delay`; a herd of joiners spreads
+    out and a lone loser retries at once). A
     won write may move the operation's deadline (``Write.deadline``: a redundant
     node that became a joiner); the node keeps it in :attr:`RendezvousNode.deadline`.
 ``Beat()``
@@ -48,7 +63,15 @@ What each instruction obliges the caller to do, in this order:
 ``Wait(until, phase)``
     Block until a phase above ``phase`` is published, or just past local time
     ``until`` (None: a phase only; cap the wait at a poll interval either way, a
-    notification may be lost); step with :class:`WaitResult`.
+    notification may be lost: the bundled executors poll every second and wake
+    2 ms past ``until``); step with :class:`WaitResult`. A phase above ``phase``
+    published already (before the wait began) ends the wait at once: answer
+    ``WaitResult(changed=True)`` without blocking. A wait that ended early for
+    no reason (a spurious wake-up, the poll cap) is ``changed=False``. A node in
+    an operation reads again after any wait; a member looks at its round at once
+    after ``True`` and at its next watch (at most ``watch_interval`` later) after
+    ``False``. So a wrong ``True`` costs a read and a wrong ``False`` a delay,
+    never a wrong decision.
 ``Joined(membership)``
     (after :meth:`RendezvousNode.join`) The round completed: start this node's
     workers with ``membership`` (round, rank, world size). Step with None: the
