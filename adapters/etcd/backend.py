@@ -69,7 +69,7 @@ from ..backend import BackendBase, StateSizeLimit, Token, check_intent_entry
 from ..errors import RendezvousConnectionError
 from .client import FATAL, EtcdConnection, classify, error_text
 
-__all__ = ["STATE_PREFIX", "EtcdBackend"]
+__all__ = ["STATE_PREFIX", "DiagnosedError", "EtcdBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,12 @@ _MAX_RETRY_PAUSE = 0.5
 #: A watch whose stream broke returns early (the caller re-reads through the
 #: retrying calls) after this pause, so a broken stream is not re-opened in a spin.
 _BROKEN_WATCH_PAUSE = 0.05
+
+
+class DiagnosedError(RendezvousConnectionError):
+    """A call gave up and the backend's ``diagnose`` said why (the embedded etcd:
+    its quorum is lost). The message is that reason: advice about a server to
+    start or reach would contradict it."""
 
 
 def _is_revision(token: object) -> bool:
@@ -199,9 +205,14 @@ class EtcdBackend(BackendBase):
         if self._diagnose is not None and classify(exc) != FATAL:
             with contextlib.suppress(Exception):
                 cause = self._diagnose()
+        if cause is not None:
+            return DiagnosedError(
+                f"{cause} (run id {self._run_id!r}, endpoint {self.endpoint!r}; etcd's last "
+                f"error: {error_text(exc)}{after})"
+            )
         return RendezvousConnectionError(
             self._describe(
-                f"etcd failed ({error_text(exc)}{after})" + ("" if cause is None else f": {cause}"),
+                f"etcd failed ({error_text(exc)}{after})",
                 "that the etcd server is running and reachable at this address "
                 "(etcdctl --endpoints=<endpoint> endpoint health), and that read_timeout "
                 "is longer than its outages",

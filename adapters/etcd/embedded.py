@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..c10d.store import bind_address
 from ..config import ConfigError, EmbeddedEtcd, EtcdTLS, RendezvousConfig, format_endpoint
 from ..errors import RendezvousConnectionError
 from .backend import EtcdBackend
@@ -74,8 +75,9 @@ _STOP_GRACE = 1.0
 _PROBE_TIMEOUT = 2.0
 
 # The watchdog of one member (see the module docstring): argv = pipe fd, etcd pid,
-# data dir, log file. A line "done" means a clean stop; end-of-file without it
-# means the agent died: SIGKILL the member's process group, remove its files.
+# data dir, log file. A line "pid N" names the process of a restarted member; a
+# line "done" means a clean stop; end-of-file without it means the agent died:
+# SIGKILL the newest member process's group, remove its files.
 _WATCHDOG = r"""
 import os, shutil, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -87,9 +89,11 @@ while True:
     if not chunk:
         break
     seen += chunk
-if b"done" not in seen:
+lines = seen.decode("ascii", "replace").split("\n")
+pids = [int(x[4:]) for x in lines if x.startswith("pid ") and x[4:].isdigit()]
+if "done" not in lines:
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pids[-1] if pids else pid, signal.SIGKILL)
     except OSError:
         pass
     shutil.rmtree(data, ignore_errors=True)
@@ -152,12 +156,21 @@ class EmbeddedMember:
         self._connect = connect
         self._binary = binary
         self._proc: subprocess.Popen[bytes] | None = None
+        # Held while a process is spawned or taken for stopping: a restart never
+        # starts a process that stop() no longer sees.
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._supervised = threading.Event()
         self._keeper_stop = threading.Event()
         self._watchdog_fd: int | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._stopped = False
+        self._timeout = 60.0
+        self._argv_in_use: list[str] = []
         #: "new" (static bootstrap) or "existing" (replaced a dead predecessor).
         self.joined_as = ""
+        #: How often the member's etcd process exited on its own and was restarted.
+        self.restarts = 0
 
     # -- names and addresses ---------------------------------------------------------
 
@@ -171,25 +184,38 @@ class EmbeddedMember:
 
     @property
     def client_url(self) -> str:
+        """The URL the member advertises to clients: its host as listed (a name
+        stays a name)."""
         return _url(self.scheme, self.host, self.client_port)
+
+    def _listen_url(self, port: int) -> str:
+        # etcd binds IP addresses only, and a listed host name is what peers and
+        # clients keep using when a rescheduled node comes back with a new address:
+        # advertise the name, listen on the address it stands for here (the c10d
+        # store's rule: every interface where that is ambiguous).
+        return _url(self.scheme, bind_address(self.host) or "0.0.0.0", port)
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        proc = self._proc
+        return None if proc is None else proc.pid
 
     def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        proc = self._proc
+        return proc is not None and proc.poll() is None
 
     # -- start -----------------------------------------------------------------------
 
     def start(self, timeout: float) -> None:
-        """Start the member and wait until it serves a quorum read.
+        """Start the member and wait until it serves a quorum read; from then on
+        an etcd process that exits on its own is restarted (see :meth:`_recover`).
 
         Raises:
             RendezvousConnectionError: etcd is missing, exited, or found no quorum
                 within ``timeout`` seconds (the message names the members that do
                 not answer).
         """
+        self._timeout = timeout
         shutil.rmtree(self.data_dir, ignore_errors=True)  # a SIGKILLed agent's
         self.log_file.unlink(missing_ok=True)
         self.data_dir.mkdir(mode=0o700, parents=True)
@@ -201,6 +227,7 @@ class EmbeddedMember:
         except BaseException:
             self.stop()
             raise
+        self._supervised.set()
         log.info(
             "embedded etcd member %s serving at %s (%s cluster)",
             self.name,
@@ -261,10 +288,14 @@ class EmbeddedMember:
             time.sleep(0.5)
 
     def _rejoin(self, client: Any) -> str:
-        """Remove this member's predecessor (same peer URL) and add it anew, by
-        etcd's runtime reconfiguration; the new ``--initial-cluster``."""
+        """Remove this member's predecessor (same name, or same peer URL: one added
+        and never started has no name yet) and add it anew, by etcd's runtime
+        reconfiguration; the new ``--initial-cluster``.
+
+        The peer URL carries the listed host, so a predecessor that ran at
+        another address under the same name is found too."""
         for member in list(client.members):
-            if self.peer_url in list(member.peer_urls):
+            if member.name == self.name or self.peer_url in list(member.peer_urls):
                 log.warning(
                     "embedded etcd: replacing member %s (id %x) of the running cluster",
                     member.name or self.name,
@@ -282,14 +313,13 @@ class EmbeddedMember:
         return ",".join(entries)
 
     def _argv(self, initial: str, state: str) -> list[str]:
-        peer_listen = _url(self.scheme, self.host, peer_port(self.client_port))
         args = [
             self._binary or find_etcd_binary(),
             f"--name={self.name}",
             f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={self.client_url}",
+            f"--listen-client-urls={self._listen_url(self.client_port)}",
             f"--advertise-client-urls={self.client_url}",
-            f"--listen-peer-urls={peer_listen}",
+            f"--listen-peer-urls={self._listen_url(peer_port(self.client_port))}",
             f"--initial-advertise-peer-urls={self.peer_url}",
             f"--initial-cluster={initial}",
             f"--initial-cluster-state={state}",
@@ -309,35 +339,164 @@ class EmbeddedMember:
                 args += ["--peer-client-cert-auth", f"--peer-trusted-ca-file={self.tls.cacert}"]
         return args
 
+    def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes] | None:
+        """Start the etcd process (from the keeper thread only: the kernel kills
+        it when the thread that forked it ends); None once stopping."""
+        with self._lock:
+            if self._stopping.is_set():
+                return None
+            with open(self.log_file, "ab") as log_file:
+                proc = subprocess.Popen(
+                    _die_with_this_thread(argv),
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # a Ctrl-C to the agent's group misses it
+                )
+            self._proc = proc
+            self._argv_in_use = argv
+            fd = self._watchdog_fd
+            if fd is not None:  # a restart: the watchdog must kill this one now
+                with contextlib.suppress(OSError):
+                    os.write(fd, f"\npid {proc.pid}\n".encode())
+            return proc
+
     def _launch(self, initial: str, state: str) -> None:
-        argv = _die_with_this_thread(self._argv(initial, state))
+        argv = self._argv(initial, state)
         started: dict[str, Any] = {}
         ready = threading.Event()
 
         def keep() -> None:
             # PR_SET_PDEATHSIG fires when the *thread* that forked ends: this one
-            # lives until the member is stopped (or the process dies).
+            # lives until the member is stopped (or the process dies), and starts
+            # every restart of the member itself.
             try:
-                with open(self.log_file, "ab") as log_file:
-                    started["proc"] = subprocess.Popen(
-                        argv,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,  # a Ctrl-C to the agent's group misses it
-                    )
+                started["proc"] = self._spawn(argv)
             except OSError as exc:
                 started["error"] = exc
             finally:
                 ready.set()
+            proc = started.get("proc")
+            if proc is not None:
+                self._supervise(proc)
             self._keeper_stop.wait()
 
         threading.Thread(target=keep, name=f"rallypoint-etcd-{self.name}", daemon=True).start()
         ready.wait()
         if "error" in started:
             raise RendezvousConnectionError(f"cannot start etcd ({started['error']})")
-        self._proc = started["proc"]
-        self._start_watchdog(self._proc.pid)
+        if started.get("proc") is None:
+            raise RendezvousConnectionError(f"the embedded etcd member {self.name} was stopped")
+        self._start_watchdog(started["proc"].pid)
+
+    # -- a member process that exits on its own --------------------------------------
+
+    def _exit_code(self, proc: subprocess.Popen[bytes]) -> int | None:
+        """Wait until ``proc`` exits (its code) or the member is stopping (None)."""
+        while not self._stopping.is_set():
+            try:
+                return proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+        return None
+
+    def _supervise(self, proc: subprocess.Popen[bytes]) -> None:
+        """Restart the member each time its process exits on its own, until the
+        member is stopping. A process that exits before :meth:`start` succeeded
+        is start's failure to report, not one to restart."""
+        while True:
+            code = self._exit_code(proc)
+            if code is None or self._stopping.is_set():  # stop() ended it
+                return
+            while not self._supervised.is_set():
+                if self._stopping.wait(0.1):
+                    return
+            restarted = self._recover(code)
+            if restarted is None:
+                return
+            proc = restarted
+
+    def _recover(self, code: int) -> subprocess.Popen[bytes] | None:
+        """The member's etcd exited with ``code`` while its agent lives: start it
+        again, so that the cluster does not run one member short until this node
+        goes. First with its data, as it was (etcd resumes from its write-ahead
+        log and rejoins by itself); when that process exits too (the data is
+        gone or damaged), by reconfiguration, as a replacement does: empty data,
+        the old member removed and added anew. Retried, with growing pauses,
+        until a process serves or the member is stopping (None)."""
+        self.restarts += 1
+        last = self.tail().splitlines()[-1:] or ["(empty log)"]
+        log.warning("embedded etcd member %s exited with %s; restarting it (its log: %s)",
+                    self.name, code, last[0][:300])  # fmt: skip
+        with_data = (self.data_dir / "member").is_dir()
+        pause = 0.5
+        while not self._stopping.is_set():
+            argv = self._argv_in_use if with_data else self._reconfigured_argv()
+            proc = None if argv is None else self._spawn(argv)
+            if proc is not None:
+                outcome = self._restart_outcome(proc)
+                if outcome != "exited":
+                    log.warning("embedded etcd member %s restarted (%s, %s)", self.name,
+                                "with its data" if with_data else "by reconfiguration",
+                                outcome)  # fmt: skip
+                    return proc
+                log.warning("embedded etcd member %s exited again with %s: %s", self.name,
+                            proc.returncode, self.tail().splitlines()[-1:])  # fmt: skip
+                with_data = False
+            if self._stopping.wait(pause):
+                break
+            pause = min(2 * pause, 10.0)
+        return None
+
+    def _reconfigured_argv(self) -> list[str] | None:
+        """The command line of this member re-added to the running cluster with
+        an empty data directory; None while no other member serves a quorum or
+        the reconfiguration fails (the caller retries)."""
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        client = self._quorum_client()
+        if client is None:
+            log.warning("embedded etcd member %s: no other member serves a quorum to "
+                        "rejoin; retrying", self.name)  # fmt: skip
+            return None
+        try:
+            initial = self._rejoin(client)
+        except Exception as exc:
+            log.warning("embedded etcd member %s: rejoining the cluster: %s; retrying",
+                        self.name, error_text(exc))  # fmt: skip
+            return None
+        finally:
+            with contextlib.suppress(Exception):
+                client.close()
+        return self._argv(initial, "existing")
+
+    def _restart_outcome(self, proc: subprocess.Popen[bytes]) -> str:
+        """"serving" (it answers a quorum read), "exited", "stopping", or
+        "running" (alive and silent for the start timeout: the quorum is what is
+        missing, not this process)."""
+        deadline = time.monotonic() + self._timeout
+        client = None
+        try:
+            while True:
+                if self._stopping.is_set():
+                    return "stopping"
+                if proc.poll() is not None:
+                    return "exited"
+                try:
+                    if client is None:
+                        client = self._client(self.index)
+                    client.get(f"/rallypoint-probe/{self.token}")
+                    return "serving"
+                except Exception as exc:
+                    if classify(exc) is None:
+                        log.debug("probing the restarted member: %s", error_text(exc))
+                if time.monotonic() >= deadline:
+                    return "running"
+                time.sleep(0.1)
+        finally:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.close()
 
     def _start_watchdog(self, pid: int) -> None:
         if os.name != "posix":
@@ -356,7 +515,12 @@ class EmbeddedMember:
             os.close(write_end)
             log.warning("no watchdog for the embedded etcd member (%s)", exc)
         else:
-            self._watchdog_fd = write_end
+            with self._lock:
+                self._watchdog_fd = write_end
+                proc = self._proc
+                if proc is not None and proc.pid != pid:  # restarted meanwhile
+                    with contextlib.suppress(OSError):
+                        os.write(write_end, f"\npid {proc.pid}\n".encode())
         finally:
             os.close(read_end)
 
@@ -406,7 +570,9 @@ class EmbeddedMember:
         if self._stopped:
             return
         self._stopped = True
-        proc, self._proc = self._proc, None
+        with self._lock:
+            self._stopping.set()
+            proc, self._proc = self._proc, None
         started = time.monotonic()
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -421,10 +587,11 @@ class EmbeddedMember:
         self._keeper_stop.set()
         shutil.rmtree(self.data_dir, ignore_errors=True)
         self.log_file.unlink(missing_ok=True)
-        fd, self._watchdog_fd = self._watchdog_fd, None
+        with self._lock:
+            fd, self._watchdog_fd = self._watchdog_fd, None
         if fd is not None:
             with contextlib.suppress(OSError):
-                os.write(fd, b"done")
+                os.write(fd, b"\ndone\n")
             os.close(fd)
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:

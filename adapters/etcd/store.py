@@ -25,7 +25,7 @@ from torch.distributed import DistStoreError, Store
 
 from ..config import DEFAULT_PORT_BY_KIND, RendezvousConfig, parse_endpoints
 from ..errors import RendezvousConnectionError, describe
-from .backend import EtcdBackend
+from .backend import DiagnosedError, EtcdBackend
 from .client import GRPC_OPTIONS, EtcdConnection, error_text
 
 __all__ = [
@@ -404,6 +404,9 @@ def _check_access(
         # user without access to the prefix fails here.
         left = deadline - time.monotonic()
         backend.call(by_deadline(lambda c: c.get_response(state_key)), retry_window=left)
+    except DiagnosedError:  # it says what is wrong; the access advice would not fit
+        backend.close()
+        raise
     except RendezvousConnectionError as exc:
         backend.close()
         raise failed(exc.__cause__ or exc) from exc

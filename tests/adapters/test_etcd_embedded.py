@@ -12,8 +12,12 @@ replacement, majority loss) are in ``test_chaos_embedded.py``.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -30,7 +34,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from rallypoint.adapters import ConfigError, RallypointHandler, create_handler
 from rallypoint.adapters.config import EmbeddedEtcd, EtcdTLS, parse_params
-from rallypoint.adapters.etcd import EtcdServerError, find_etcd_binary, free_port
+from rallypoint.adapters.errors import RendezvousConnectionError
+from rallypoint.adapters.etcd import EtcdBackend, EtcdServerError, find_etcd_binary, free_port
 from rallypoint.adapters.etcd.embedded import EmbeddedMember, member_name, quorum_report
 
 FAST = {
@@ -136,23 +141,47 @@ def _member(tls: EtcdTLS | None, own: int = 1) -> EmbeddedMember:
     return EmbeddedMember(embedded, "job", tls=tls, connect=no_connect, binary="etcd")
 
 
+def _listens_on_an_address(argv: list[str], flag: str, port: int) -> str:
+    """The host of ``flag``'s URL, which must be an IP address (etcd binds no names)."""
+    (url,) = [arg.split("=", 1)[1] for arg in argv if arg.startswith(f"{flag}=")]
+    scheme, _, rest = url.partition("://")
+    host, _, listened = rest.rpartition(":")
+    ipaddress.ip_address(host.strip("[]"))  # raises for a name
+    assert int(listened) == port
+    return scheme
+
+
 def test_the_member_command_line_bootstraps_from_the_static_list() -> None:
     member = _member(None)
     argv = member._argv("a=http://node-a:2380", "new")
     assert argv[0] == "etcd"
     assert "--name=node-b-2379" in argv
-    assert "--listen-client-urls=http://node-b:2379" in argv
+    # Peers and clients are told the name; etcd listens on an address.
+    assert "--advertise-client-urls=http://node-b:2379" in argv
     assert "--initial-advertise-peer-urls=http://node-b:2380" in argv
+    assert _listens_on_an_address(argv, "--listen-client-urls", 2379) == "http"
+    assert _listens_on_an_address(argv, "--listen-peer-urls", 2380) == "http"
     assert "--initial-cluster-state=new" in argv
     assert "--initial-cluster-token=rallypoint-job" in argv
     assert f"--data-dir={Path('/d') / 'rallypoint-etcd-job-node-b-2379'}" in argv
     assert not any("cert" in arg for arg in argv)
 
 
+def test_a_member_named_by_a_resolvable_name_listens_on_its_address() -> None:
+    embedded = EmbeddedEtcd(members=(("localhost", 2379),), own=0, data_dir="/d")
+    member = EmbeddedMember(embedded, "job", tls=None, connect=lambda i: None, binary="etcd")
+    argv = member._argv("localhost-2379=http://localhost:2380", "new")
+    assert "--listen-client-urls=http://127.0.0.1:2379" in argv
+    assert "--listen-peer-urls=http://127.0.0.1:2380" in argv
+    assert "--advertise-client-urls=http://localhost:2379" in argv
+
+
 def test_the_member_serves_clients_and_peers_over_tls_with_the_tls_options() -> None:
     member = _member(EtcdTLS(cacert="/ca.pem", cert="/node.pem", key="/node.key"))
     argv = member._argv("x", "existing")
-    assert "--listen-client-urls=https://node-b:2379" in argv
+    assert "--advertise-client-urls=https://node-b:2379" in argv
+    assert _listens_on_an_address(argv, "--listen-client-urls", 2379) == "https"
+    assert _listens_on_an_address(argv, "--listen-peer-urls", 2380) == "https"
     assert "--initial-advertise-peer-urls=https://node-b:2380" in argv
     for flag in ("--cert-file=/node.pem", "--peer-cert-file=/node.pem",
                  "--peer-key-file=/node.key", "--client-cert-auth",
@@ -187,6 +216,49 @@ def test_the_quorum_report_names_the_members_that_do_not_answer() -> None:
 def test_member_names_are_host_and_port() -> None:
     assert member_name("node-a", 2379) == "node-a-2379"
     assert member_name("::1", 2379) == "__1-2379"
+
+
+def test_a_lost_quorum_is_one_line_that_says_restart_the_job_and_nothing_else() -> None:
+    embedded = EmbeddedEtcd(members=(("h", 1), ("h", 3), ("h", 5)), own=None, data_dir="/d")
+
+    class Unreachable:
+        def get(self, key: str) -> None:
+            raise ConnectionError("refused")
+
+        def status(self) -> None:
+            raise ConnectionError("refused")
+
+        def close(self) -> None:
+            return None
+
+    def connect(index: int) -> Any:
+        if index == 2:
+            return _AnswersStatus()
+        raise ConnectionError("refused")
+
+    backend = EtcdBackend(
+        Unreachable(),
+        "job",
+        endpoint="h:1,h:3,h:5",
+        retry_window=0.2,
+        diagnose=lambda: quorum_report(embedded, connect),
+    )
+    with pytest.raises(RendezvousConnectionError) as caught:
+        backend.get_state()
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("the embedded etcd lost its quorum: members h-1, h-3 do not answer")
+    assert "restart the job" in message and "run id 'job'" in message
+    # No advice that contradicts it (the server is not to be fixed, its node is gone).
+    assert "Check:" not in message and "is running" not in message
+
+
+class _AnswersStatus:
+    def status(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 # --- real members ----------------------------------------------------------------
@@ -305,6 +377,117 @@ def test_a_member_that_starts_late_joins_the_running_cluster(
     )
     assert states == ["existing", "new", "new"]
     infos = join_all(embedded_handlers, 120)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+
+
+def _loopback_host_name() -> str:
+    """This host's name, where it resolves to loopback addresses only (tests talk
+    to 127.0.0.1 only)."""
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        pytest.skip(f"this host's name {name!r} does not resolve ({exc})")
+    addresses = {str(info[4][0]) for info in infos}
+    if not all(ipaddress.ip_address(a).is_loopback for a in addresses):
+        pytest.skip(f"this host's name {name!r} resolves beyond loopback ({addresses})")
+    return name
+
+
+def _flag(proc: psutil.Process, flag: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in proc.cmdline() if a.startswith(f"{flag}=")]
+    return value
+
+
+@pytest.mark.integration
+def test_members_named_by_host_name_bootstrap_and_a_late_one_rejoins_by_name(
+    etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler]
+) -> None:
+    host = _loopback_host_name()
+    ports = _ports(3)
+    endpoint = ",".join(f"{host}:{p}" for p in ports)
+    params = [_params(endpoint, "named", 3, member=str(i), data_dir=str(tmp_path))
+              for i in range(3)]  # fmt: skip
+    embedded_handlers.extend(_make_all(params[:2]))
+    late = create_handler(params[2])  # reconfiguration, by the member's name
+    embedded_handlers.append(late)
+    members = {_flag(p, "--name"): p for p in _etcd_processes(tmp_path) if p.name() == "etcd"}
+    assert sorted(members) == sorted(f"{host}-{p}" for p in ports)
+    for port in ports:
+        proc = members[f"{host}-{port}"]
+        # Peers and clients know the member by name; it listens on an address.
+        assert _flag(proc, "--advertise-client-urls") == f"http://{host}:{port}"
+        assert _flag(proc, "--initial-advertise-peer-urls") == f"http://{host}:{port + 1}"
+        _listens_on_an_address(proc.cmdline(), "--listen-client-urls", port)
+    assert _flag(members[f"{host}-{ports[2]}"], "--initial-cluster-state") == "existing"
+    infos = join_all(embedded_handlers, 120)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+
+
+def _member_process(data_dir: Path, name: str) -> psutil.Process | None:
+    for proc in _etcd_processes(data_dir):
+        with contextlib.suppress(psutil.Error):
+            if proc.name() == "etcd" and f"--name={name}" in proc.cmdline():
+                return proc
+    return None
+
+
+def _whole(endpoint: str) -> bool:
+    """Whether every member of ``endpoint`` answers and the cluster lists exactly
+    these members, each started (named)."""
+    import pyetcd
+
+    listed = endpoint.split(",")
+    names: list[str] = []
+    for address in listed:
+        host, _, port = address.rpartition(":")
+        client = None
+        try:
+            client = pyetcd.client(host, int(port), timeout=2)
+            client.get("/probe")
+            names = sorted(m.name for m in client.members)
+        except Exception:
+            return False
+        finally:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    client.close()
+    return names == sorted(f"127.0.0.1-{a.rpartition(':')[2]}" for a in listed)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("data", ["kept", "lost"])
+def test_a_crashed_member_is_restarted_while_its_agent_lives(
+    etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler], data: str
+) -> None:
+    """A member's etcd SIGKILLed under its live backend serves again: from its
+    data where that is intact, else re-added to the cluster by reconfiguration."""
+    ports = _ports(3)
+    endpoint = ",".join(f"127.0.0.1:{p}" for p in ports)
+    run = f"crash-{data}"
+    made = _make_all(
+        [_params(endpoint, run, 3, member=str(i), data_dir=str(tmp_path)) for i in range(3)]
+    )
+    embedded_handlers.extend(made)
+    name = f"127.0.0.1-{ports[1]}"
+    crashed = _member_process(tmp_path, name)
+    assert crashed is not None
+    if data == "lost":
+        shutil.rmtree(tmp_path / f"rallypoint-etcd-{run}-{name}")
+    crashed.send_signal(signal.SIGKILL)
+    crashed.wait(30)
+
+    def restarted() -> psutil.Process | None:
+        proc = _member_process(tmp_path, name)
+        return proc if proc is not None and proc.pid != crashed.pid else None
+
+    assert _eventually(lambda: restarted() is not None, 120), "the member was not restarted"
+    again = restarted()
+    assert again is not None
+    expected = "new" if data == "kept" else "existing"  # the same flags; or a rejoin
+    assert _flag(again, "--initial-cluster-state") == expected
+    assert _eventually(lambda: _whole(endpoint), 120), "the cluster is not whole again"
+    infos = join_all(made, 120)
     assert sorted(i.rank for i in infos) == [0, 1, 2]
 
 
