@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 LINGER_S = 10.0
 #: How long a stopping member may take before it is killed.
 _STOP_GRACE = 1.0
+#: What etcd logs when it exits because the cluster removed it.
+_REMOVED = "permanently removed from the cluster"
 #: How long one probe of another member waits for an answer.
 _PROBE_TIMEOUT = 2.0
 
@@ -167,6 +169,7 @@ class EmbeddedMember:
         self._stopped = False
         self._timeout = 60.0
         self._argv_in_use: list[str] = []
+        self._log_offset = 0
         #: "new" (static bootstrap) or "existing" (replaced a dead predecessor).
         self.joined_as = ""
         #: How often the member's etcd process exited on its own and was restarted.
@@ -346,6 +349,7 @@ class EmbeddedMember:
             if self._stopping.is_set():
                 return None
             with open(self.log_file, "ab") as log_file:
+                self._log_offset = log_file.tell()
                 proc = subprocess.Popen(
                     _die_with_this_thread(argv),
                     stdout=log_file,
@@ -411,6 +415,13 @@ class EmbeddedMember:
             while not self._supervised.is_set():
                 if self._stopping.wait(0.1):
                     return
+            if _REMOVED in self._log_since(self._log_offset):
+                # Another node runs this member now (a replacement under the same
+                # name): re-adding this one would remove that one, and so on.
+                log.error("embedded etcd member %s was removed from the cluster (a "
+                          "replacement took its place); this node goes on as a client "
+                          "only", self.name)  # fmt: skip
+                return
             restarted = self._recover(code)
             if restarted is None:
                 return
@@ -556,6 +567,14 @@ class EmbeddedMember:
     def quorum_report(self) -> str | None:
         """Which members do not answer, when too few do for a quorum (else None)."""
         return quorum_report(self.embedded, self._connect)
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_file, "rb") as log_file:
+                log_file.seek(offset)
+                return log_file.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def tail(self) -> str:
         try:

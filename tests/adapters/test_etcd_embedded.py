@@ -492,6 +492,48 @@ def test_a_crashed_member_is_restarted_while_its_agent_lives(
 
 
 @pytest.mark.integration
+def test_a_member_removed_from_the_cluster_is_not_put_back(
+    etcd_binary: str,
+    tmp_path: Path,
+    embedded_handlers: list[RallypointHandler],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A member the cluster removed (a replacement took its place) exits; its
+    agent does not re-add it, which would remove the replacement in turn."""
+    import pyetcd
+
+    ports = _ports(3)
+    endpoint = ",".join(f"127.0.0.1:{p}" for p in ports)
+    made = _make_all(
+        [_params(endpoint, "removed", 3, member=str(i), data_dir=str(tmp_path)) for i in range(3)]
+    )
+    embedded_handlers.extend(made)
+    name = f"127.0.0.1-{ports[2]}"
+    with caplog.at_level("WARNING", logger="rallypoint.adapters.etcd.embedded"):
+
+        def remove() -> bool:
+            # etcd refuses a reconfiguration until its members have been
+            # connected for 5 s ("unhealthy cluster"); pyetcd then bans its
+            # endpoint, so each try has a client of its own.
+            client = pyetcd.client("127.0.0.1", ports[0], timeout=5)
+            try:
+                (gone,) = [m for m in client.members if m.name == name]
+                client.remove_member(gone.id)
+            except pyetcd.exceptions.Etcd3Exception:
+                return False
+            finally:
+                client.close()
+            return True
+
+        assert _eventually(remove, 60)
+        assert _eventually(lambda: "was removed from the cluster" in caplog.text, 60), caplog.text
+    assert _member_process(tmp_path, name) is None
+    assert "restarting it" not in caplog.text
+    infos = join_all(made, 120)  # the removed member's node goes on as a client
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+
+
+@pytest.mark.integration
 def test_a_stale_data_dir_is_removed_at_start(
     etcd_binary: str, tmp_path: Path, embedded_handlers: list[RallypointHandler]
 ) -> None:
@@ -537,6 +579,53 @@ def test_a_sigkilled_agents_member_dies_and_its_data_is_removed(
     )
     try:
         assert agent.returncode == -9 and "ready" in agent.stdout, agent.stderr
+        assert _eventually(lambda: not _etcd_processes(tmp_path)), _etcd_processes(tmp_path)
+        assert _eventually(lambda: not list(tmp_path.iterdir())), list(tmp_path.iterdir())
+    finally:
+        for proc in _etcd_processes(tmp_path):
+            proc.kill()
+
+
+_KILLED_AFTER_A_RESTART = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import psutil
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from rallypoint.adapters import create_handler
+    handler = create_handler(RendezvousParameters(
+        "etcd-embedded", sys.argv[1], "killed", 1, 1, local_addr="127.0.0.1",
+        member="0", data_dir=sys.argv[2], read_timeout="20"))
+    def member():
+        found = [p for p in psutil.Process().children() if p.name() == "etcd"]
+        return found[0] if found else None
+    first = member()
+    first.kill()
+    first.wait(30)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        again = member()
+        if again is not None and again.pid != first.pid:
+            break
+        time.sleep(0.05)
+    print("restarted" if again is not None else "not restarted", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.integration
+def test_a_sigkilled_agents_restarted_member_dies_and_its_data_is_removed(
+    etcd_binary: str, tmp_path: Path
+) -> None:
+    (port,) = _ports(1)
+    agent = subprocess.run(
+        [sys.executable, "-c", _KILLED_AFTER_A_RESTART, f"127.0.0.1:{port}", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    try:
+        assert agent.returncode == -9 and "restarted" in agent.stdout.split(), agent.stderr
         assert _eventually(lambda: not _etcd_processes(tmp_path)), _etcd_processes(tmp_path)
         assert _eventually(lambda: not list(tmp_path.iterdir())), list(tmp_path.iterdir())
     finally:

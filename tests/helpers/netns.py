@@ -9,10 +9,17 @@ the host's own network is not touched. :meth:`Topology.partition` takes a node's
 port off the bridge (packets to and from it are silently dropped, as on a cut
 link: no reset, no error), :meth:`Topology.heal` puts it back, and
 :meth:`Topology.remove` deletes every namespace (and with them the links).
+
+Names: :meth:`Topology.set_hosts` writes ``/etc/netns/<namespace>/hosts``, which
+``ip netns exec`` mounts over ``/etc/hosts`` for the processes it starts, so the
+nodes reach each other by host name without the host's own ``/etc/hosts`` being
+touched. Rewriting it (in place: the mount holds the file, not its name) moves a
+name to another node, as DNS does for a rescheduled pod.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -69,6 +76,7 @@ class Topology:
         subnet = f"10.{int(tag[8:10], 16) % 200 + 20}.{int(tag[10:12], 16)}"
         self.addr = {node: f"{subnet}.{i + 1}" for i, node in enumerate(nodes)}
         self.created: list[str] = []
+        self.hosts_dirs: list[str] = []
 
     def create(self) -> Topology:
         self._add_ns(self.switch)
@@ -96,8 +104,31 @@ class Topology:
     def heal(self, node: str) -> None:
         _ip("-n", self.switch, "link", "set", f"p-{node}", "master", "br0")
 
+    def set_hosts(self, names: dict[str, str]) -> None:
+        """Give every node the same ``/etc/hosts``: ``localhost``, and each host
+        name of ``names`` at the address of the node it maps to. Processes that
+        ``ip netns exec`` starts afterwards see it; rewriting it reaches the ones
+        already running too."""
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        lines += [f"{self.addr[node]} {name}" for name, node in names.items()]
+        text = "\n".join(lines) + "\n"
+        for ns in self.ns.values():
+            directory = f"/etc/netns/{ns}"
+            if directory not in self.hosts_dirs:
+                os.makedirs(directory, exist_ok=True)
+                self.hosts_dirs.append(directory)
+            with open(f"{directory}/hosts", "w") as hosts:  # the same inode
+                hosts.write(text)
+
     def remove(self) -> list[str]:
-        """Delete every namespace this topology made; returns those that failed."""
+        """Delete every namespace this topology made (and its hosts file); returns
+        those that failed."""
+        for directory in self.hosts_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+        if self.hosts_dirs:
+            with contextlib.suppress(OSError):  # another test's may still be there
+                os.rmdir("/etc/netns")
+        self.hosts_dirs = []
         failed = []
         for name in reversed(self.created):
             done = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
