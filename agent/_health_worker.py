@@ -4,9 +4,14 @@ Run as ``python -m rallypoint.agent._health_worker`` by :func:`run_health_check`
 with the round's rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``) in its environment and its instructions, as JSON, in
 ``RALLYPOINT_HEALTH_SPEC``. It reports on a status file, one JSON object a line:
-``{"event": "stage", "stage": S}`` as each stage starts, and one final
-``{"event": "result", ...}``. A process that dies or is killed before its result
-line is judged by the caller from the last stage it started.
+``{"event": "stage", "stage": S}`` as each stage starts,
+``{"event": "imported", "seconds": T}`` once torch is imported (``T`` from the
+``spawned`` time in the instructions), and one final ``{"event": "result", ...}``.
+A process that dies or is killed before its result line is judged by the caller
+from the last stage it started.
+
+The check's budget does not count the import: once it is done, the process moves
+every deadline in its instructions on by ``T``, and the caller moves its own.
 
 Stages, in order: ``torch`` (import it), ``matmul`` (a small matrix product on each
 device checked against the CPU's), ``callable`` (the user's ``module:function``),
@@ -66,6 +71,9 @@ class _Reporter:
 
     def stage(self, name: str) -> None:
         self._write({"event": "stage", "stage": name})
+
+    def imported(self, seconds: float) -> None:
+        self._write({"event": "imported", "seconds": seconds})
 
     def result(self, outcome: Outcome, summary: str) -> None:
         self._write({"event": "result", "summary": summary, **asdict(outcome)})
@@ -141,12 +149,29 @@ def _call_user(spec: str) -> str:
     return f"callable {spec}"
 
 
-def _local_stages(spec: dict[str, Any], report: _Reporter, done: list[str]) -> Outcome:
+#: The instructions' wall-clock deadlines, which do not count the import of torch.
+_DEADLINES = ("started", "local_deadline", "rendezvous_deadline", "deadline")
+
+
+def _import_torch(spec: dict[str, Any], report: _Reporter) -> Outcome | None:
+    """Import torch (the stage ``torch``) and stop the budget's clock while it ran:
+    the deadlines in ``spec`` move on by the time since the process was spawned.
+    A failure to import is this node's; None when it worked."""
     report.stage("torch")
     try:
-        import torch
+        import torch.distributed  # noqa: F401  (torch with it; the group stages need it)
     except BaseException as exc:
         return Outcome(False, "torch", f"cannot import torch: {_describe(exc)}", "self")
+    took = max(0.0, time.time() - spec["spawned"])
+    for key in _DEADLINES:
+        spec[key] += took
+    report.imported(took)
+    return None
+
+
+def _local_stages(spec: dict[str, Any], report: _Reporter, done: list[str]) -> Outcome:
+    import torch
+
     report.stage("matmul")
     try:
         done.append(_matmul(torch, spec["device"]))
@@ -406,15 +431,18 @@ def run(spec: dict[str, Any]) -> tuple[Outcome, str]:
     """Run the stages ``spec`` asks for; the outcome and a summary of what passed."""
     report = _Reporter(spec["status_file"])
     done: list[str] = []
+    unimportable = _import_torch(spec, report)
     announced = spec.get("local_failure")
     if announced is not None:
         local = Outcome(False, announced["stage"], announced["reason"], "self")
+    elif unimportable is not None:
+        local = unimportable
     else:
         local = _local_stages(spec, report, done)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # Without torch there is no store to tell the peers through: they find this
     # node missing instead.
-    if spec["collective"] and world > 1 and local.stage != "torch":
+    if spec["collective"] and world > 1 and unimportable is None:
         outcome = _group_stages(spec, report, local, done)
     else:
         outcome = local

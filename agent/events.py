@@ -52,7 +52,8 @@ class EventKind(str, enum.Enum):
     RESTART = "restart"
     #: the node excluded itself for some rounds (reason, first round back)
     EXCLUSION = "exclusion"
-    #: the node's pre-flight health check ran (ok, reason, seconds)
+    #: the node's pre-flight health check ran (ok, reason, seconds, import_seconds: the
+    #: import of torch, which its budget does not count)
     HEALTH_CHECK = "health_check"
     #: the agent got a stop signal and left the rendezvous (signal, grace)
     PREEMPTION = "preemption"

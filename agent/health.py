@@ -22,10 +22,16 @@ segfault in a CUDA library or a user check that never returns cannot take the
 agent down or wedge it. At the deadline the process group and every descendant
 are SIGKILLed, and the check reports a timeout.
 
-The whole check ends within ``timeout`` seconds. The local steps (1-3) get the
-first half of it, so a node that fails on its own still reaches the rendezvous in
-time to *tell* its peers; rank 0 waits for the others until three quarters of the
-timeout; the collective gets the rest.
+The check's budget is ``timeout`` seconds, not counting the time it takes to start
+the check process's Python and import torch. That import says nothing about the
+node's devices or network, and where Python lives on a shared filesystem (NFS,
+Lustre) it can take tens of seconds on a healthy node, so the budget's clock stops
+while it runs, and the result reports it apart (:attr:`HealthResult.import_seconds`).
+The import has an allowance of its own, ``import_timeout`` (300 s by default): a
+node that cannot import torch within it (a hung mount) fails in stage ``torch``. Of
+the budget, the local steps (1-3) get the first half, so a node that fails on its
+own still reaches the rendezvous in time to *tell* its peers; rank 0 waits for the
+others until three quarters of it; the collective gets the rest.
 
 Blame. A failing check says whose fault it was (:attr:`HealthResult.fault`), so
 that one sick node does not make its healthy peers exclude themselves:
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -84,7 +91,7 @@ Fault = Literal["none", "self", "peers", "group"]
 #: Every stage name a result can carry, in the order they run.
 STAGES: tuple[str, ...] = (*LOCAL_STAGES, *GROUP_STAGES)
 
-#: Share of ``timeout`` the local steps (command, torch, matmul, callable) may use.
+#: Share of ``timeout`` the local steps (command, matmul, callable) may use.
 LOCAL_SHARE = 0.5
 #: Rank 0 waits for every node's status until this share of ``timeout``.
 RENDEZVOUS_SHARE = 0.75
@@ -94,6 +101,7 @@ _MAX_TIMEOUT = 7 * 24 * 3600.0
 _POLL = 0.02
 _TAIL_LINES = 6
 _TAIL_CHARS = 600
+logger = logging.getLogger("rallypoint.agent")
 _CALLABLE = re.compile(
     r"^(?:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*|[^:\0]+\.py):[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$"
 )
@@ -101,6 +109,25 @@ _CALLABLE = re.compile(
 
 class HealthCheckConfigError(ValueError):
     """A health-check setting that cannot work; the message says which and why."""
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+        or value > _MAX_TIMEOUT
+    ):
+        raise HealthCheckConfigError(
+            f"{name} must be a number of seconds in [{_MIN_TIMEOUT:g}, "
+            f"{_MAX_TIMEOUT:g}] (a week), got {value!r}"
+        )
+    if value < _MIN_TIMEOUT:
+        raise HealthCheckConfigError(
+            f"{name} must be at least {_MIN_TIMEOUT:g} s (the check starts Python and "
+            f"imports torch; 30-60 s suits most nodes), got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -118,6 +145,9 @@ class HealthCheckConfig:
             false value other than None is unhealthy. None: no callable.
         collective: with more than one node in the round, meet the other nodes and
             run an all-reduce among them.
+        import_timeout: seconds the check process may take to start Python and
+            import torch, apart from ``timeout`` (which does not count that time); a
+            node slower than this fails in stage ``torch``. Same bounds as ``timeout``.
     """
 
     enabled: bool = False
@@ -125,29 +155,15 @@ class HealthCheckConfig:
     command: str | None = None
     callable: str | None = None
     collective: bool = True
+    import_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("enabled", "collective"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise HealthCheckConfigError(f"{name} must be True or False, got {value!r}")
-        timeout = self.timeout
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-            or timeout > _MAX_TIMEOUT
-        ):
-            raise HealthCheckConfigError(
-                f"timeout must be a number of seconds in [{_MIN_TIMEOUT:g}, "
-                f"{_MAX_TIMEOUT:g}] (a week), got {timeout!r}"
-            )
-        if timeout < _MIN_TIMEOUT:
-            raise HealthCheckConfigError(
-                f"timeout must be at least {_MIN_TIMEOUT:g} s (the check starts Python and "
-                f"imports torch; 30-60 s suits most nodes), got {timeout!r}"
-            )
+        for name in ("timeout", "import_timeout"):
+            _check_seconds(name, getattr(self, name))
         command = self.command
         if command is not None:
             if not isinstance(command, str) or not command.strip():
@@ -183,11 +199,14 @@ class HealthResult:
     Attributes:
         ok: the node passed every stage it ran.
         reason: what passed (``ok``), or what failed and why, in one line.
-        seconds: how long the check took.
+        seconds: how long the check took, the import of torch included.
         stage: the stage that failed (one of :data:`STAGES`); ``""`` when ``ok``.
         fault: whom the failure blames: ``"none"`` when ok, else ``"self"``,
             ``"peers"`` or ``"group"`` (see the module docstring).
         peers: the group ranks blamed when ``fault == "peers"``, sorted.
+        import_seconds: how long the check process took to start Python and import
+            torch, which the check's budget does not count; None when it did not
+            get that far (or did not run).
     """
 
     ok: bool
@@ -196,6 +215,7 @@ class HealthResult:
     stage: str
     fault: Fault = "none"
     peers: tuple[int, ...] = ()
+    import_seconds: float | None = None
 
     @property
     def exclude_self(self) -> bool:
@@ -266,8 +286,9 @@ def run_health_check(
             when given, separating rounds' keys). Only needed with ``collective``.
         device: ``"cuda"`` (every visible CUDA device), ``"cuda:N"`` or ``"cpu"``.
 
-    Blocks for at most about ``config.timeout`` seconds (plus the moments it takes
-    to kill and reap a process). If the caller is interrupted (an exception, such as
+    Blocks for at most about ``config.timeout`` seconds plus the import of torch in
+    the check process (itself cut off after ``config.import_timeout``), plus the
+    moments it takes to kill and reap a process. If the caller is interrupted (an exception, such as
     from a signal handler), the check's processes are killed before it propagates.
 
     Raises:
@@ -288,6 +309,10 @@ class _Check:
     :meth:`run` takes the steps in order: the user's command here, then the check
     process (torch, matmul, callable and the group stages), then the verdict from
     the process's status file or, when it left none, from how it ended.
+
+    Two clocks run. The check's budget (``timeout``) counts from the start, less
+    the time the check process took to start Python and import torch (known once
+    it reports it); the import itself has an allowance of its own.
     """
 
     def __init__(
@@ -298,18 +323,28 @@ class _Check:
         self.started = started
         self.timeout = float(config.timeout)
         self.local_budget = LOCAL_SHARE * self.timeout
+        self.import_budget = float(config.import_timeout)
         self.margin = min(2.0, max(0.25, 0.05 * self.timeout))
         self.wall = time.time()
         self.env = {**os.environ, **round_env}
         self.done: list[str] = []
         self.tmp = ""
         self.status_file = ""
+        self.spawned = 0.0  # monotonic time the check process was started
+        self.import_seconds: float | None = None
+        self.stop = ""  # why the check process was stopped: "import", "local" or "deadline"
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
+    def spent(self) -> float:
+        """Seconds of the check's budget used so far: all but the import of torch."""
+        return self.elapsed() - (self.import_seconds or 0.0)
+
     def failed(self, stage: str, reason: str, fault: Fault = "self") -> HealthResult:
-        return HealthResult(False, reason, self.elapsed(), stage, fault)
+        return HealthResult(
+            False, reason, self.elapsed(), stage, fault, import_seconds=self.import_seconds
+        )
 
     def run(self, tmp: str, world: int) -> HealthResult:
         """Every step, with ``tmp`` for the outputs and the status file."""
@@ -319,7 +354,9 @@ class _Check:
         if local_failure is not None and world == 1:
             return self.failed(local_failure["stage"], local_failure["reason"])
         run = self._run_worker(local_failure)
-        return self._judge(run, local_failure)
+        result = self._judge(run, local_failure)
+        self._log_import()
+        return result
 
     def _run_command(self) -> dict[str, str] | None:
         """Run the user's command, if any: its failure as ``{"stage", "reason"}``, or None."""
@@ -346,7 +383,9 @@ class _Check:
         return None
 
     def _spec(self, local_failure: dict[str, str] | None) -> dict[str, object]:
-        """The check process's instructions (see :mod:`._health_worker`)."""
+        """The check process's instructions (see :mod:`._health_worker`). Its deadlines
+        are wall-clock times as if the import took no time; the process moves them on
+        by the time it took, as the watch here does with its own."""
         wall, timeout = self.wall, self.timeout
         return {
             "status_file": self.status_file,
@@ -357,33 +396,50 @@ class _Check:
             "timeout": timeout,
             "local_budget": self.local_budget,
             "margin": self.margin,
+            "spawned": time.time(),
             "started": wall,
             "local_deadline": wall + self.local_budget,
             "rendezvous_deadline": wall + RENDEZVOUS_SHARE * timeout,
             "deadline": wall + timeout,
         }
 
-    def _local_overrun(self) -> bool:
-        # Still in a local stage well past the local share: this node is stuck.
-        return (
-            self.elapsed() > self.local_budget + self.margin
-            and _last_stage(self.status_file) in LOCAL_STAGES
-        )
+    def _watch(self) -> bool:
+        """Polled while the check process runs: True to stop it now, why in :attr:`stop`."""
+        records = _records(self.status_file)
+        if self.import_seconds is None:
+            self.import_seconds = _imported(records)
+        if self.import_seconds is None:
+            if time.monotonic() - self.spawned > self.import_budget:
+                self.stop = "import"
+        elif self.spent() >= self.timeout:
+            self.stop = "deadline"
+        elif (
+            self.spent() > self.local_budget + self.margin
+            and _last_stage(records) in LOCAL_STAGES
+        ):
+            # Still in a local stage well past the local share: this node is stuck.
+            self.stop = "local"
+        return bool(self.stop)
 
     def _run_worker(self, local_failure: dict[str, str] | None) -> _Run:
-        """Run the check process until it exits, the deadline, or a local overrun."""
+        """Run the check process until it exits or the watch stops it."""
         argv = [sys.executable, "-m", "rallypoint.agent._health_worker"]
         spec = json.dumps(self._spec(local_failure))
         worker_env = {**self.env, SPEC_ENV: spec, "PYTHONUNBUFFERED": "1"}
-        kill_at = self.started + self.timeout
-        return _run(argv, worker_env, self.tmp, "check", kill_at, stop_early=self._local_overrun)
+        self.spawned = time.monotonic()
+        # The watch stops it sooner; this bounds it even if the status file goes unread.
+        kill_at = self.spawned + self.import_budget + self.timeout
+        return _run(argv, worker_env, self.tmp, "check", kill_at, stop_early=self._watch)
 
     def _judge(self, run: _Run, local_failure: dict[str, str] | None) -> HealthResult:
         """The check's result from the process's result line, or from how it ended."""
-        stage = _last_stage(self.status_file) or "torch"
+        records = _records(self.status_file)
+        if self.import_seconds is None:  # it may have exited between two polls
+            self.import_seconds = _imported(records)
+        stage = _last_stage(records) or "torch"
         if run.error:
             return self.failed(stage, f"cannot start the check process: {run.error}")
-        result = _result(self.status_file)
+        result = _result(records)
         if result is not None:
             return self._reported(result)
         if local_failure is not None:
@@ -396,6 +452,11 @@ class _Check:
         ok = bool(result.get("ok"))
         done = self.done
         summary = ", ".join([*done, str(result["summary"])] if result.get("summary") else done)
+        if self.import_seconds is not None:
+            summary += (
+                f" (importing torch took {self.import_seconds:.1f} s, not counted in the "
+                f"{self.timeout:g} s budget)"
+            )
         peers = result.get("peers")
         return HealthResult(
             ok,
@@ -404,12 +465,20 @@ class _Check:
             "" if ok else str(result.get("stage")),
             "none" if ok else _fault(result.get("fault")),
             tuple(int(p) for p in peers) if isinstance(peers, list) else (),
+            self.import_seconds,
         )
 
     def _ended(self, run: _Run, stage: str) -> HealthResult:
-        """The result of a check process that wrote none: killed, or it died in ``stage``."""
+        """The result of a check process that wrote none: stopped, or it died in ``stage``."""
         local = stage in LOCAL_STAGES
-        if run.code is None and run.stopped_early:
+        if self.stop == "import":
+            return self.failed(
+                "torch",
+                f"starting Python and importing torch took more than {self.import_budget:g} s "
+                f"(its allowance, apart from the {self.timeout:g} s health check; a hung "
+                f"filesystem?){_tail(run.stderr)}",
+            )
+        if self.stop == "local":
             return self.failed(
                 stage,
                 f"timed out after {self.local_budget:g} s in stage {stage} (the local checks' "
@@ -427,6 +496,23 @@ class _Check:
             f"{_tail(run.stderr)}",
             "self" if local else "group",
         )
+
+    def _log_import(self) -> None:
+        took = self.import_seconds
+        if took is None:
+            return
+        if took > self.local_budget:
+            # It used to fail the check; it still slows every worker's start.
+            logger.warning(
+                "health check: importing torch took %.1f s, more than the local checks' "
+                "%g s share of the %g s check; not counted against the check, but each "
+                "worker pays it too (is Python on a slow or shared filesystem?)",
+                took,
+                self.local_budget,
+                self.timeout,
+            )
+        else:
+            logger.debug("health check: importing torch took %.1f s", took)
 
 
 def _world_size(env: Mapping[str, str]) -> int:
@@ -583,11 +669,20 @@ def _records(path: str) -> list[dict[str, object]]:
     return records
 
 
-def _last_stage(path: str) -> str:
-    stages = [str(r["stage"]) for r in _records(path) if r.get("event") == "stage"]
+def _last_stage(records: list[dict[str, object]]) -> str:
+    stages = [str(r["stage"]) for r in records if r.get("event") == "stage"]
     return stages[-1] if stages else ""
 
 
-def _result(path: str) -> dict[str, object] | None:
-    results = [r for r in _records(path) if r.get("event") == "result"]
+def _imported(records: list[dict[str, object]]) -> float | None:
+    """Seconds the check process took to start and import torch, once it says."""
+    for record in records:
+        seconds = record.get("seconds")
+        if record.get("event") == "imported" and isinstance(seconds, (int, float)):
+            return max(0.0, float(seconds))
+    return None
+
+
+def _result(records: list[dict[str, object]]) -> dict[str, object] | None:
+    results = [r for r in records if r.get("event") == "result"]
     return results[-1] if results else None

@@ -172,6 +172,7 @@ class Recovery:
             round_,
             ok=result.ok,
             seconds=result.seconds,
+            import_seconds=result.import_seconds,
             stage=result.stage,
             fault=result.fault,
             reason=result.reason,

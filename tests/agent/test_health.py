@@ -101,6 +101,9 @@ def test_defaults_are_valid() -> None:
         ({"timeout": 0.5}, "at least 1"),
         ({"timeout": True}, "timeout"),
         ({"timeout": "60"}, "timeout"),
+        ({"import_timeout": 0}, "import_timeout"),
+        ({"import_timeout": math.nan}, "import_timeout"),
+        ({"import_timeout": 0.5}, "import_timeout must be at least 1"),
         ({"enabled": "yes"}, "enabled"),
         ({"collective": 1}, "collective"),
         ({"command": ""}, "command"),
@@ -426,3 +429,39 @@ def test_an_interrupted_check_leaves_no_process(tmp_path: Path) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert marker.exists()
+
+
+def _slow_start(tmp_path: Path, seconds: float) -> dict[str, str]:
+    """Round variables that make every Python the check starts take ``seconds`` longer
+    to start (a sitecustomize that sleeps), as Python on a slow shared filesystem does."""
+    site = tmp_path / "slow_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import time\ntime.sleep({seconds})\n")
+    return {"PYTHONPATH": str(site)}
+
+
+@pytest.mark.integration
+def test_a_slow_start_of_python_and_torch_does_not_fail_the_check(tmp_path: Path) -> None:
+    # The delay alone is longer than the whole timeout: on a budget that counted it
+    # the node would blame itself in stage torch.
+    config = HealthCheckConfig(enabled=True, timeout=4, collective=False)
+    result = _check(config, {**_env(), **_slow_start(tmp_path, 6)})
+    assert result.ok, result
+    assert result.fault == "none" and not result.exclude_self
+    assert result.import_seconds is not None and result.import_seconds >= 6
+    assert result.seconds >= result.import_seconds
+    assert "importing torch took" in result.reason and "not counted" in result.reason
+
+
+@pytest.mark.integration
+def test_a_start_that_never_ends_fails_in_stage_torch_after_its_allowance(
+    tmp_path: Path,
+) -> None:
+    config = HealthCheckConfig(enabled=True, timeout=3, import_timeout=3, collective=False)
+    started = time.monotonic()
+    result = _check(config, {**_env(), **_slow_start(tmp_path, 300)})
+    # The import's allowance cuts the 300 s hang off.
+    assert time.monotonic() - started < 120
+    assert not result.ok and result.stage == "torch" and result.fault == "self"
+    assert result.import_seconds is None
+    assert "importing torch took more than 3 s" in result.reason
