@@ -159,7 +159,11 @@ class AsyncMemoryBackend:
     a version token, a side counter per node, the phase, the intent logs).
 
     Share one instance between the nodes of a test or simulation. Calls do not
-    block, except :meth:`wait_for_phase`, which waits on an :class:`asyncio.Condition`.
+    block, except :meth:`wait_for_phase`, which waits for the next publication on
+    an :class:`asyncio.Event`. It holds no lock: an embedder cancels nodes' tasks
+    at any moment (that is how a node crashes), and a cancelled
+    :meth:`asyncio.Condition.wait` has to take its lock back before it can end,
+    which under load raised "Lock is not acquired" or never ended.
     """
 
     def __init__(self, name: str = "memory", endpoint: str = "memory") -> None:
@@ -170,7 +174,9 @@ class AsyncMemoryBackend:
         self._phase = -1  # the highest published phase; -1: none yet
         self._heartbeats: dict[str, int] = {}
         self._intents: dict[int, list[bytes]] = {}
-        self._published = asyncio.Condition()
+        # Set, then replaced, on each publication (and on close): a waiter that took
+        # this one wakes; a later waiter takes the fresh one.
+        self._published = asyncio.Event()
         self._closed = False
 
     async def get_state(self) -> tuple[bytes, Token] | None:
@@ -189,17 +195,22 @@ class AsyncMemoryBackend:
         self._version += 1
         if phase is not None and phase > self._phase:
             self._phase = phase
-            async with self._published:
-                self._published.notify_all()
+            self._publish()
         return self._blob, self._version, True
 
+    def _publish(self) -> None:
+        published, self._published = self._published, asyncio.Event()
+        published.set()
+
     async def wait_for_phase(self, phase: int, timeout: float) -> bool:
-        async with self._published:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout)
+        while not (self._phase > phase or self._closed):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(
-                    self._published.wait_for(lambda: self._phase > phase or self._closed),
-                    max(0.0, timeout),
-                )
+                await asyncio.wait_for(self._published.wait(), remaining)
         return self._phase > phase
 
     async def announce(self, round: int, entry: bytes) -> None:
@@ -218,8 +229,7 @@ class AsyncMemoryBackend:
 
     async def close(self) -> None:
         self._closed = True
-        async with self._published:
-            self._published.notify_all()
+        self._publish()
 
 
 class AsyncRendezvous:

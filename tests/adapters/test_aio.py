@@ -88,6 +88,45 @@ def test_four_nodes_join_one_is_killed_one_leaves_on_the_memory_backend() -> Non
     check_the_last_two(four_nodes_on(lambda i: memory))
 
 
+@pytest.fixture
+def cpu_load() -> Iterator[None]:
+    """Two processes that keep the CPUs busy while the test runs (the races of a
+    loaded machine), stopped after it."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)
+    ]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+@pytest.mark.integration
+def test_cancelled_nodes_end_cleanly_under_load(cpu_load: None, tmp_path: Path) -> None:
+    # The docs' example cancels every node's task and awaits them. Cancelled in
+    # the middle of a wait for the phase, none may raise at shutdown or stay
+    # pending for ever; several runs, since one cancel lands at a random point.
+    script = tmp_path / "cancel_nodes.py"
+    script.write_text(
+        docs_example().split('if __name__ == "__main__":')[0]
+        + "for run in range(8):\n"
+        + "    memory = AsyncMemoryBackend()\n"
+        + "    asyncio.run(four_nodes(lambda i: memory))\n"
+        + "    print('run', run, 'ended', flush=True)\n"
+    )
+    try:
+        ran = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"asyncio.run did not end after its nodes were cancelled: {exc.stdout!r}")
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.count("ended") == 8
+    assert "Traceback" not in ran.stderr and "exception" not in ran.stderr, ran.stderr
+
+
 def test_four_nodes_on_the_blocking_memory_backend_in_threads() -> None:
     memory = MemoryBackend("threads")
     check_the_last_two(four_nodes_on(lambda i: ThreadedBackend(memory)))
