@@ -69,7 +69,7 @@ from ..backend import BackendBase, StateSizeLimit, Token, check_intent_entry
 from ..errors import RendezvousConnectionError
 from .client import FATAL, EtcdConnection, classify, error_text
 
-__all__ = ["STATE_PREFIX", "DiagnosedError", "EtcdBackend"]
+__all__ = ["STATE_PREFIX", "EtcdBackend", "QuorumLostError"]
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,10 @@ _MAX_RETRY_PAUSE = 0.5
 _BROKEN_WATCH_PAUSE = 0.05
 
 
-class DiagnosedError(RendezvousConnectionError):
-    """A call gave up and the backend's ``diagnose`` said why (the embedded etcd:
-    its quorum is lost). The message is that reason: advice about a server to
-    start or reach would contradict it."""
+class QuorumLostError(RendezvousConnectionError):
+    """A call gave up and the backend's ``diagnose`` said why: the embedded etcd
+    lost its quorum (the members' nodes are gone). The message is that reason and
+    what to do; advice about a server to start or reach would contradict it."""
 
 
 def _is_revision(token: object) -> bool:
@@ -206,7 +206,7 @@ class EtcdBackend(BackendBase):
             with contextlib.suppress(Exception):
                 cause = self._diagnose()
         if cause is not None:
-            return DiagnosedError(
+            return QuorumLostError(
                 f"{cause} (run id {self._run_id!r}, endpoint {self.endpoint!r}; etcd's last "
                 f"error: {error_text(exc)}{after})"
             )

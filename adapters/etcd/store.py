@@ -25,7 +25,7 @@ from torch.distributed import DistStoreError, Store
 
 from ..config import DEFAULT_PORT_BY_KIND, RendezvousConfig, parse_endpoints
 from ..errors import RendezvousConnectionError, describe
-from .backend import DiagnosedError, EtcdBackend
+from .backend import EtcdBackend, QuorumLostError
 from .client import GRPC_OPTIONS, EtcdConnection, error_text
 
 __all__ = [
@@ -404,7 +404,7 @@ def _check_access(
         # user without access to the prefix fails here.
         left = deadline - time.monotonic()
         backend.call(by_deadline(lambda c: c.get_response(state_key)), retry_window=left)
-    except DiagnosedError:  # it says what is wrong; the access advice would not fit
+    except QuorumLostError:  # it says what is wrong; the access advice would not fit
         backend.close()
         raise
     except RendezvousConnectionError as exc:

@@ -34,8 +34,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from rallypoint.adapters import ConfigError, RallypointHandler, create_handler
 from rallypoint.adapters.config import EmbeddedEtcd, EtcdTLS, parse_params
-from rallypoint.adapters.errors import RendezvousConnectionError
 from rallypoint.adapters.etcd import EtcdBackend, EtcdServerError, find_etcd_binary, free_port
+from rallypoint.adapters.etcd.backend import QuorumLostError
 from rallypoint.adapters.etcd.embedded import EmbeddedMember, member_name, quorum_report
 
 FAST = {
@@ -243,7 +243,7 @@ def test_a_lost_quorum_is_one_line_that_says_restart_the_job_and_nothing_else() 
         retry_window=0.2,
         diagnose=lambda: quorum_report(embedded, connect),
     )
-    with pytest.raises(RendezvousConnectionError) as caught:
+    with pytest.raises(QuorumLostError) as caught:  # a RendezvousConnectionError
         backend.get_state()
     message = str(caught.value)
     assert "\n" not in message

@@ -274,5 +274,10 @@ def test_majority_of_members_lost_is_one_clear_error(
     assert len(errors) == 1, job.logs()
     lost = [f"127.0.0.1-{port}" for port in job.ports[:2]]
     assert all(name in errors[0] for name in lost), errors[0]
+    # What happened and what to do, and no advice about a server to fix.
+    assert errors[0].startswith(
+        "rallypoint run: error: QuorumLostError: the embedded etcd lost its quorum"
+    ), errors[0]
+    assert "restart the job" in errors[0] and "Check:" not in errors[0], errors[0]
     assert not left, left
     assert not dirs, dirs
