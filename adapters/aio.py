@@ -52,8 +52,8 @@ from ..core import (
     Write,
     WriteResult,
 )
+from ..core.errors import RendezvousConnectionError
 from .backend import BackendStats, RendezvousBackend, Token, check_intent_entry
-from .errors import RendezvousConnectionError
 from .sync import Codec, backoff_delay, wait_timeout
 
 __all__ = [

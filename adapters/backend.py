@@ -60,9 +60,12 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
-from .errors import RendezvousStateError, describe
+from ..core.errors import describe
+
+if TYPE_CHECKING:
+    from .errors import RendezvousStateError
 
 __all__ = [
     "BackendBase",
@@ -114,6 +117,17 @@ def check_intent_entry(entry: bytes) -> bytes:
     if b"\n" in entry:
         raise ValueError(f"an intent entry must not contain a newline byte: {entry[:60]!r}")
     return entry
+
+
+def state_error(message: str) -> RendezvousStateError:
+    """The adapters' :class:`~rallypoint.adapters.errors.RendezvousStateError` (torch's
+    class too, where torch is installed), with ``message``."""
+    # Imported when an error is made, not with this module: the memory backends and
+    # the asyncio executor serve embedders who never load torch, and that module
+    # imports it (seconds).
+    from .errors import RendezvousStateError
+
+    return RendezvousStateError(message)
 
 
 def parse_counter(key: str, raw: bytes, error: Callable[[str], Exception]) -> int:
@@ -245,7 +259,7 @@ class BackendBase:
     def _state_error(self, what: str) -> RendezvousStateError:
         """The error for a stored value this backend did not write: ``what``, and
         :attr:`STATE_CHECK`."""
-        return RendezvousStateError(self._describe(what, self.STATE_CHECK))
+        return state_error(self._describe(what, self.STATE_CHECK))
 
     def _counter(self, key: str, raw: bytes) -> int:
         """The heartbeat counter stored under ``key`` (see :func:`parse_counter`)."""

@@ -7,6 +7,10 @@ torch's own elastic agent (which catches torch's classes) and rallypoint's agent
 alone, an embedder's asyncio executor on the memory backend) they are the core's
 classes only: there is no torch agent to catch them then.
 
+This module imports torch, so the modules an embedder uses without torch's agent
+(``backend``, ``sync``, ``aio``) import it only when they raise one of its errors
+(:func:`rallypoint.adapters.backend.state_error`) and catch the core's classes.
+
 Messages follow one pattern: what happened, for which run and endpoint, and what to
 check (:func:`describe`).
 """
@@ -17,6 +21,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from ..core import errors as _core
+from ..core.errors import describe
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import api as _torch
@@ -72,7 +77,3 @@ class RendezvousGracefulExitError(
     """The rendezvous closed while this node was redundant: exit without error."""
 
 
-def describe(what: str, *, run_id: str, endpoint: str, check: str) -> str:
-    """The message of every adapter error: ``what`` for ``run_id`` at ``endpoint``;
-    followed by what the user should ``check``."""
-    return f"{what} (run id {run_id!r}, endpoint {endpoint!r}). Check: {check}"

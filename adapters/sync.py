@@ -37,6 +37,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from ..core import (
     MAX_STATE_BYTES,
@@ -65,8 +66,11 @@ from ..core import (
 )
 from ..core import errors as core_errors
 from ..core.deprecation import renamed_method
-from .backend import RendezvousBackend, StateSizeLimit, Token
-from .errors import RendezvousConnectionError, RendezvousStateError, describe
+from ..core.errors import describe
+from .backend import RendezvousBackend, StateSizeLimit, Token, state_error
+
+if TYPE_CHECKING:
+    from .errors import RendezvousStateError
 
 __all__ = ["StateSync", "backoff_delay", "size_limit_of"]
 
@@ -127,7 +131,7 @@ class Codec:
 
     def state_error(self, what: str, check: str) -> RendezvousStateError:
         endpoint = str(getattr(self.backend, "endpoint", "?"))
-        return RendezvousStateError(
+        return state_error(
             describe(what, run_id=self.settings.run_id, endpoint=endpoint, check=check)
         )
 
@@ -364,7 +368,7 @@ class StateSync:
             try:
                 instruction, took = self._execute()
                 down_since = None
-            except RendezvousConnectionError as exc:
+            except core_errors.RendezvousConnectionError as exc:
                 now = self._clock()
                 down_since = now if down_since is None else down_since
                 with self._lock:

@@ -17,6 +17,7 @@ __all__ = [
     "RendezvousSettingsError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "describe",
 ]
 
 
@@ -51,3 +52,9 @@ class RendezvousConnectionError(RendezvousError):
 
 class InvalidTransitionError(RendezvousError, ValueError):
     """An action was applied to a state in which it is not allowed."""
+
+
+def describe(what: str, *, run_id: str, endpoint: str, check: str) -> str:
+    """The message of every adapter error: ``what`` for ``run_id`` at ``endpoint``;
+    followed by what the user should ``check``."""
+    return f"{what} (run id {run_id!r}, endpoint {endpoint!r}). Check: {check}"

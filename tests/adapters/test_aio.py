@@ -88,6 +88,24 @@ def test_four_nodes_join_one_is_killed_one_leaves_on_the_memory_backend() -> Non
     check_the_last_two(four_nodes_on(lambda i: memory))
 
 
+def test_an_asyncio_embedder_never_imports_torch() -> None:
+    # torch's import takes seconds, and an embedder on its own store has no use for
+    # it: the executor, the backends' protocol and the memory backends run without.
+    script = (
+        docs_example().split('if __name__ == "__main__":')[0]
+        + "import sys\n"
+        + "import rallypoint.adapters.backend, rallypoint.adapters.sync\n"
+        + "memory = AsyncMemoryBackend()\n"
+        + "asyncio.run(four_nodes(lambda i: memory))\n"
+        + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines()[-1] == "[]"
+
+
 @pytest.fixture
 def cpu_load() -> Iterator[None]:
     """Two processes that keep the CPUs busy while the test runs (the races of a
