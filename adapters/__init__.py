@@ -73,6 +73,11 @@ __all__ = [
 _LAZY_MODULES = ("aio", "backend", "errors", "factory", "handler", "sync")
 
 
+#: Names this package exported before 0.2.0 (CHANGELOG.md): each still works, with
+#: a warning naming the new one, until the next release.
+_MOVED = {"BACKENDS": f"{__name__}.config:BACKEND_KINDS"}
+
+
 def __getattr__(name: str) -> Any:
     if name in __all__:
         for module_name in _LAZY_MODULES:
@@ -81,4 +86,6 @@ def __getattr__(name: str) -> Any:
                 value = getattr(module, name)
                 globals()[name] = value
                 return value
-    raise AttributeError(f"module 'rallypoint.adapters' has no attribute {name!r}")
+    from ..core.deprecation import moved_names  # only an old name needs the core
+
+    return moved_names(__name__, _MOVED)(name)

@@ -934,3 +934,20 @@ def _embedded(params: RendezvousParameters, endpoint: str, local_addr: str) -> E
         own = candidates[0] if candidates else None
     data_dir = os.path.expanduser(str(params.config.get("data_dir") or "")) or tempfile.gettempdir()
     return EmbeddedEtcd(members=members, own=own, data_dir=data_dir)
+
+
+
+#: Names this module had before 0.2.0 (CHANGELOG.md): each still works, with a
+#: warning naming the new one, until the next release.
+_MOVED = {
+    "BACKENDS": f"{__name__}:BACKEND_KINDS",
+    "DEFAULT_PORTS": f"{__name__}:DEFAULT_PORT_BY_KIND",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Imported here: this module is read before anything else loads (the
+    # launcher checks its flags with it), and only an old name needs the core.
+    from ..core.deprecation import moved_names
+
+    return moved_names(__name__, _MOVED)(name)

@@ -33,6 +33,14 @@ MOVED = [
     ("rallypoint.core", "lease_expiry", "rallypoint.core.liveness", "lease_expiry"),
     ("rallypoint.core", "after_outage", "rallypoint.core.driver", "after_outage"),
     ("rallypoint.core", "must_fence", "rallypoint.core.driver", "must_fence"),
+    ("rallypoint.adapters", "BACKENDS", "rallypoint.adapters.config", "BACKEND_KINDS"),
+    ("rallypoint.adapters.config", "BACKENDS", "rallypoint.adapters.config", "BACKEND_KINDS"),
+    (
+        "rallypoint.adapters.config",
+        "DEFAULT_PORTS",
+        "rallypoint.adapters.config",
+        "DEFAULT_PORT_BY_KIND",
+    ),
 ]
 
 
