@@ -60,8 +60,10 @@ class EventKind(str, enum.Enum):
     #: the agent is done (outcome, exit code)
     FINISHED = "finished"
     #: every worker of the node made its first step in a round it was handed live
-    #: (``--live``): seconds from the failure being noticed to the workers told, their
-    #: process group formed, the state in place and the first step
+    #: (``--live``): how many workers were handed the round (handed) and started
+    #: (started), of those how many the warm spare became (warm_started); seconds from
+    #: the failure being noticed to the workers told, their process group formed, the
+    #: state in place and the first step
     LIVE_REGROUP = "live_regroup"
 
 
@@ -213,6 +215,13 @@ def events_main(argv: Sequence[str]) -> int:
 
 
 #: a live regroup's phases, in order: (column, the field that holds its seconds)
+def _started(fields: Mapping[str, Any]) -> str:
+    """The workers a regroup started, marked ``*`` when the warm spare became one (the
+    table is narrow: the mark is explained in its caption)."""
+    started = str(fields.get("started", ""))
+    return f"{started}*" if fields.get("warm_started") else started
+
+
 _PHASES = (
     ("rendezvous done", "rendezvous"),
     ("workers told", "told_s"),
@@ -235,7 +244,10 @@ def _print_recoveries(events: Sequence[AgentEvent]) -> None:
         if e.kind is EventKind.ROUND
     }
     table = Table(
-        title="live regroups: seconds since the failure was noticed", title_justify="left"
+        title="live regroups: seconds since the failure was noticed",
+        title_justify="left",
+        caption="started*: the warm spare became one of them",
+        caption_justify="left",
     )
     for column in (
         "node",
@@ -254,7 +266,7 @@ def _print_recoveries(events: Sequence[AgentEvent]) -> None:
             e.node,
             str(e.round),
             str(e.fields.get("handed", "")),
-            str(e.fields.get("started", "")),
+            _started(e.fields),
             *(_seconds(times.get(key)) for _, key in _PHASES),
             ",".join(map(str, e.fields.get("state_from", []))) or "-",
         )

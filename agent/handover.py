@@ -109,6 +109,7 @@ class _Regroup:
     told: float
     handed: int
     started: int
+    warm: int  # of ``started``, how many the warm spare became
 
 
 class LiveWorkers:
@@ -151,13 +152,15 @@ class LiveWorkers:
 
     # ------------------------------------------------------------ starting
 
-    def start(self, group: WorkerGroup, launches: Sequence[WorkerLaunch]) -> None:
+    def start(self, group: WorkerGroup, launches: Sequence[WorkerLaunch]) -> int:
         """Start ``launches`` (replacing their local ranks' workers): the first by
         adopting the warm spare, if one is ready; the others afresh. Each gets a new
-        channel."""
+        channel. Returns how many the warm spare became (0 or 1)."""
         cold = list(launches)
+        warm = 0
         if cold and self._adopt_spare(group, cold[0]):
             cold.pop(0)
+            warm = 1
         prepared = []
         for launch in cold:
             self._forget(launch.local_rank)
@@ -168,6 +171,7 @@ class LiveWorkers:
         finally:
             for launch in prepared:  # the worker holds its end now (or never will)
                 self._channels[launch.local_rank].close_read_end()
+        return warm
 
     def _new_channel(self, name: str) -> _Channel:
         read_fd, write_fd = os.pipe()  # not inheritable: only pass_fds hands read_fd on
@@ -301,10 +305,9 @@ class LiveWorkers:
             else:
                 fresh.append(launch)
         self._template = launches[0] if launches else self._template
-        if fresh:
-            self.start(group, fresh)
+        warm = self.start(group, fresh) if fresh else 0
         handed = len(launches) - len(fresh)
-        self._regroup = _Regroup(round_, noticed, time.monotonic(), handed, len(fresh))
+        self._regroup = _Regroup(round_, noticed, time.monotonic(), handed, len(fresh), warm)
         return handed, len(fresh)
 
     def _is_live(self, group: WorkerGroup, local_rank: int) -> bool:
@@ -394,6 +397,7 @@ class LiveWorkers:
             regroup.round,
             handed=regroup.handed,
             started=regroup.started,
+            warm_started=regroup.warm,
             told_s=regroup.told - origin,
             group_s=since([s.group_at for s in statuses]),
             state_s=since([s.state_at for s in statuses]),

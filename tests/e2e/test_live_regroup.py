@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from helpers.cluster import Cluster, free_port, read_jsonl
 
@@ -125,10 +126,13 @@ def test_a_killed_worker_alone_is_started_again(cluster: Cluster) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     args = _agent_args(endpoint, "live-crash", "2", 2)
     for name in ("a", "b"):
-        cluster.start([*args, *_train(cluster)], name)
+        events = str(cluster.dir / f"events-{name}.jsonl")
+        cluster.start([*args, "--events-file", events, *_train(cluster)], name)
     before = _wait_training(cluster, 4)
     round_ = _newest_round(cluster)
     victim_rank = 3
+    victim_node = next(name for name in ("a", "b") if before[victim_rank] in _pids(cluster, name))
+    cluster.wait_for(lambda: _warm_spare(cluster, victim_node), "a warm spare", WAIT)
     os.kill(before[victim_rank], signal.SIGKILL)
     after = _wait_training(cluster, 4, round_)
     assert after[victim_rank] != before[victim_rank]
@@ -138,6 +142,28 @@ def test_a_killed_worker_alone_is_started_again(cluster: Cluster) -> None:
     joined = _check_training(cluster)
     assert [r["pid"] for r in joined] == [after[victim_rank]]
     assert joined[0]["step"] > 0, "the newcomer did not get the state from a peer"
+    # The event of the node that lost a worker says the warm spare replaced it.
+    regroups = [
+        e for e in read_jsonl(cluster.dir / f"events-{victim_node}.jsonl")
+        if e["kind"] == "live_regroup" and e["round"] > round_
+    ]  # fmt: skip
+    assert regroups, "no live_regroup event after the crash"
+    assert regroups[0]["started"] == 1 and regroups[0]["warm_started"] == 1, regroups[0]
+
+
+def _pids(cluster: Cluster, name: str) -> set[int]:
+    return {p.pid for p in cluster.tree(name)}
+
+
+def _warm_spare(cluster: Cluster, name: str) -> bool:
+    """Whether agent ``name`` keeps a warm spare worker ready."""
+    for process in cluster.tree(name):
+        try:
+            if "rallypoint.agent._warm_worker" in process.cmdline():
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def test_a_leaving_node_costs_no_restart(cluster: Cluster) -> None:
@@ -275,6 +301,7 @@ def test_a_stalled_worker_counts_as_failed(cluster: Cluster) -> None:
     args = [
         "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05",
         "--stop-grace", "1", "--live", "--progress-timeout", "1", "--max-restarts", "3",
+        "--no-live-spare", "--events-file", str(cluster.dir / "events.jsonl"),
     ]  # fmt: skip
     cluster.start([*args, *_train(cluster)], "a")
     before = _wait_training(cluster, 2)
@@ -282,9 +309,15 @@ def test_a_stalled_worker_counts_as_failed(cluster: Cluster) -> None:
     os.kill(before[1], signal.SIGSTOP)
     after = _wait_training(cluster, 2, round_)
     assert after[0] == before[0] and after[1] != before[1]
+    assert not _warm_spare(cluster, "a"), "--no-live-spare kept a warm spare"
     _finish(cluster, ["a"])
     joined = _check_training(cluster)
     assert [r["pid"] for r in joined] == [after[1]] and joined[0]["step"] > 0
+    regroups = [
+        e for e in read_jsonl(cluster.dir / "events.jsonl")
+        if e["kind"] == "live_regroup" and e["round"] > round_
+    ]  # fmt: skip
+    assert regroups and regroups[0]["warm_started"] == 0, regroups
 
 
 def test_the_live_api_without_a_live_agent_runs_one_round(tmp_path: Path) -> None:
