@@ -6,50 +6,83 @@
 * ``rallypoint events FILE``  -- the events an agent wrote with ``--events-file`` (agent/)
 
 Each area owns its own argument parser; this module only dispatches, importing an
-area lazily so that ``rallypoint spec`` does not pay for importing torch.
+area lazily so that ``rallypoint spec`` does not pay for importing torch. A
+command line it cannot dispatch is one line on stderr and status 2, as the
+areas' own usage errors are.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-_USAGE = """usage: rallypoint {run,spec,simulate,events} ...
 
-  run        launch an elastic job (torchrun-compatible flags; see 'rallypoint run -h')
-  spec       the formal model: 'rallypoint spec diagram', 'rallypoint spec check'
-  simulate   simulate many nodes joining, failing and leaving
-  events     print the events written by 'rallypoint run --events-file FILE'
-"""
+class _Command(NamedTuple):
+    help: str
+    main: Callable[[list[str]], int]
+
+
+def _run(argv: list[str]) -> int:
+    from .agent.launcher import main as run_main
+
+    return run_main(argv)
+
+
+def _spec(argv: list[str]) -> int:
+    from .spec.cli import spec_main
+
+    return spec_main(argv)
+
+
+def _simulate(argv: list[str]) -> int:
+    from .spec.cli import simulate_main
+
+    return simulate_main(argv)
+
+
+def _events(argv: list[str]) -> int:
+    from .agent.events import events_main
+
+    return events_main(argv)
+
+
+#: The subcommands, in the order the usage lists them.
+_COMMANDS = {
+    "run": _Command(
+        "launch an elastic job (torchrun-compatible flags; see 'rallypoint run -h')", _run
+    ),
+    "spec": _Command("the formal model: 'rallypoint spec diagram', 'rallypoint spec check'", _spec),
+    "simulate": _Command("simulate many nodes joining, failing and leaving", _simulate),
+    "events": _Command("print the events written by 'rallypoint run --events-file FILE'", _events),
+}
+
+_USAGE = f"usage: rallypoint {{{','.join(_COMMANDS)}}} ...\n\n" + "".join(
+    f"  {name:<10} {command.help}\n" for name, command in _COMMANDS.items()
+)
+
+
+def _usage_error(problem: str) -> int:
+    """Say ``problem`` in one line, naming the commands, as argparse's errors read."""
+    commands = ", ".join(_COMMANDS)
+    print(
+        f"rallypoint: error: {problem}: expected one of {commands} (see 'rallypoint --help')",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args:  # a usage error: the usage goes to stderr, as argparse does
-        print(_USAGE, end="", file=sys.stderr)
-        return 2
+    if not args:
+        return _usage_error("a command is needed")
     if args[0] in ("-h", "--help"):
         print(_USAGE, end="")
         return 0
-    command, rest = args[0], args[1:]
-    if command == "run":
-        from .agent.launcher import main as run_main
-
-        return run_main(rest)
-    if command == "spec":
-        from .spec.cli import spec_main
-
-        return spec_main(rest)
-    if command == "simulate":
-        from .spec.cli import simulate_main
-
-        return simulate_main(rest)
-    if command == "events":
-        from .agent.events import events_main
-
-        return events_main(rest)
-    print(f"rallypoint: unknown command {command!r}\n\n{_USAGE}", end="", file=sys.stderr)
-    return 2
+    command = _COMMANDS.get(args[0])
+    if command is None:
+        return _usage_error(f"unknown command {args[0]!r}")
+    return command.main(args[1:])
 
 
 if __name__ == "__main__":

@@ -83,9 +83,13 @@ def function_spec(fn: Callable[..., Any]) -> str:
         )
     if module_name == "__main__":
         path = getattr(sys.modules["__main__"], "__file__", None)
-        if not path:
+        # Workers load the function from this file. Code read from stdin has none
+        # (its __file__ is "<stdin>"), nor has -c's or an interactive session's.
+        if not path or not os.path.isfile(path):
             raise ConfigError(
-                f"{qualname} is defined in an interactive session; move it to a module or script"
+                f"{qualname} cannot be launched: workers import the function from its file, "
+                "so define it in a module or a script file, not in code read from stdin, "
+                "-c or an interactive session"
             )
         return f"{os.path.abspath(path)}:{qualname}"
     return f"{module_name}:{qualname}"

@@ -609,8 +609,27 @@ def _check_entrypoint(args: argparse.Namespace) -> None:
             found = False
         if not found:
             raise ConfigError(f"module {script!r} not found on the Python path")
-    elif not os.path.isfile(script):
+    elif not os.path.exists(script):
         raise ConfigError(f"training script {script!r} not found")
+    else:
+        problem = _unreadable_script(script)
+        if problem is not None:
+            raise ConfigError(f"training script {script!r} cannot be read: {problem}")
+
+
+def _unreadable_script(path: str) -> str | None:
+    """Why the workers' ``python PATH`` (or ``runpy.run_path``) could not read the
+    script (None: it can); otherwise every worker fails at once and the restarts
+    are spent on a typo."""
+    if os.path.isdir(path):
+        # Python runs a directory's __main__.py, as it runs a zip file's.
+        if os.path.isfile(os.path.join(path, "__main__.py")):
+            path = os.path.join(path, "__main__.py")
+        else:
+            return "it is a directory without a __main__.py"
+    if not os.access(path, os.R_OK):
+        return "permission denied"
+    return None
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -720,15 +739,21 @@ def _standalone_by_default(args: argparse.Namespace, max_nodes: int) -> bool:
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
-    """What every worker's environment gets on top of the agent's (torchrun's rule)."""
+    """What every worker's environment gets on top of the agent's (torchrun's rule);
+    :func:`_announce_worker_env` says so once the whole command line is accepted."""
     if "OMP_NUM_THREADS" in os.environ or nproc <= 1:
         return {}
-    print(
-        "rallypoint: setting OMP_NUM_THREADS=1 for each worker to avoid overloading "
-        "the system; set it yourself to tune performance.",
-        file=sys.stderr,
-    )
     return {"OMP_NUM_THREADS": "1"}
+
+
+def _announce_worker_env(config: LaunchConfig) -> None:
+    # torchrun's notice; after validation, so that a usage error stays one line.
+    if "OMP_NUM_THREADS" in config.env:
+        print(
+            "rallypoint: setting OMP_NUM_THREADS=1 for each worker to avoid overloading "
+            "the system; set it yourself to tune performance.",
+            file=sys.stderr,
+        )
 
 
 def _ranks_filter(text: str) -> frozenset[int] | None:
@@ -802,14 +827,26 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 
 def _setup_logging() -> None:
-    level = os.environ.get("LOGLEVEL", "INFO").upper()
+    """rallypoint's log lines go to stderr at ``LOGLEVEL`` (default INFO).
+
+    Raises:
+        ConfigError: ``LOGLEVEL`` is no level name. torch's elastic modules set their
+            loggers to it as it is, so a name logging does not know (also a lower-case
+            one) would end the launcher in a ValueError as soon as torch loads.
+    """
+    level = os.environ.get("LOGLEVEL", "INFO")
+    # getLevelName maps a known name to its number (logging's own lookup in setLevel).
+    if not isinstance(logging.getLevelName(level), int):
+        raise ConfigError(
+            f"LOGLEVEL={level!r}: expected one of CRITICAL, ERROR, WARNING, INFO, DEBUG "
+            "(in capitals)"
+        )
     root = logging.getLogger("rallypoint")
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[rallypoint %(levelname)s] %(message)s"))
         root.addHandler(handler)
-    known = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
-    root.setLevel(level if level in known else "INFO")
+    root.setLevel(level)
 
 
 def _quiet_agent_cpp_logs() -> None:
@@ -838,10 +875,10 @@ def check_run_extra(rdzv_backend: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rallypoint run`` with ``argv``; return the process exit status."""
     _quiet_agent_cpp_logs()
-    _setup_logging()
     log_root: str | None = None
     try:
         with _stop_signals_interrupt():
+            _setup_logging()
             # Parsing and validation import torch only to count GPUs, so that bad
             # input is reported at once rather than after torch's 2-5 s import.
             args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -861,6 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if BACKEND_IMPLEMENTATIONS[config.rdzv_backend] == "torch":
                 # A proxy: every attribute but next_rendezvous is the handler's own.
                 handler = cast("RendezvousHandler", _InterruptibleRendezvous(handler))
+            _announce_worker_env(config)
     except _SetupInterrupted as stop:
         _remove_empty(log_root)
         print(f"rallypoint run: stopped by {stop} before the job started", file=sys.stderr)

@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import psutil
 
@@ -43,9 +43,20 @@ __all__ = ["simulate_main", "spec_main"]
 _DEFAULT_MEMORY_SHARE = 0.9
 
 
-def _spec_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rallypoint spec", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, ``PROG: error: MESSAGE``, and status 2, as the other
+    commands report theirs: argparse's own starts with the whole usage, many lines
+    (``-h`` still prints it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _spec_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser of ``rallypoint spec``, and the names of its commands."""
+    parser = _Parser(prog="rallypoint spec", description=__doc__.splitlines()[0])
+    # Not required=True: argparse would name the destination ("command"), not the commands.
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     diagram = sub.add_parser("diagram", help="write the state diagram of one node's lifecycle")
     diagram.add_argument(
         "--output", default="docs/spec-diagram.png", help="image path (.png, .svg)"
@@ -120,12 +131,18 @@ def _spec_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress display (it shows only on a terminal anyway)",
     )
-    return parser
+    return parser, list(sub.choices)
 
 
 def spec_main(argv: list[str]) -> int:
     """Entry point of ``rallypoint spec``; returns the exit status."""
-    args = _spec_parser().parse_args(argv)
+    parser, commands = _spec_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(
+            f"a command is needed: expected one of {', '.join(commands)} "
+            "(see 'rallypoint spec --help')"
+        )
     if args.command == "diagram":
         return _diagram(Path(args.output), source_only=args.source)
     from .check import CheckConfig, CheckerWorkerError, check
@@ -278,7 +295,7 @@ MAX_SIMULATED_NODES = 100_000
 
 
 def _simulate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="rallypoint simulate", description="simulate many rendezvous nodes deterministically"
     )
     p.add_argument("--nodes", type=int, default=64)

@@ -1,9 +1,10 @@
 """Bad input gets one line and status 2, and logs are private.
 
-Everything runs in-process (``main`` functions with ``capsys``) except two checks
-that need a fresh interpreter: that usage errors come before torch is imported,
-and that ``python -m rallypoint`` prints no traceback. No test starts a worker or
-contacts anything but 127.0.0.1.
+Most checks run in-process (``main`` functions with ``capsys``); those that need a
+fresh interpreter run it: that usage errors come before torch is imported, that
+the ``rallypoint`` command line prints one line and no traceback (what it prints
+before ``main`` returns, the environment it reads), and that a function read
+from stdin is refused. No test starts a worker or contacts anything but 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -428,6 +430,168 @@ def test_simulate_bad_plot_path_is_refused_before_simulating(
     assert captured.out == ""  # no simulation ran
     assert captured.err.strip().splitlines() == [
         f"rallypoint simulate: --plot '{a_file / 'p.png'}': '{a_file}' is not a directory"
+    ]
+
+
+def _one_line_from_the_command_line(*args: str, env: Mapping[str, str] | None = None) -> str:
+    """The one stderr line of ``python -m rallypoint ARGS``, which must exit with 2."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "rallypoint", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and proc.stdout == "", proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            [],
+            "rallypoint: error: a command is needed: expected one of run, spec, simulate, "
+            "events (see 'rallypoint --help')",
+        ),
+        (
+            ["frobnicate"],
+            "rallypoint: error: unknown command 'frobnicate': expected one of run, spec, "
+            "simulate, events (see 'rallypoint --help')",
+        ),
+        (
+            ["spec"],
+            "rallypoint spec: error: a command is needed: expected one of diagram, check "
+            "(see 'rallypoint spec --help')",
+        ),
+        (
+            ["spec", "check", "--nodes", "abc"],
+            "rallypoint spec check: error: argument --nodes: invalid int value: 'abc'",
+        ),
+        (
+            ["simulate", "--seed", "abc"],
+            "rallypoint simulate: error: argument --seed: invalid int value: 'abc'",
+        ),
+    ],
+    ids=["no-command", "unknown-command", "spec-alone", "spec-check-bad-int", "simulate-bad-int"],
+)
+def test_command_line_mistake_is_one_line(args: list[str], expected: str) -> None:
+    assert _one_line_from_the_command_line(*args) == expected
+
+
+def test_bad_flag_is_refused_before_the_omp_notice(script: str) -> None:
+    # Two workers and no OMP_NUM_THREADS: a valid command line gets torchrun's notice.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", "--stop-grace", "nan",
+         "--nproc-per-node", "2", script],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "rallypoint run: error: --stop-grace must be between 0 and 604800 seconds, got nan"
+    ]
+
+
+@pytest.mark.parametrize("level", ["garbage", "debug", ""])
+def test_unknown_loglevel_is_a_usage_error(level: str, script: str) -> None:
+    # torch sets its loggers to LOGLEVEL as it is: 'debug' was a ValueError too.
+    line = _one_line_from_the_command_line(
+        "run", "--standalone", "--nproc-per-node", "1", script, env={"LOGLEVEL": level}
+    )
+    assert line == (
+        f"rallypoint run: error: LOGLEVEL={level!r}: expected one of CRITICAL, ERROR, "
+        "WARNING, INFO, DEBUG (in capitals)"
+    )
+
+
+@pytest.mark.parametrize("problem", ["missing", "directory", "no-permission"])
+def test_unreadable_training_script_is_a_usage_error(problem: str, tmp_path: Path) -> None:
+    path, why = tmp_path / "missing.py", "not found"
+    if problem == "directory":
+        path, why = tmp_path, "it is a directory without a __main__.py"
+    elif problem == "no-permission":
+        if os.geteuid() == 0:
+            pytest.skip("root reads a file whatever its mode")
+        path, why = tmp_path / "locked.py", "permission denied"
+        path.write_text("print('hi')\n")
+        path.chmod(0)
+    line = _one_line_from_the_command_line(
+        "run", "--standalone", "--nproc-per-node", "1", str(path)
+    )
+    if problem == "missing":
+        assert line == f"rallypoint run: error: training script {str(path)!r} not found"
+    else:
+        assert line == f"rallypoint run: error: training script {str(path)!r} cannot be read: {why}"
+
+
+def test_a_script_this_user_may_not_read_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As root no mode keeps a file from being read: deny the read the way the
+    # kernel answers another user (os.access), for this one path.
+    locked = tmp_path / "locked.py"
+    locked.write_text("print('hi')\n")
+    real_access = os.access
+
+    def access(path: object, mode: int, *args: object, **kwargs: object) -> bool:
+        if os.fspath(path) == str(locked) and mode & os.R_OK:  # type: ignore[arg-type]
+            return False
+        return real_access(path, mode, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", access)
+    assert main(["--standalone", "--nproc-per-node", "1", str(locked)]) == 2
+    line = _one_error_line(capsys, "rallypoint run: error:")
+    assert line == (
+        f"rallypoint run: error: training script {str(locked)!r} cannot be read: "
+        "permission denied"
+    )
+
+
+def test_only_a_script_python_runs_is_read(tmp_path: Path) -> None:
+    # A module and a program are no script files; Python runs a directory's __main__.py.
+    assert _config("-m", "json.tool").nproc_per_node == 1
+    assert _config("--no-python", "true").nproc_per_node == 1
+    (tmp_path / "__main__.py").write_text("print('hi')\n")
+    assert _config(str(tmp_path)).nproc_per_node == 1
+    assert _config("--run-path", str(tmp_path)).nproc_per_node == 1
+
+
+#: Launches a function of its own: run from a file, workers would import it from there.
+_LAUNCHES_ITS_OWN_FUNCTION = """
+import sys
+from rallypoint.agent import ConfigError, LaunchConfig, elastic_launch
+
+def train():
+    return 1
+
+config = LaunchConfig(1, 1, 1, rdzv_backend="c10d", standalone=True)
+try:
+    elastic_launch(config, train)()
+except ConfigError as exc:
+    sys.exit(f"ConfigError: {exc}")
+"""
+
+
+@pytest.mark.parametrize("source", ["stdin", "-c"])
+def test_function_defined_in_code_without_a_file_is_refused_before_workers_start(
+    source: str,
+) -> None:
+    # Read from stdin, __main__.__file__ is '<stdin>': the workers failed to import
+    # "No module named '/cwd/<stdin>'", each with a traceback, after the rendezvous.
+    argv, stdin = [sys.executable, "-"], _LAUNCHES_ITS_OWN_FUNCTION
+    if source == "-c":
+        argv, stdin = [sys.executable, "-c", _LAUNCHES_ITS_OWN_FUNCTION], ""
+    proc = subprocess.run(
+        argv, input=stdin, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "ConfigError: train cannot be launched: workers import the function from its "
+        "file, so define it in a module or a script file, not in code read from stdin, "
+        "-c or an interactive session"
     ]
 
 
