@@ -566,24 +566,31 @@ _KILLED_AGENT = textwrap.dedent(
 )
 
 
-@pytest.mark.integration
-def test_a_sigkilled_agents_member_dies_and_its_data_is_removed(
-    etcd_binary: str, tmp_path: Path
-) -> None:
+def _sigkilled_agent_leaves_nothing(script: str, said: str, tmp_path: Path) -> None:
+    """Run the agent ``script`` (its member's data under ``tmp_path``) until it
+    SIGKILLs itself, having printed ``said``; then its member must die and its data
+    go."""
     (port,) = _ports(1)
     agent = subprocess.run(
-        [sys.executable, "-c", _KILLED_AGENT, f"127.0.0.1:{port}", str(tmp_path)],
+        [sys.executable, "-c", script, f"127.0.0.1:{port}", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     try:
-        assert agent.returncode == -9 and "ready" in agent.stdout, agent.stderr
+        assert agent.returncode == -9 and said in agent.stdout.split(), agent.stderr
         assert _eventually(lambda: not _etcd_processes(tmp_path)), _etcd_processes(tmp_path)
         assert _eventually(lambda: not list(tmp_path.iterdir())), list(tmp_path.iterdir())
     finally:
         for proc in _etcd_processes(tmp_path):
             proc.kill()
+
+
+@pytest.mark.integration
+def test_a_sigkilled_agents_member_dies_and_its_data_is_removed(
+    etcd_binary: str, tmp_path: Path
+) -> None:
+    _sigkilled_agent_leaves_nothing(_KILLED_AGENT, "ready", tmp_path)
 
 
 _KILLED_AFTER_A_RESTART = textwrap.dedent(
@@ -617,20 +624,7 @@ _KILLED_AFTER_A_RESTART = textwrap.dedent(
 def test_a_sigkilled_agents_restarted_member_dies_and_its_data_is_removed(
     etcd_binary: str, tmp_path: Path
 ) -> None:
-    (port,) = _ports(1)
-    agent = subprocess.run(
-        [sys.executable, "-c", _KILLED_AFTER_A_RESTART, f"127.0.0.1:{port}", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    try:
-        assert agent.returncode == -9 and "restarted" in agent.stdout.split(), agent.stderr
-        assert _eventually(lambda: not _etcd_processes(tmp_path)), _etcd_processes(tmp_path)
-        assert _eventually(lambda: not list(tmp_path.iterdir())), list(tmp_path.iterdir())
-    finally:
-        for proc in _etcd_processes(tmp_path):
-            proc.kill()
+    _sigkilled_agent_leaves_nothing(_KILLED_AFTER_A_RESTART, "restarted", tmp_path)
 
 
 def _tls_files(directory: Path) -> tuple[Path, Path, Path]:
