@@ -7,7 +7,8 @@ loop inside :meth:`Job.rounds`; the agent opts in with ``rallypoint run --live``
 
     model = nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    job = live.Job(model=model, optimizer=optimizer)   # anything with state_dict()
+    job = live.Job(model=model, optimizer=optimizer,   # anything with state_dict()
+                   restore=lambda: load_checkpoint(model))  # read on a whole-job start only
     for rnd in job.rounds():                           # a ready process group each round
         with rnd:                                      # a lost peer ends the round quietly
             ddp = DistributedDataParallel(model)
@@ -32,7 +33,8 @@ What happens on a membership change (a peer crashed, a node left or joined):
    their step counters; if they differ (a newcomer, or a rank that lost its last
    step), the lowest rank with the highest count sends the registered state to the
    others over the side group (``torch.save`` / ``torch.load(weights_only=True)``: no
-   code can travel). A newcomer never reads a checkpoint on this path.
+   code can travel). A newcomer never reads a checkpoint on this path: ``restore``
+   runs only when no rank holds the state (the whole job starts).
 4. The next round is yielded; the script rebuilds whatever holds the process group
    (a ``DistributedDataParallel`` wrapper) and goes on from ``job.step``.
 
@@ -55,7 +57,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Protocol
@@ -165,6 +167,12 @@ class Job:
             else ``gloo``).
         timeout: the process group's timeout for collectives and for forming it
             (None: torch's default).
+        restore: called with no arguments on every rank when the job starts as a
+            whole (no rank of the round holds the job's state: every worker is
+            fresh), to load a checkpoint into the registered objects; it returns the
+            step to resume at (the checkpoint's ``job.step``; 0 or None: from the
+            start). A worker that joins a running job (a replacement, a node joining)
+            does not call it: it gets the state from a peer, so it reads no file.
 
     Attributes:
         step: committed steps; carried over with the state, and reported to the agent
@@ -177,10 +185,15 @@ class Job:
         *,
         backend: str | None = None,
         timeout: float | None = None,
+        restore: Callable[[], int | None] | None = None,
         **named: Stateful,
     ) -> None:
         self.state: dict[str, Stateful] = {**(state or {}), **named}
         self.step = 0
+        self.restore = restore
+        # Whether this process holds the job's state: restored it, got it from a
+        # peer, or trained. A fresh worker does not, even at step 0.
+        self._holds_state = False
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout = timedelta(seconds=timeout) if timeout is not None else None
         self.round = int(os.environ.get("RALLYPOINT_ROUND", "0"))
@@ -259,12 +272,25 @@ class Job:
         self._report(Phase.STEPPING)
         return Round(self, side)
 
+    def _positions(self, side: Any) -> list[tuple[int, bool]]:
+        """Every rank's (step, holds the state), by rank."""
+        mine = torch.tensor([self.step, int(self._holds_state)], dtype=torch.int64)
+        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine, group=side)
+        return [(int(t[0]), bool(t[1])) for t in gathered]
+
     def _sync_state(self, side: Any) -> tuple[int, int]:
-        """Make every rank's state the front-runner's: (source rank or -1, bytes in)."""
-        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        dist.all_gather(steps, torch.tensor([self.step], dtype=torch.int64), group=side)
-        counts = [int(t.item()) for t in steps]
-        best = max(counts)
+        """Make every rank's state the front-runner's: (source rank or -1, bytes in).
+        When no rank holds the state (the whole job starts), each restores its own
+        first (:attr:`restore`)."""
+        positions = self._positions(side)
+        if not any(holds for _, holds in positions):
+            if self.restore is not None:
+                self.step = int(self.restore() or 0)
+            self._holds_state = True
+            positions = self._positions(side)  # a checkpoint some rank did not see
+        best = max(step for step, holds in positions if holds)
+        counts = [step if holds else -1 for step, holds in positions]
         if min(counts) == best:
             return -1, 0
         source = counts.index(best)
@@ -292,6 +318,7 @@ class Job:
         for name, obj in self.state.items():
             obj.load_state_dict(doc["state"][name])
         self.step = int(doc["step"])
+        self._holds_state = True
         logger.info("round %d: state of step %d from rank %d", self.round, self.step, source)
         return source, int(size.item())
 

@@ -133,10 +133,15 @@ def main() -> None:
     model = nn.Linear(IN_FEATURES, 1).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     # What survives a live regroup (rallypoint run --live): a newcomer gets it from a
-    # peer. Without --live, rounds() yields one round, as a plain script would run.
-    job = live.Job(model=model, optimizer=optimizer, backend=backend)
+    # peer. The checkpoint is read only when the whole job starts (restore); without
+    # --live, rounds() yields one round, as a plain script would run.
     path = checkpoint_path(args)
-    job.step = load_checkpoint(path, model, device)
+    job = live.Job(
+        model=model,
+        optimizer=optimizer,
+        backend=backend,
+        restore=lambda: load_checkpoint(path, model, device),
+    )
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     loss = torch.zeros((), device=device)
     began = time.monotonic()

@@ -7,11 +7,13 @@ twice, shows in the value. Nothing is ever written to disk for the state: a
 newcomer can only have it from a peer.
 
 Each worker appends to ``OUT/records.jsonl``: ``start`` when it runs (before torch
-loads), ``round`` when a round is ready (its step and parameter then), ``step`` for
-each committed step, ``done`` when it finished. Each step sleeps STEP_TIME until
-``OUT/sprint`` exists. With HANG_AT, the first worker of local rank 0 stops taking
-part at that step: it sleeps without calling into the API (a worker that ignores
-the new round). ``LIVE_STEPS_BACKEND=nccl`` trains on the local rank's CUDA device.
+loads), ``restore`` when the job asks it to load its checkpoint (a whole-job start;
+there is none, so it restores nothing), ``round`` when a round is ready (its step
+and parameter then), ``step`` for each committed step, ``done`` when it finished.
+Each step sleeps STEP_TIME until ``OUT/sprint`` exists. With HANG_AT, the first
+worker of local rank 0 stops taking part at that step: it sleeps without calling
+into the API (a worker that ignores the new round). ``LIVE_STEPS_BACKEND=nccl``
+trains on the local rank's CUDA device.
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ def main() -> None:
     param = nn.Parameter(torch.zeros(1, dtype=torch.float64, device=device))
     holder = nn.Module()
     holder.register_parameter("value", param)
-    job = live.Job(model=holder, backend=backend, timeout=60)
+    def restore() -> int:
+        record("restore", round=int(os.environ["RALLYPOINT_ROUND"]))
+        return 0
+
+    job = live.Job(model=holder, backend=backend, timeout=60, restore=restore)
     sprint = os.path.join(out, "sprint")
     for rnd in job.rounds():
         record(
