@@ -13,48 +13,39 @@ areas' own usage errors are.
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
 class _Command(NamedTuple):
     help: str
-    main: Callable[[list[str]], int]
+    entry: str  # "module:function", relative to this package, imported when run
 
-
-def _run(argv: list[str]) -> int:
-    from .agent.launcher import main as run_main
-
-    return run_main(argv)
-
-
-def _spec(argv: list[str]) -> int:
-    from .spec.cli import spec_main
-
-    return spec_main(argv)
-
-
-def _simulate(argv: list[str]) -> int:
-    from .spec.cli import simulate_main
-
-    return simulate_main(argv)
-
-
-def _events(argv: list[str]) -> int:
-    from .agent.events import events_main
-
-    return events_main(argv)
+    def main(self, argv: list[str]) -> int:
+        module, _, function = self.entry.partition(":")
+        status: int = getattr(importlib.import_module(module, __package__), function)(argv)
+        return status
 
 
 #: The subcommands, in the order the usage lists them.
 _COMMANDS = {
     "run": _Command(
-        "launch an elastic job (torchrun-compatible flags; see 'rallypoint run -h')", _run
+        "launch an elastic job (torchrun-compatible flags; see 'rallypoint run -h')",
+        ".agent.launcher:main",
     ),
-    "spec": _Command("the formal model: 'rallypoint spec diagram', 'rallypoint spec check'", _spec),
-    "simulate": _Command("simulate many nodes joining, failing and leaving", _simulate),
-    "events": _Command("print the events written by 'rallypoint run --events-file FILE'", _events),
+    "spec": _Command(
+        "the formal model: 'rallypoint spec diagram', 'rallypoint spec check'",
+        ".spec.cli:spec_main",
+    ),
+    "simulate": _Command(
+        "simulate many nodes joining, failing and leaving", ".spec.cli:simulate_main"
+    ),
+    "events": _Command(
+        "print the events written by 'rallypoint run --events-file FILE'",
+        ".agent.events:events_main",
+    ),
 }
 
 _USAGE = f"usage: rallypoint {{{','.join(_COMMANDS)}}} ...\n\n" + "".join(

@@ -936,7 +936,6 @@ def _embedded(params: RendezvousParameters, endpoint: str, local_addr: str) -> E
     return EmbeddedEtcd(members=members, own=own, data_dir=data_dir)
 
 
-
 #: Names this module had before 0.2.0 (CHANGELOG.md): each still works, with a
 #: warning naming the new one, until the next release.
 _MOVED = {

@@ -75,5 +75,3 @@ class RendezvousGracefulExitError(
     _core.RendezvousGracefulExitError, _torch.RendezvousGracefulExitError
 ):
     """The rendezvous closed while this node was redundant: exit without error."""
-
-

@@ -214,7 +214,6 @@ def events_main(argv: Sequence[str]) -> int:
     return 0
 
 
-#: a live regroup's phases, in order: (column, the field that holds its seconds)
 def _started(fields: Mapping[str, Any]) -> str:
     """The workers a regroup started, marked ``*`` when the warm spare became one (the
     table is narrow: the mark is explained in its caption)."""
@@ -222,6 +221,7 @@ def _started(fields: Mapping[str, Any]) -> str:
     return f"{started}*" if fields.get("warm_started") else started
 
 
+#: a live regroup's phases, in order: (column, the field that holds its seconds)
 _PHASES = (
     ("rendezvous done", "rendezvous"),
     ("workers told", "told_s"),

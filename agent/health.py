@@ -288,8 +288,9 @@ def run_health_check(
 
     Blocks for at most about ``config.timeout`` seconds plus the import of torch in
     the check process (itself cut off after ``config.import_timeout``), plus the
-    moments it takes to kill and reap a process. If the caller is interrupted (an exception, such as
-    from a signal handler), the check's processes are killed before it propagates.
+    moments it takes to kill and reap a process. If the caller is interrupted (an
+    exception, such as from a signal handler), the check's processes are killed
+    before it propagates.
 
     Raises:
         ValueError: ``round_env`` lacks or garbles a variable the collective needs.
@@ -414,8 +415,7 @@ class _Check:
         elif self.spent() >= self.timeout:
             self.stop = "deadline"
         elif (
-            self.spent() > self.local_budget + self.margin
-            and _last_stage(records) in LOCAL_STAGES
+            self.spent() > self.local_budget + self.margin and _last_stage(records) in LOCAL_STAGES
         ):
             # Still in a local stage well past the local share: this node is stuck.
             self.stop = "local"
@@ -553,7 +553,6 @@ class _Run:
     stdout: str
     stderr: str
     error: str = ""  # it could not be started
-    stopped_early: bool = False
 
 
 def _run(
@@ -586,7 +585,6 @@ def _run(
         except OSError as exc:
             return _Run(None, "", "", error=str(exc))
     code: int | None = None
-    early = False
     try:
         while True:
             code = _peek_exit(popen)
@@ -595,12 +593,11 @@ def _run(
             if time.monotonic() >= kill_at:
                 break
             if stop_early is not None and stop_early():
-                early = True
                 break
             time.sleep(_POLL)
     finally:
         _kill(popen, tree=code is None)
-    return _Run(code, _read(out_path), _read(err_path), stopped_early=early)
+    return _Run(code, _read(out_path), _read(err_path))
 
 
 def _peek_exit(popen: subprocess.Popen[bytes]) -> int | None:

@@ -509,22 +509,19 @@ def test_unknown_loglevel_is_a_usage_error(level: str, script: str) -> None:
 
 @pytest.mark.parametrize("problem", ["missing", "directory", "no-permission"])
 def test_unreadable_training_script_is_a_usage_error(problem: str, tmp_path: Path) -> None:
-    path, why = tmp_path / "missing.py", "not found"
+    path, said = tmp_path / "missing.py", "not found"
     if problem == "directory":
-        path, why = tmp_path, "it is a directory without a __main__.py"
+        path, said = tmp_path, "cannot be read: it is a directory without a __main__.py"
     elif problem == "no-permission":
         if os.geteuid() == 0:
             pytest.skip("root reads a file whatever its mode")
-        path, why = tmp_path / "locked.py", "permission denied"
+        path, said = tmp_path / "locked.py", "cannot be read: permission denied"
         path.write_text("print('hi')\n")
         path.chmod(0)
     line = _one_line_from_the_command_line(
         "run", "--standalone", "--nproc-per-node", "1", str(path)
     )
-    if problem == "missing":
-        assert line == f"rallypoint run: error: training script {str(path)!r} not found"
-    else:
-        assert line == f"rallypoint run: error: training script {str(path)!r} cannot be read: {why}"
+    assert line == f"rallypoint run: error: training script {str(path)!r} {said}"
 
 
 def test_a_script_this_user_may_not_read_is_a_usage_error(

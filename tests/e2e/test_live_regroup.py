@@ -184,7 +184,7 @@ def test_a_leaving_node_costs_no_restart(cluster: Cluster) -> None:
     before = _wait_training(cluster, 3)
     round_ = _newest_round(cluster)
     leaver = "c"
-    (leaver_pid,) = {p.pid for p in cluster.tree(leaver)} & set(before.values())
+    (leaver_pid,) = _pids(cluster, leaver) & set(before.values())
     cluster.stop(leaver, signal.SIGTERM)
     # The leaver may be gone before the survivors' round is training.
     after = _wait_training(cluster, 2, round_, allowed_exits=(leaver,))
@@ -205,7 +205,7 @@ def test_a_lost_machine_is_regrouped_around_live(cluster: Cluster) -> None:
         cluster.start([*args, *_train(cluster)], name)
     before = _wait_training(cluster, 3)
     round_ = _newest_round(cluster)
-    victim_pids = {p.pid for p in cluster.tree("c")}
+    victim_pids = _pids(cluster, "c")
     cluster.kill("c", machine=True)
     after = _wait_training(cluster, 2, round_)
     assert set(after.values()) == set(before.values()) - victim_pids
