@@ -24,6 +24,7 @@ next round. This module holds the loop; its parts live beside it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import logging
@@ -41,6 +42,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
+from ..core.admission import Admission, NewcomerView, admission
 from .charging import Charge, FailureCase
 from .config import LaunchConfig
 from .errors import AgentError, ProcessFailure
@@ -63,6 +65,9 @@ logger = logging.getLogger("rallypoint.agent")
 
 #: How many rounds in a row may fail to agree on ranks before the agent gives up.
 _ASSIGN_ATTEMPTS = 5
+#: How often an agent out of the round looks whether its newcomers are ready (a
+#: status file in memory: the look is cheap, and it bounds the admission's delay).
+_READY_POLL = 0.01
 #: How long an agent that ended the job on a failure waits for the others to see it.
 _CLOSE_SEEN_TIMEOUT = 5.0
 #: The ends of the two messages of a rendezvous closed by another agent.
@@ -296,7 +301,10 @@ class ElasticAgent:
         if outcome is RoundOutcome.SUCCEEDED:
             return self._finish()
         if outcome is RoundOutcome.FAILED:
-            return self._on_failure(failures)
+            ended = self._on_failure(failures)
+            if ended is None and self.live is not None:
+                self._replace_outside_the_group()
+            return ended
         if outcome is RoundOutcome.CLOSED:
             self.group.stop(self.config.stop_grace)
             return self._closed_result(_CLOSED_WHILE_RUNNING)
@@ -493,6 +501,42 @@ class ElasticAgent:
             started,
         )
         return handed
+
+    def _replace_outside_the_group(self) -> None:
+        """Live regroup after a local failure: while the exited workers' replacements
+        start, be out of the rendezvous if the others may train on without this node
+        (the core's admission rule decides), and join once they are ready."""
+        assert self.live is not None
+        gone = {rank for rank, code in self.group.poll().items() if code is not None}
+        if not gone:
+            return
+        a = self._current.assignment
+        me = self.view.node_name
+        lost = {str(node) for node in self.view.dead_participants()} - {me}
+        view = NewcomerView(
+            ready=False,
+            may_shrink=self.live.may_shrink(),
+            others=a.group_world_size - 1 - len(lost),
+            min_nodes=self.config.min_nodes,
+        )
+        if admission(view) is not Admission.STEP_OUT or not self.view.step_out():
+            return
+        self.live.start_outside(
+            self.group, [launch for launch in self._launches(a) if launch.local_rank in gone]
+        )
+        logger.info(
+            "[%s] out of the round while %d replacement(s) start; the others train on",
+            self.config.role,
+            len(gone),
+        )
+        # Bounded: this node's surviving workers wait for their next round no longer
+        # than --live-timeout, and a replacement not ready by then is started again.
+        deadline = time.monotonic() + self.config.live_timeout / 2
+        while time.monotonic() < deadline:
+            ready = dataclasses.replace(view, ready=self.live.ready(self.group))
+            if admission(ready) is Admission.JOIN:
+                return
+            time.sleep(_READY_POLL)
 
     def _live_check(self) -> None:
         if self.live is not None and self._round is not None:

@@ -8,6 +8,9 @@ watches that they take it:
 * a worker that runs the live API (its status file says so) and is alive is *handed*
   the round's variables; one that is gone, or never used the API, is started afresh
   (the classic way);
+* with ``live.Job(may_shrink=True)``, a lost worker's replacement can start before
+  the round it will join exists (:meth:`LiveWorkers.start_outside`): it gets ready,
+  says so, and waits to be handed its first round like any live worker;
 * a handed worker that has not taken the round within ``--live-timeout`` is stopped and
   started again into the same round, so no path waits forever;
 * with ``--progress-timeout``, a worker that commits no step for that long while
@@ -35,6 +38,7 @@ from .events import EventKind, EventRecorder
 from .live_channel import (
     BEAT_PERIOD,
     FD_ENV,
+    STANDBY_ENV,
     STATUS_ENV,
     TIMEOUT_ENV,
     LiveMessage,
@@ -110,6 +114,7 @@ class _Regroup:
     handed: int
     started: int
     warm: int  # of ``started``, how many the warm spare became
+    newcomers: frozenset[int]  # the local ranks of ``started``
 
 
 class LiveWorkers:
@@ -149,6 +154,8 @@ class LiveWorkers:
         self._spare: tuple[WorkerProcess, _Channel] | None = None
         #: a launch of this agent's, which warm spares are made like
         self._template: WorkerLaunch | None = None
+        #: newcomers started outside the group: local rank -> whether warm
+        self._outside: dict[int, bool] = {}
 
     # ------------------------------------------------------------ starting
 
@@ -172,6 +179,34 @@ class LiveWorkers:
             for launch in prepared:  # the worker holds its end now (or never will)
                 self._channels[launch.local_rank].close_read_end()
         return warm
+
+    def start_outside(self, group: WorkerGroup, launches: Sequence[WorkerLaunch]) -> None:
+        """Start replacements that get ready before their round exists: each reports
+        :attr:`Phase.READY` (:meth:`ready`) and waits to be handed its first round."""
+        standby = [
+            dataclasses.replace(launch, env={**launch.env, STANDBY_ENV: "1"}) for launch in launches
+        ]
+        warm = self.start(group, standby)
+        for i, launch in enumerate(standby):
+            self._outside[launch.local_rank] = i < warm
+
+    def ready(self, group: WorkerGroup) -> bool:
+        """Whether every newcomer started outside the group is ready to be taken in
+        (one that exited counts: it is started afresh with the round)."""
+        for rank in self._outside:
+            worker = group.worker(rank)
+            channel = self._channels.get(rank)
+            if worker is None or channel is None or worker.poll() is not None:
+                continue
+            if channel.status.read().phase is not Phase.READY:
+                return False
+        return True
+
+    def may_shrink(self) -> bool:
+        """Whether this node's script lets the job train on without some of its
+        workers for a while (every worker that reported says so)."""
+        said = [channel.status.read().may_shrink for channel in self._channels.values()]
+        return bool(said) and all(said)
 
     def _new_channel(self, name: str) -> _Channel:
         read_fd, write_fd = os.pipe()  # not inheritable: only pass_fds hands read_fd on
@@ -296,6 +331,7 @@ class LiveWorkers:
         """
         fresh: list[WorkerLaunch] = []
         now = time.monotonic()
+        outside, self._outside = self._outside, {}
         for launch in launches:
             rank = launch.local_rank
             if self._is_live(group, rank) and self._channels[rank].send(
@@ -306,9 +342,17 @@ class LiveWorkers:
                 fresh.append(launch)
         self._template = launches[0] if launches else self._template
         warm = self.start(group, fresh) if fresh else 0
-        handed = len(launches) - len(fresh)
-        self._regroup = _Regroup(round_, noticed, time.monotonic(), handed, len(fresh), warm)
-        return handed, len(fresh)
+        # A newcomer handed its first round was started for this round too.
+        fresh_ranks = {launch.local_rank for launch in fresh}
+        came_ready = {rank for rank in outside if rank not in fresh_ranks}
+        warm += sum(outside[rank] for rank in came_ready)
+        newcomers = frozenset(fresh_ranks | came_ready)
+        started = len(newcomers)
+        handed = len(launches) - started
+        self._regroup = _Regroup(
+            round_, noticed, time.monotonic(), handed, started, warm, newcomers
+        )
+        return handed, started
 
     def _is_live(self, group: WorkerGroup, local_rank: int) -> bool:
         worker = group.worker(local_rank)
@@ -392,12 +436,20 @@ class LiveWorkers:
             return max(times) - origin
 
         sources = sorted({s.source for s in statuses if s.source >= 0})
+        # A newcomer is ready when its script reaches ``job.rounds()``: it says so
+        # outside the group, or starts joining at once.
+        ready = [
+            s.ready_at or s.joined_at
+            for rank, channel in self._channels.items()
+            if rank in regroup.newcomers and (s := channel.status.read()).round == regroup.round
+        ]
         self._recorder.emit(
             EventKind.LIVE_REGROUP,
             regroup.round,
             handed=regroup.handed,
             started=regroup.started,
             warm_started=regroup.warm,
+            newcomer_ready_s=since(ready) if ready else None,
             told_s=regroup.told - origin,
             group_s=since([s.group_at for s in statuses]),
             state_s=since([s.state_at for s in statuses]),

@@ -68,6 +68,7 @@ import torch.distributed as dist
 from .live_channel import (
     BEAT_PERIOD,
     FD_ENV,
+    STANDBY_ENV,
     STATUS_ENV,
     TIMEOUT_ENV,
     LiveMessage,
@@ -146,13 +147,15 @@ class _Inbox:
         latest = self._latest
         return latest if latest is not None and latest.round > round_ else None
 
-    def wait_newer_than(self, round_: int, timeout: float) -> LiveMessage | None:
-        deadline = time.monotonic() + timeout
+    def wait_newer_than(self, round_: int, timeout: float | None) -> LiveMessage | None:
+        """The first message of a round after ``round_``, waiting up to ``timeout``
+        seconds (None: until one comes or the agent closes the pipe)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 found = self.newer_than(round_)
-                left = deadline - time.monotonic()
-                if found is not None or self.closed or left <= 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if found is not None or self.closed or (left is not None and left <= 0):
                     return found
                 self._cond.wait(left)
 
@@ -173,6 +176,13 @@ class Job:
             step to resume at (the checkpoint's ``job.step``; 0 or None: from the
             start). A worker that joins a running job (a replacement, a node joining)
             does not call it: it gets the state from a peer, so it reads no file.
+        may_shrink: the job may train on without this worker for a while: when it
+            is lost, the other nodes regroup without its node and go on stepping
+            while its replacement starts, and take the replacement in once it is
+            ready (within ``--nnodes``). Right for data-parallel training whose
+            results do not depend on the world size; leave it False when every rank
+            is needed (a fixed global batch split by rank, model parallelism): the
+            others then wait for the replacement.
 
     Attributes:
         step: committed steps; carried over with the state, and reported to the agent
@@ -186,11 +196,13 @@ class Job:
         backend: str | None = None,
         timeout: float | None = None,
         restore: Callable[[], int | None] | None = None,
+        may_shrink: bool = False,
         **named: Stateful,
     ) -> None:
         self.state: dict[str, Stateful] = {**(state or {}), **named}
         self.step = 0
         self.restore = restore
+        self.may_shrink = may_shrink
         # Whether this process holds the job's state: restored it, got it from a
         # peer, or trained. A fresh worker does not, even at step 0.
         self._holds_state = False
@@ -202,13 +214,17 @@ class Job:
         self._live_timeout = float(os.environ.get(TIMEOUT_ENV, "30"))
         self._current: Round | None = None
         self._round_sockets: dict[int, str] = {}
+        # A newcomer started outside the group: its first round comes from the agent.
+        self._standby = False
         status_path, fd = os.environ.get(STATUS_ENV), os.environ.get(FD_ENV)
         if status_path and fd:
             self._status = StatusFile(status_path)
+            self._status.write_may_shrink(may_shrink)
             self._inbox = _Inbox(int(fd), self._on_message)
+            self._standby = os.environ.get(STANDBY_ENV) == "1"
             _beat(self._status, threading.get_ident())
             # Inherited by nothing this worker starts: its own children are not live.
-            for name in (STATUS_ENV, FD_ENV):
+            for name in (STATUS_ENV, FD_ENV, STANDBY_ENV):
                 os.environ.pop(name, None)
 
     @property
@@ -227,6 +243,9 @@ class Job:
         Raises:
             LiveError: a collective failed and no new round came in time.
         """
+        if self._standby:
+            self._standby = False
+            self._await_admission()
         while True:
             self._report_round(self.round)
             try:
@@ -250,6 +269,17 @@ class Job:
             rnd.settle()  # no work of the round may be in flight when its groups go
             self._leave_group()
             self._next_round(rnd.failure)
+
+    def _await_admission(self) -> None:
+        """A newcomer outside the group: report ready, then wait for the round that
+        takes it in (the agent sends it, or stops this process; the wait ends with
+        the agent at the latest, when the pipe closes)."""
+        assert self._status is not None and self._inbox is not None
+        self._status.write_ready(time.monotonic())
+        message = self._inbox.wait_newer_than(self.round, None)
+        if message is None:
+            raise LiveError("the agent was gone before this worker was taken into a round")
+        self._take(message)
 
     def _open_round(self) -> Round:
         """Form this round's process group and bring the state to the front-runner's."""
@@ -368,6 +398,10 @@ class Job:
             raise LiveError(
                 f"round {self.round} was interrupted ({failure or 'a new round was due'}) and {why}"
             ) from failure
+        self._take(message)
+
+    def _take(self, message: LiveMessage) -> None:
+        """Become a worker of the round ``message`` assigns (its torchrun variables)."""
         os.environ.update(message.env)
         self.round = message.round
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 __all__ = [
     "BEAT_PERIOD",
     "FD_ENV",
+    "STANDBY_ENV",
     "STATUS_ENV",
     "TIMEOUT_ENV",
     "LiveMessage",
@@ -48,6 +49,9 @@ FD_ENV = "RALLYPOINT_LIVE_FD"
 STATUS_ENV = "RALLYPOINT_LIVE_STATUS"
 #: seconds a worker has to take a new round before its agent replaces it
 TIMEOUT_ENV = "RALLYPOINT_LIVE_TIMEOUT"
+#: set ("1") for a newcomer started outside the group: it gets ready (its script
+#: up to ``job.rounds()``), reports :attr:`Phase.READY` and waits for its first round
+STANDBY_ENV = "RALLYPOINT_LIVE_STANDBY"
 #: seconds between two beats of a live worker
 BEAT_PERIOD = 0.1
 
@@ -67,13 +71,17 @@ class Phase(enum.IntEnum):
     PAUSED = 4
     #: finished its last round
     DONE = 5
+    #: a newcomer started outside the group, ready to be admitted: its script reached
+    #: ``job.rounds()`` and waits for its first round
+    READY = 6
 
 
-_FORMAT = struct.Struct("<qqqqddddqqqq")
+_FORMAT = struct.Struct("<qqqqddddqqqqqd")
 #: field offsets, in the order of :class:`Status`'s fields
-_ROUND, _STEP, _PHASE, _PAUSES, _JOINED, _GROUP, _STATE, _FIRST, _SOURCE, _BYTES, _BEAT, _WAIT = (
-    8 * i for i in range(12)
-)
+(
+    _ROUND, _STEP, _PHASE, _PAUSES, _JOINED, _GROUP, _STATE, _FIRST, _SOURCE, _BYTES, _BEAT,
+    _WAIT, _SHRINK, _READY,
+) = (8 * i for i in range(14))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,12 @@ class Status:
     #: 1: when last beaten, the training thread was inside a collective (waiting on
     #: peers, not the one holding them up)
     waiting: int
+    #: 1: the script declared that the job may train on without this worker while
+    #: its replacement starts (``live.Job(may_shrink=True)``)
+    may_shrink: int
+    #: monotonic time a newcomer started outside the group reported ready (0.0: it
+    #: was not started that way, or is not ready yet)
+    ready_at: float
 
 
 class StatusFile:
@@ -163,6 +177,14 @@ class StatusFile:
 
     def write_first_step(self, at: float) -> None:
         struct.pack_into("<d", self._map, _FIRST, at)
+
+    def write_may_shrink(self, may_shrink: bool) -> None:
+        struct.pack_into("<q", self._map, _SHRINK, int(may_shrink))
+
+    def write_ready(self, at: float) -> None:
+        """A newcomer outside the group is ready: the time, then the phase."""
+        struct.pack_into("<d", self._map, _READY, at)
+        self.write_phase(Phase.READY)
 
     def close(self) -> None:
         self._map.close()

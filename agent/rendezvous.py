@@ -195,6 +195,21 @@ class HandlerView:
                 except Exception as exc:
                     logger.debug("handler.%s(): %s: %s", name, type(exc).__name__, exc)
 
+    def step_out(self) -> bool:
+        """Take this node out of its round but keep the handler, to join again later
+        (its newcomers start meanwhile). True when it is out: rallypoint's handler
+        can; torch's cannot (False), so the node stays in and its peers wait."""
+        if self._dead is None or not callable(getattr(self.handler, "leave", None)):
+            return False
+        try:
+            self.handler.leave()  # type: ignore[attr-defined]
+        except Exception as exc:
+            logger.warning(
+                "cannot step out of the round (%s: %s); staying in", type(exc).__name__, exc
+            )
+            return False
+        return True
+
     def shut_down(self, *, close_rendezvous: bool) -> None:
         """Release the handler at the end of the run, closing the rendezvous first
         when ``close_rendezvous`` (torch's ``shutdown()`` closes it; rallypoint's

@@ -49,6 +49,7 @@ bytes; :func:`decode_state` validates.
 """
 
 from .actions import Action, apply, assign_ranks
+from .admission import ADMISSION_RULE, Admission, NewcomerView, admission
 from .codec import (
     MAX_STATE_BYTES,
     decode_state,
@@ -135,9 +136,11 @@ from .state import (
 )
 
 __all__ = [
+    "ADMISSION_RULE",
     "JOIN_TABLE",
     "MAX_STATE_BYTES",
     "Action",
+    "Admission",
     "Announce",
     "AnnounceResult",
     "Beat",
@@ -158,6 +161,7 @@ __all__ = [
     "LastCallSighting",
     "LeaveOp",
     "Membership",
+    "NewcomerView",
     "NodeDesc",
     "NodeInstruction",
     "NodeView",
@@ -184,6 +188,7 @@ __all__ = [
     "WaitResult",
     "Write",
     "WriteResult",
+    "admission",
     "after_announce",
     "after_beat",
     "after_read",

@@ -95,7 +95,11 @@ def _check_training(cluster: Cluster) -> list[dict[str, Any]]:
         )
     first_round = min(r["round"] for r in records if r["event"] == "round")
     newcomers = [r for r in records if r["event"] == "round" and r["round"] > first_round]
-    started_late = {r["pid"] for r in records if r["event"] == "start" and r["round"] > first_round}
+    first_round_of: dict[int, int] = {}
+    for r in records:
+        if r["event"] == "round":
+            first_round_of.setdefault(r["pid"], r["round"])
+    started_late = {pid for pid, round_ in first_round_of.items() if round_ > first_round}
     joined = [r for r in newcomers if r["pid"] in started_late]
     for r in joined:
         assert r["value"] == r["step"] * (r["step"] + 1) / 2
@@ -155,6 +159,51 @@ def test_a_killed_worker_alone_is_started_again(cluster: Cluster) -> None:
     ]  # fmt: skip
     assert regroups, "no live_regroup event after the crash"
     assert regroups[0]["started"] == 1 and regroups[0]["warm_started"] == 1, regroups[0]
+
+
+def test_survivors_train_on_while_a_replacement_starts(cluster: Cluster) -> None:
+    """3 agents x 1 worker (--nnodes 2:3), a script that may shrink: SIGKILL a
+    worker whose replacement takes 4 s to start. The other two keep stepping in a
+    round of 2 meanwhile; the replacement is taken in once ready, with the state
+    from a peer, and reads no checkpoint."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    shrink = {"LIVE_STEPS_MAY_SHRINK": "1"}
+    host = _agent_args(endpoint, "live-shrink", "2:3", 1, f"{FAST},is_host=true")
+    args = _agent_args(endpoint, "live-shrink", "2:3", 1, f"{FAST},is_host=false")
+    events = {name: str(cluster.dir / f"events-{name}.jsonl") for name in ("a", "b", "c")}
+    cluster.start([*host, "--events-file", events["a"], *_train(cluster)], "a", env=shrink)
+    for name in ("b", "c"):
+        cluster.start([*args, "--events-file", events[name], *_train(cluster)], name, env=shrink)
+    before = _wait_training(cluster, 3)
+    round_ = _newest_round(cluster)
+    victim_node = "c"
+    (victim,) = _pids(cluster, victim_node) & set(before.values())
+    (cluster.dir / "slow_start").write_text("4")
+    os.kill(victim, signal.SIGKILL)
+    after = _wait_training(cluster, 3, round_ + 1)
+    assert set(before.values()) - {victim} < set(after.values()), "a survivor was restarted"
+    _finish(cluster, ["a", "b", "c"])
+    joined = _check_training(cluster)
+    records = _records(cluster)
+    (newcomer,) = {r["pid"] for r in joined}
+    started = next(r["time"] for r in records if r["event"] == "start" and r["pid"] == newcomer)
+    ready = next(r["time"] for r in records if r["event"] == "ready" and r["pid"] == newcomer)
+    survivors = set(before.values()) - {victim}
+    while_starting = {
+        r["step"]
+        for r in records
+        if r["event"] == "step" and r["pid"] in survivors and r["world"] == 2
+        and started < r["time"] < ready
+    }  # fmt: skip
+    assert len(while_starting) >= 10, f"the survivors stood still: {sorted(while_starting)}"
+    restored = {r["pid"] for r in records if r["event"] == "restore"}
+    assert restored == set(before.values()), restored
+    regroups = [
+        e for e in read_jsonl(cluster.dir / f"events-{victim_node}.jsonl")
+        if e["kind"] == "live_regroup" and e["round"] > round_
+    ]  # fmt: skip
+    assert regroups and regroups[0]["started"] == 1, regroups
+    assert regroups[0]["newcomer_ready_s"] >= 4, regroups[0]
 
 
 def _pids(cluster: Cluster, name: str) -> set[int]:

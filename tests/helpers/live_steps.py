@@ -13,7 +13,11 @@ and parameter then), ``step`` for each committed step, ``done`` when it finished
 Each step sleeps STEP_TIME until ``OUT/sprint`` exists. With HANG_AT, the first
 worker of local rank 0 stops taking part at that step: it sleeps without calling
 into the API (a worker that ignores the new round). ``LIVE_STEPS_BACKEND=nccl``
-trains on the local rank's CUDA device.
+trains on the local rank's CUDA device. ``LIVE_STEPS_MAY_SHRINK=1`` declares that the
+job may train on without a lost worker (``live.Job(may_shrink=True)``). A worker
+that starts while ``OUT/slow_start`` exists sleeps the seconds it holds before
+``job.rounds()`` (a slow start-up: a big model built, a CUDA context), then records
+``ready``.
 """
 
 from __future__ import annotations
@@ -60,7 +64,15 @@ def main() -> None:
         record("restore", round=int(os.environ["RALLYPOINT_ROUND"]))
         return 0
 
-    job = live.Job(model=holder, backend=backend, timeout=60, restore=restore)
+    may_shrink = os.environ.get("LIVE_STEPS_MAY_SHRINK") == "1"
+    job = live.Job(
+        model=holder, backend=backend, timeout=60, restore=restore, may_shrink=may_shrink
+    )
+    slow_start = os.path.join(out, "slow_start")
+    if os.path.exists(slow_start):
+        with open(slow_start) as f:
+            time.sleep(float(f.read()))
+        record("ready")
     sprint = os.path.join(out, "sprint")
     for rnd in job.rounds():
         record(
