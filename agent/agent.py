@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousGracefulExitError,
 )
 
-from ..core.admission import Admission, NewcomerView, admission
+from ..core.newcomers import Admission, NewcomerView, admission
 from .charging import Charge, FailureCase
 from .config import LaunchConfig
 from .errors import AgentError, ProcessFailure

@@ -49,7 +49,6 @@ bytes; :func:`decode_state` validates.
 """
 
 from .actions import Action, apply, assign_ranks
-from .admission import ADMISSION_RULE, Admission, NewcomerView, admission
 from .codec import (
     MAX_STATE_BYTES,
     decode_state,
@@ -96,6 +95,7 @@ from .liveness import (
     observe_own,
     sanitize,
 )
+from .newcomers import ADMISSION_RULE, Admission, NewcomerView, admission
 from .node import (
     AnnounceResult,
     BeatResult,

@@ -60,6 +60,7 @@ def main() -> None:
     param = nn.Parameter(torch.zeros(1, dtype=torch.float64, device=device))
     holder = nn.Module()
     holder.register_parameter("value", param)
+
     def restore() -> int:
         record("restore", round=int(os.environ["RALLYPOINT_ROUND"]))
         return 0
