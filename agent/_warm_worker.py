@@ -2,8 +2,10 @@
 
 Starting a worker costs an interpreter and ``import torch``: seconds, most of what a
 live regroup around a crashed worker would otherwise take. The agent keeps one of
-these processes ready: it imports torch and the live API, then blocks on its pipe
-(descriptor ``argv[1]``) until the agent adopts it in place of a lost worker. The
+these processes ready: it imports torch and the live API, says so in its status
+file (``argv[2]``: :attr:`Phase.READY`), then blocks on its pipe (descriptor
+``argv[1]``) until the agent adopts it in place of a lost worker (or as a worker of
+its first round: an agent starts one per local rank while it joins). The
 first line on the pipe is the adoption: the worker's whole environment, its command
 line (``python -u SCRIPT ...``, ``-m MODULE ...`` or ``-c CODE ...``, as the agent
 would have started it) and where its output goes. The process then becomes that
@@ -11,7 +13,7 @@ worker: same pid, its streams routed, the script run as ``__main__``. The rest o
 the pipe is the worker's live channel (:mod:`rallypoint.agent.live_channel`), read
 by its :class:`rallypoint.agent.live.Job`.
 
-Started with ``python -u -m rallypoint.agent._warm_worker FD``, so ``sys.path[0]``
+Started with ``python -u -m rallypoint.agent._warm_worker FD STATUS``, so ``sys.path[0]``
 is the agent's working directory, as for the worker it replaces.
 """
 
@@ -21,6 +23,7 @@ import json
 import os
 import runpy
 import sys
+import time
 
 
 def _read_line(fd: int) -> bytes:
@@ -54,8 +57,13 @@ def main() -> None:
     import torch.distributed  # noqa: F401
 
     from . import live  # noqa: F401
+    from .live_channel import StatusFile
 
+    status = StatusFile(sys.argv[2])
+    status.write_ready(time.monotonic())
     doc = json.loads(_read_line(fd))
+    status.write_adopted()
+    status.close()
     os.environ.clear()
     os.environ.update(doc["env"])
     _route(1, doc.get("stdout"))

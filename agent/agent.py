@@ -31,7 +31,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch.distributed import Store
@@ -110,6 +110,23 @@ class _Round:
     store: Store
     #: its nodes, where the handler tells (rallypoint's)
     members: frozenset[str] | None
+
+
+def _provisional(config: LaunchConfig) -> Assignment:
+    """A place in no round yet: what warm spares started before the first round
+    are made from (their environment is replaced when they become workers)."""
+    return Assignment(
+        round=-1,
+        group_rank=0,
+        group_world_size=1,
+        base_global_rank=0,
+        world_size=config.nproc_per_node,
+        base_role_rank=0,
+        role_world_size=config.nproc_per_node,
+        master_addr="",
+        master_port=0,
+        use_agent_store=False,
+    )
 
 
 class ElasticAgent:
@@ -436,6 +453,8 @@ class ElasticAgent:
         return self._round.assignment.round if self._round is not None else None
 
     def _rendezvous_and_start(self) -> None:
+        if self.live is not None and self._round is None:
+            self._warm_up()
         joined = self._join()
         while not self.recovery.healthy(joined.assignment):
             self._round = joined  # its events and an exclusion name this round
@@ -515,13 +534,15 @@ class ElasticAgent:
         lost = {str(node) for node in self.view.dead_participants()} - {me}
         view = NewcomerView(
             ready=False,
+            member=True,
             may_shrink=self.live.may_shrink(),
             others=a.group_world_size - 1 - len(lost),
             min_nodes=self.config.min_nodes,
         )
         if admission(view) is not Admission.STEP_OUT or not self.view.step_out():
             return
-        self.live.start_outside(
+        live = self.live
+        live.start_outside(
             self.group, [launch for launch in self._launches(a) if launch.local_rank in gone]
         )
         logger.info(
@@ -531,10 +552,35 @@ class ElasticAgent:
         )
         # Bounded: this node's surviving workers wait for their next round no longer
         # than --live-timeout, and a replacement not ready by then is started again.
-        deadline = time.monotonic() + self.config.live_timeout / 2
+        self._join_when_admitted(view, lambda: live.ready(self.group), self.config.live_timeout / 2)
+
+    def _warm_up(self) -> None:
+        """Live, before this agent's first round: start a warm spare per local rank,
+        so that the workers' interpreters and imports overlap the rendezvous. When
+        the job already trains without this node (a replacement, a spare, a node
+        scaling it up), join only once they are warm (the core's admission rule)."""
+        assert self.live is not None
+        live = self.live
+        template = self._launches(_provisional(self.config))[0]
+        live.prepare_spares(self.group, template, self.config.nproc_per_node)
+        view = NewcomerView(
+            ready=False,
+            member=False,
+            may_shrink=False,
+            others=self.view.running_round_size(),
+            min_nodes=self.config.min_nodes,
+        )
+        if admission(view) is Admission.STEP_OUT:
+            logger.info("[%s] the job runs: joining once the workers are warm", self.config.role)
+            self._join_when_admitted(view, live.spares_warm, self.config.live_timeout)
+
+    @staticmethod
+    def _join_when_admitted(view: NewcomerView, ready: Callable[[], bool], timeout: float) -> None:
+        """Wait (up to ``timeout``) until the admission rule says to join, asking
+        ``ready`` whether this node's newcomers are."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            ready = dataclasses.replace(view, ready=self.live.ready(self.group))
-            if admission(ready) is Admission.JOIN:
+            if admission(dataclasses.replace(view, ready=ready())) is Admission.JOIN:
                 return
             time.sleep(_READY_POLL)
 

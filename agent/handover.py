@@ -89,6 +89,16 @@ class _Channel:
         self.status.close()
 
 
+@dataclass
+class _Spare:
+    """A warm spare: its process, its channel-to-be, and the streams it pipes to the
+    agent (the tee of the launches it can become)."""
+
+    process: WorkerProcess
+    channel: _Channel
+    piped: Std
+
+
 #: beat periods without a beat after which a worker counts as frozen
 _FROZEN_BEATS = 5
 
@@ -151,7 +161,8 @@ class LiveWorkers:
         self._regroup: _Regroup | None = None
         #: keep a warm spare worker ready (see :mod:`rallypoint.agent._warm_worker`)
         self.spares = spares
-        self._spare: tuple[WorkerProcess, _Channel] | None = None
+        self._spares: list[_Spare] = []
+        self._spares_started = 0
         #: a launch of this agent's, which warm spares are made like
         self._template: WorkerLaunch | None = None
         #: newcomers started outside the group: local rank -> whether warm
@@ -160,14 +171,14 @@ class LiveWorkers:
     # ------------------------------------------------------------ starting
 
     def start(self, group: WorkerGroup, launches: Sequence[WorkerLaunch]) -> int:
-        """Start ``launches`` (replacing their local ranks' workers): the first by
-        adopting the warm spare, if one is ready; the others afresh. Each gets a new
-        channel. Returns how many the warm spare became (0 or 1)."""
-        cold = list(launches)
-        warm = 0
-        if cold and self._adopt_spare(group, cold[0]):
-            cold.pop(0)
-            warm = 1
+        """Start ``launches`` (replacing their local ranks' workers): by adopting warm
+        spares while there are, the others afresh. Each gets a new channel. Returns
+        how many warm spares they became."""
+        cold = []
+        for launch in launches:
+            if not self._adopt_spare(group, launch):
+                cold.append(launch)
+        warm = len(launches) - len(cold)
         prepared = []
         for launch in cold:
             self._forget(launch.local_rank)
@@ -233,77 +244,84 @@ class LiveWorkers:
 
     def _warm_argv(self, launch: WorkerLaunch) -> list[str] | None:
         """The command line a warm spare runs for workers like ``launch`` (None: such
-        a worker cannot be warmed: not ``python -u ...``, or its output is teed)."""
+        a worker cannot be warmed: not ``python -u ...``)."""
         argv = list(launch.argv)
         python = os.environ.get("PYTHON_EXEC") or sys.executable
         if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
             return None
-        if stream_targets(launch) is None:
-            return None
         return [python, "-u", "-m", "rallypoint.agent._warm_worker"]
 
-    def prepare_spare(self, group: WorkerGroup, template: WorkerLaunch) -> None:
-        """Start a warm spare for workers like ``template`` unless one is ready (or
-        they cannot be warmed, or spares are off)."""
-        if not self.spares or self._spare is not None:
-            return
+    def prepare_spares(self, group: WorkerGroup, template: WorkerLaunch, count: int = 1) -> None:
+        """Keep ``count`` warm spares for workers like ``template`` (fewer when they
+        cannot be warmed, none when spares are off)."""
         argv = self._warm_argv(template)
-        if argv is None:
+        if not self.spares or argv is None:
             return
-        channel = self._new_channel("spare")
-        assert channel.read_fd is not None
-        launch = dataclasses.replace(
-            template,
-            local_rank=-1,
-            global_rank=-1,
-            argv=[*argv, str(channel.read_fd)],
-            env=dict(template.env),
-            redirect=Std.NONE,
-            tee=Std.NONE,
-            console=True,
-            duplicate_stdout=None,
-            duplicate_stderr=None,
-            pass_fds=(*template.pass_fds, channel.read_fd),
+        while len(self._spares) < count:
+            # Named once for good: an adopted spare keeps its status file.
+            self._spares_started += 1
+            channel = self._new_channel(f"spare-{self._spares_started}")
+            assert channel.read_fd is not None
+            launch = dataclasses.replace(
+                template,
+                local_rank=-1,
+                global_rank=-1,
+                argv=[*argv, str(channel.read_fd), channel.status.path],
+                env=dict(template.env),
+                redirect=Std.NONE,
+                tee=Std.NONE,
+                console=True,
+                duplicate_stdout=None,
+                duplicate_stderr=None,
+                pass_fds=(*template.pass_fds, channel.read_fd),
+            )
+            try:
+                process = group.start_spare(launch, piped=template.tee)
+            except OSError as exc:
+                logger.warning("cannot start a warm spare worker (%s); going on without", exc)
+                channel.close()
+                return
+            finally:
+                channel.close_read_end()
+            self._spares.append(_Spare(process, channel, template.tee))
+
+    def spares_warm(self) -> bool:
+        """Whether every warm spare has its imports done (or is gone)."""
+        return all(
+            spare.process.poll() is not None or spare.channel.status.read().phase is Phase.READY
+            for spare in self._spares
         )
-        try:
-            process = group.start_spare(launch)
-        except OSError as exc:
-            logger.warning("cannot start a warm spare worker (%s); going on without", exc)
-            channel.close()
-            return
-        finally:
-            channel.close_read_end()
-        self._spare = (process, channel)
 
     def _adopt_spare(self, group: WorkerGroup, launch: WorkerLaunch) -> bool:
-        """Make the warm spare ``launch``'s worker (True), if one is ready and fits."""
-        spare, self._spare = self._spare, None
-        if spare is None:
-            return False
-        process, channel = spare
-        targets = stream_targets(launch)
-        if targets is None or self._warm_argv(launch) is None or process.poll() is not None:
+        """Make a warm spare ``launch``'s worker (True), if one is left and fits."""
+        while self._spares:
+            spare = self._spares.pop(0)
+            process, channel = spare.process, spare.channel
+            fits = spare.piped == launch.tee and self._warm_argv(launch) is not None
+            if fits and process.poll() is None and self._adopt(group, spare, launch):
+                logger.info(
+                    "local rank %d: a warm spare (pid %d) took over", launch.local_rank, process.pid
+                )
+                return True
             group.discard(process)
             channel.close()
-            return False
+        return False
+
+    def _adopt(self, group: WorkerGroup, spare: _Spare, launch: WorkerLaunch) -> bool:
+        stdout, stderr = stream_targets(launch)
         adoption = {
-            "env": self._channel_env(channel, launch.env),
+            "env": self._channel_env(spare.channel, launch.env),
             "argv": list(launch.argv[2:]),
-            "stdout": targets[0],
-            "stderr": targets[1],
+            "stdout": stdout,
+            "stderr": stderr,
         }
         try:
-            os.write(channel.write_fd, (json.dumps(adoption) + "\n").encode())
+            os.write(spare.channel.write_fd, (json.dumps(adoption) + "\n").encode())
         except OSError:
-            group.discard(process)
-            channel.close()
             return False
         self._forget(launch.local_rank)
-        group.adopt(process, launch)
-        self._channels[launch.local_rank] = channel
-        logger.info(
-            "local rank %d: a warm spare (pid %d) took over", launch.local_rank, process.pid
-        )
+        group.adopt(spare.process, launch)
+        self._channels[launch.local_rank] = spare.channel
         return True
 
     def _forget(self, local_rank: int) -> None:
@@ -383,7 +401,7 @@ class LiveWorkers:
             self._check_progress(group, now)
         if self._report_regroup() and self._template is not None:
             # Only now: a spare importing torch would slow the regroup it is for.
-            self.prepare_spare(group, self._template)
+            self.prepare_spares(group, self._template)
 
     def _check_progress(self, group: WorkerGroup, now: float) -> None:
         """Kill the workers that hold their round up: no step for the progress timeout
@@ -463,6 +481,6 @@ class LiveWorkers:
     def close(self) -> None:
         for rank in list(self._channels):
             self._forget(rank)
-        if self._spare is not None:
-            self._spare[1].close()
-            self._spare = None
+        for spare in self._spares:
+            spare.channel.close()
+        self._spares = []

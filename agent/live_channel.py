@@ -182,9 +182,15 @@ class StatusFile:
         struct.pack_into("<q", self._map, _SHRINK, int(may_shrink))
 
     def write_ready(self, at: float) -> None:
-        """A newcomer outside the group is ready: the time, then the phase."""
+        """A newcomer outside the group (or a warm spare) is ready: the time, then
+        the phase."""
         struct.pack_into("<d", self._map, _READY, at)
         self.write_phase(Phase.READY)
+
+    def write_adopted(self) -> None:
+        """A warm spare becomes a worker: it starts as any worker does."""
+        self.write_phase(Phase.STARTED)
+        struct.pack_into("<d", self._map, _READY, 0.0)
 
     def close(self) -> None:
         self._map.close()

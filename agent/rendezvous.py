@@ -195,6 +195,20 @@ class HandlerView:
                 except Exception as exc:
                     logger.debug("handler.%s(): %s: %s", name, type(exc).__name__, exc)
 
+    def running_round_size(self) -> int:
+        """How many nodes train in the complete round this node is not part of (0:
+        none, or the handler does not tell: torch's)."""
+        sync = getattr(self.handler, "sync", None)
+        if sync is None or not self.detects_dead_peers:
+            return 0
+        try:
+            state = sync.refresh()
+        except Exception as exc:
+            logger.debug("reading the rendezvous state: %s: %s", type(exc).__name__, exc)
+            return 0
+        running = state.complete and not state.closed
+        return len(state.participants) if running else 0
+
     def step_out(self) -> bool:
         """Take this node out of its round but keep the handler, to join again later
         (its newcomers start meanwhile). True when it is out: rallypoint's handler

@@ -247,14 +247,18 @@ class WorkerGroup:
                     exc,
                 )
 
-    def start_spare(self, launch: WorkerLaunch) -> WorkerProcess:
-        """Start a process that becomes a worker later (:meth:`adopt`).
+    def start_spare(self, launch: WorkerLaunch, piped: Std = Std.NONE) -> WorkerProcess:
+        """Start a process that becomes a worker later (:meth:`adopt`). Its streams
+        in ``piped`` go to the agent, which tees them once it is adopted (it needs
+        the worker's log files and prefix); the others stay on the console.
 
         Raises:
             OSError: its program could not be executed.
         """
         self._ensure_watchdog()
-        spare = _start_one(launch)
+        spare = _start_one(launch, _Routes(streams={
+            bit: subprocess.PIPE if piped & bit else None for bit in (Std.OUT, Std.ERR)
+        }))  # fmt: skip
         self.spares.append(spare)
         if self._watchdog is not None:
             self._watchdog.watch(spare.pid, spare.token)
@@ -274,6 +278,11 @@ class WorkerGroup:
                 os.remove(launch.error_file)
             spare.launch = launch
             spare.start_time = time.time()
+            # Its piped streams (the spare was started with the launch's tee) are
+            # teed from now on, to this launch's files.
+            routes = _route_streams(launch, only=launch.tee)
+            spare.files.extend(routes.files)
+            _start_pumps(spare, routes.pumps)
             self.workers.append(spare)
 
     def discard(self, spare: WorkerProcess) -> None:
@@ -553,18 +562,19 @@ class _Routes:
     files: list[IO[bytes]] = field(default_factory=list)
 
 
-def stream_targets(launch: WorkerLaunch) -> tuple[str | None, str | None] | None:
+def stream_targets(launch: WorkerLaunch) -> tuple[str | None, str | None]:
     """Where a process adopted as ``launch``'s worker points its stdout and stderr
-    itself: a log file, ``os.devnull``, or None for the agent's console. None: the
-    launch tees a stream, which needs the agent's pump from the start."""
-    if launch.tee:
-        return None
+    itself: a log file, ``os.devnull``, or None to leave the stream where it is (the
+    agent's console, or, for a teed stream, the pipe the agent tees from: the spare
+    was started with the launch's tee, see :meth:`WorkerGroup.start_spare`)."""
     targets: list[str | None] = []
     for bit, name, given_path in (
         (Std.OUT, "stdout", launch.stdout_file),
         (Std.ERR, "stderr", launch.stderr_file),
     ):
-        if launch.redirect & bit:
+        if launch.tee & bit:
+            targets.append(None)
+        elif launch.redirect & bit:
             targets.append(given_path or os.path.join(launch.log_dir, f"{name}.log"))
         elif not launch.console:
             targets.append(os.devnull)
@@ -573,12 +583,15 @@ def stream_targets(launch: WorkerLaunch) -> tuple[str | None, str | None] | None
     return targets[0], targets[1]
 
 
-def _route_streams(launch: WorkerLaunch) -> _Routes:
+def _route_streams(launch: WorkerLaunch, only: Std = Std.ALL) -> _Routes:
+    """Where ``launch``'s streams go (those in ``only``): opens its log files."""
     routes = _Routes()
     for bit, name, console, given_path, duplicate in (
         (Std.OUT, "stdout", sys.stdout, launch.stdout_file, launch.duplicate_stdout),
         (Std.ERR, "stderr", sys.stderr, launch.stderr_file, launch.duplicate_stderr),
     ):
+        if not only & bit:
+            continue
         path = given_path or os.path.join(launch.log_dir, f"{name}.log")
         log: IO[bytes]
         # The files outlive this function: WorkerGroup.stop closes them.
@@ -603,11 +616,14 @@ def _route_streams(launch: WorkerLaunch) -> _Routes:
     return routes
 
 
-def _start_one(launch: WorkerLaunch) -> WorkerProcess:
+def _start_one(launch: WorkerLaunch, routes: _Routes | None = None) -> WorkerProcess:
+    """Start ``launch``'s process, its streams routed as ``routes`` says (None: as
+    the launch says)."""
     os.makedirs(launch.log_dir, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(launch.error_file)
-    routes = _route_streams(launch)
+    if routes is None:
+        routes = _route_streams(launch)
     token = _reaper.new_token()
     try:
         popen = subprocess.Popen(
@@ -626,8 +642,15 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
     worker = WorkerProcess(
         launch=launch, popen=popen, start_time=time.time(), files=routes.files, token=token
     )
-    for bit, log, sink, copy in routes.pumps:
-        source = popen.stdout if bit == Std.OUT else popen.stderr
+    _start_pumps(worker, routes.pumps)
+    return worker
+
+
+def _start_pumps(worker: WorkerProcess, pumps: Sequence[_Pump]) -> None:
+    """Tee ``worker``'s piped streams (its launch's prefix and rank)."""
+    launch = worker.launch
+    for bit, log, sink, copy in pumps:
+        source = worker.popen.stdout if bit == Std.OUT else worker.popen.stderr
         assert source is not None  # PIPE was requested for this stream
         thread = threading.Thread(
             target=_pump,
@@ -637,4 +660,3 @@ def _start_one(launch: WorkerLaunch) -> WorkerProcess:
         )
         thread.start()
         worker.threads.append(thread)
-    return worker

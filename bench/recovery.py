@@ -38,6 +38,10 @@ Usage::
     python bench/recovery.py [--repeats 3] [--figures crash,sigterm,sigkill,spare,preempt]
                              [--give-up 60] [--with-torch-handler]
 
+``--figures live-crash,...`` (failure -> training resumed) and ``admit-crash,
+admit-sigkill`` (a newcomer admitted once ready) compare rallypoint live, rallypoint
+restart and torchrun (``bench/resumed.py``).
+
 Prints one line per figure and launcher (median over repeats, runs in brackets) and
 the ratio torchrun/rallypoint per figure. Launchers run interleaved.
 """
@@ -352,6 +356,59 @@ RESUMED = {
 FIGURES.update(
     {name: f"failure -> training resumed, {what}" for name, (_, what) in RESUMED.items()}
 )
+#: a newcomer admitted once ready (bench/resumed.py's measure_admission)
+ADMISSION = {
+    "admit-crash": "4 agents x 1 worker, nnodes 3:4, a worker SIGKILLed",
+    "admit-sigkill": (
+        f"4 agents x 1 worker, nnodes 3:4, agent+workers SIGKILL ({SHORT_LIVENESS}), "
+        "a replacement agent started at once"
+    ),
+}
+FIGURES.update({name: f"admission, {what}" for name, what in ADMISSION.items()})
+#: what measure_admission returns, in order
+_ADMISSION_PHASES = (
+    "fault -> every rank of the next round stepping",
+    "fault -> the newcomer admitted (a round of 4 stepping)",
+    "the survivors' pause at the admission",
+)
+
+
+def _report_admission(figures: list[str], repeats: int, give_up: float) -> None:
+    """The ``admit-*`` figures: each case interleaved, medians and runs, ratios."""
+    from resumed import CASES, measure_admission
+
+    results = {
+        f: {case: [] for case in CASES}  # type: ignore[var-annotated]
+        for f in figures
+    }
+    with tempfile.TemporaryDirectory(prefix="rallypoint-bench-") as tmp:
+        for _ in range(repeats):
+            for figure in figures:
+                for case in CASES:
+                    values = measure_admission(case, figure, Path(tmp), give_up)
+                    results[figure][case].append(values)
+                    shown = ", ".join(_fmt(v, give_up) for v in values)
+                    print(f"  {figure} {case}: {shown}", flush=True)
+    for figure in figures:
+        for index, phase in enumerate(_ADMISSION_PHASES):
+            medians = {}
+            for case, runs in results[figure].items():
+                values = [run[index] for run in runs]
+                medians[case] = statistics.median(values)
+                spread = ", ".join(f"{v:.3f}" if math.isfinite(v) else "none" for v in values)
+                print(
+                    f"{FIGURES[figure]}: {phase}: {case} {_fmt(medians[case], give_up)}  "
+                    f"[runs: {spread}]"
+                )
+            live = medians["rallypoint live"]
+            for case in CASES[1:]:
+                other = medians[case]
+                ratio = (
+                    f"{other / live:.1f}x"
+                    if math.isfinite(other) and math.isfinite(live)
+                    else "n/a"
+                )
+                print(f"{FIGURES[figure]}: {phase}: {case} / rallypoint live = {ratio}")
 
 
 def _report_resumed(figures: list[str], repeats: int, give_up: float) -> None:
@@ -409,9 +466,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
     resumed = [f for f in figures if f in RESUMED]
-    figures = [f for f in figures if f not in RESUMED]
+    admitted = [f for f in figures if f in ADMISSION]
+    figures = [f for f in figures if f not in RESUMED and f not in ADMISSION]
     if resumed:
         _report_resumed(resumed, args.repeats, args.give_up)
+    if admitted:
+        _report_admission(admitted, args.repeats, args.give_up)
     cases = [("rallypoint", "c10d"), ("torchrun", "c10d")]
     if args.with_torch_handler:
         cases.insert(1, ("rallypoint", "torch-c10d"))

@@ -5,18 +5,28 @@ Used by ``bench/recovery.py`` for its ``live-*`` figures (``--figures live-crash
 (:data:`WORKER`) trains with :mod:`rallypoint.agent.live` (so the same script runs
 under the three launchers: without ``--live`` it runs one round per process) and
 appends ``pid round rank world step time`` for every committed step; rank 0 also
-writes the step counter to a checkpoint file after each step, from which a
-restarted worker resumes (the live mode's newcomers never read it: they get the
-state from a peer). A fault is injected once the job has trained for
-``SETTLE_S``; recovery is the time from the fault until every rank of the new
-world has committed a step *in the new round*: a record from a process that did
-not train before the fault, or from a surviving process in a round it was not in.
+writes the step counter to a checkpoint file every ``BENCH_CHECKPOINT_EVERY`` steps
+(default 1), from which a restarted job resumes (``live.Job(restore=...)``: the live
+mode's newcomers never read it, they get the state from a peer). The script
+declares that the job may shrink (``may_shrink=True``). A fault is injected once
+the job has trained for ``SETTLE_S``; recovery is the time from the fault until
+every rank of the new world has committed a step *in the new round*: a record from
+a process that did not train before the fault, or from a surviving process in a
+round it was not in.
 
 Faults: ``crash`` SIGKILL of one worker (``--nnodes 3``); ``sigterm`` SIGTERM to one
 agent (``--nnodes 2:3``); ``sigkill`` SIGKILL of one agent and its worker, 2 s
 liveness window; ``spare`` the same with ``--nnodes 2`` and a third agent standing
 by; ``hang`` SIGSTOP of one worker (rallypoint: ``--progress-timeout 1``; every
 launcher's workers use a 20 s gloo timeout, so the others fail once it runs out).
+
+:func:`measure_admission` times the admission of a newcomer: 4 agents x 1 worker,
+``--nnodes 3:4``, and ``admit-crash`` (a worker SIGKILLed) or ``admit-sigkill`` (an
+agent and its worker SIGKILLed, a replacement agent started at once). It reports
+the fault -> every rank of the first round after it stepping (live: the survivors,
+in a round of 3), the fault -> every rank of a round of 4 stepping (the newcomer
+admitted), and the survivors' pause at the admission (their last step in the round
+of 3 -> their first in the round of 4; none where no round of 3 trained).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import psutil
 
@@ -39,19 +50,21 @@ LAST_CALL = "last_call_timeout=1"
 CASES = ("rallypoint live", "rallypoint restart", "torchrun")
 
 WORKER = r"""
-import json, os, sys, time
-from datetime import timedelta
+import os, sys, time
 out = sys.argv[1]
+every = int(os.environ.get("BENCH_CHECKPOINT_EVERY", "1"))
 import torch, torch.distributed as dist
 from torch import nn
 from rallypoint.agent import live
 param = nn.Parameter(torch.zeros(1, dtype=torch.float64))
 holder = nn.Module(); holder.register_parameter("value", param)
-job = live.Job(model=holder, backend="gloo", timeout=20)
 ckpt = os.path.join(out, "ckpt")
-if not job.live and os.path.exists(ckpt):
-    with open(ckpt) as fp:
-        job.step = int(fp.read() or 0)
+def restore():
+    if os.path.exists(ckpt):
+        with open(ckpt) as fp:
+            return int(fp.read() or 0)
+    return 0
+job = live.Job(model=holder, backend="gloo", timeout=20, restore=restore, may_shrink=True)
 log = open(os.path.join(out, "steps"), "a", buffering=1)
 for rnd in job.rounds():
     with rnd:
@@ -62,7 +75,7 @@ for rnd in job.rounds():
             gen = os.environ.get("RALLYPOINT_ROUND") or os.environ["TORCHELASTIC_RESTART_COUNT"]
             where = f"{os.getpid()} {gen} {rnd.rank} {rnd.world_size}"
             log.write(f"{where} {step + 1} {time.time()!r}\n")
-            if rnd.rank == 0 and not job.live:
+            if rnd.rank == 0 and (step + 1) % every == 0:
                 with open(ckpt + ".tmp", "w") as fp:
                     fp.write(str(step + 1))
                 os.replace(ckpt + ".tmp", ckpt)
@@ -104,6 +117,8 @@ def steps_done(path: Path) -> int:
 def _agent_argv(case: str, fault: str, port: int, run_id: str, host: bool) -> list[str]:
     launcher = "torch.distributed.run" if case == "torchrun" else "rallypoint.run"
     nnodes = {"crash": "3", "hang": "3", "spare": "2"}.get(fault, "2:3")
+    if fault.startswith("admit-"):
+        nnodes = "3:4"
     conf = f"{LIVENESS},{LAST_CALL}"
     args = [
         *("--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3"),
@@ -127,46 +142,22 @@ def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> flo
     within ``give_up``)."""
     run_dir = workdir / f"{fault}-{case.replace(' ', '-')}-{os.urandom(4).hex()}"
     run_dir.mkdir()
-    worker = run_dir / "worker.py"
-    worker.write_text(WORKER)
+    (run_dir / "worker.py").write_text(WORKER)
     steps = run_dir / "steps"
     port = _free_port()
     agents: list[subprocess.Popen[bytes]] = []
-    logs = []
+    logs: list[IO[bytes]] = []
     try:
-        count = 3
-        for index in range(count):
-            log = open(run_dir / f"agent{index}.log", "wb")  # noqa: SIM115
-            logs.append(log)
-            argv = _agent_argv(case, fault, port, run_dir.name, index == 0)
-            agents.append(
-                subprocess.Popen(
-                    [*argv, str(worker), str(run_dir)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            )
+        for index in range(3):
+            _start_agent(agents, logs, case, fault, port, run_dir)
             if index == 0:
                 time.sleep(0.5)  # the store host first
         world = 2 if fault == "spare" else 3
-        deadline = time.monotonic() + 120
-        while True:
-            recs = _records(steps)
-            if recs:
-                first = min(r[4] for r in recs)
-                if (
-                    len({r[2] for r in recs if r[3] == world}) == world
-                    and time.time() - first > SETTLE_S
-                ):
-                    break
-            if time.monotonic() > deadline:
-                # torchrun restarts its whole group while a node it cannot admit
-                # waits (the spare): no steady training to fault.
-                print(f"{case} {fault}: no steady training within 120 s", file=sys.stderr)
-                return math.inf
-            time.sleep(0.05)
+        if not _steady(steps, world):
+            # torchrun restarts its whole group while a node it cannot admit
+            # waits (the spare): no steady training to fault.
+            print(f"{case} {fault}: no steady training within 120 s", file=sys.stderr)
+            return math.inf
         before = _records(steps)
         victim_rank = world - 1
         victim_pid = max((r for r in before if r[2] == victim_rank), key=lambda r: r[4])[0]
@@ -204,6 +195,143 @@ def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> flo
         stop_agents(agents)
         for log in logs:
             log.close()
+
+
+def _start_agent(
+    agents: list[subprocess.Popen[bytes]],
+    logs: list[IO[bytes]],
+    case: str,
+    fault: str,
+    port: int,
+    run_dir: Path,
+) -> None:
+    """Start one more agent of the run in ``run_dir`` (the first hosts the store)."""
+    log = open(run_dir / f"agent{len(agents)}.log", "wb")  # noqa: SIM115
+    logs.append(log)
+    argv = _agent_argv(case, fault, port, run_dir.name, not agents)
+    agents.append(
+        subprocess.Popen(
+            [*argv, str(run_dir / "worker.py"), str(run_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    )
+
+
+def _steady(steps: Path, world: int, timeout: float = 120.0) -> bool:
+    """Wait until every rank of a round of ``world`` has stepped and the job has
+    trained for ``SETTLE_S``; False if that does not happen within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        recs = _records(steps)
+        if recs:
+            first = min(r[4] for r in recs)
+            if (
+                len({r[2] for r in recs if r[3] == world}) == world
+                and time.time() - first > SETTLE_S
+            ):
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def measure_admission(
+    case: str, fault: str, workdir: Path, give_up: float
+) -> tuple[float, float, float]:
+    """(fault -> every rank of the next round stepping, fault -> every rank of a
+    round of 4 stepping, the survivors' pause at the admission) in seconds; inf
+    where it did not happen within ``give_up`` (the pause: no round of 3 trained)."""
+    run_dir = workdir / f"{fault}-{case.replace(' ', '-')}-{os.urandom(4).hex()}"
+    run_dir.mkdir()
+    (run_dir / "worker.py").write_text(WORKER)
+    steps = run_dir / "steps"
+    port = _free_port()
+    agents: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[bytes]] = []
+    never = (math.inf, math.inf, math.inf)
+    try:
+        for index in range(4):
+            _start_agent(agents, logs, case, fault, port, run_dir)
+            if index == 0:
+                time.sleep(0.5)  # the store host first
+        if not _steady(steps, 4):
+            print(f"{case} {fault}: no steady training within 120 s", file=sys.stderr)
+            return never
+        before = _records(steps)
+        victim_pid = max((r for r in before if r[2] == 3), key=lambda r: r[4])[0]
+        victim_agent = next(
+            (a for a in agents[1:] if any(p.pid == victim_pid for p in _tree(a.pid))), None
+        )
+        if victim_agent is None:
+            print(f"{case} {fault}: no steady training to fault; see {run_dir}", file=sys.stderr)
+            return never
+        generation = {r[0]: r[1] for r in before}
+        fault_at = time.time()
+        if fault == "admit-crash":
+            os.kill(victim_pid, signal.SIGKILL)
+        else:
+            for proc in _tree(victim_agent.pid):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            _start_agent(agents, logs, case, fault, port, run_dir)
+        while time.time() - fault_at < give_up:
+            rounds = _new_rounds(_records(steps), generation, fault_at)
+            admitted = next((r for r in rounds if r.world == 4), None)
+            if admitted is not None:
+                resumed = rounds[0].stepping_at - fault_at
+                smaller = [r for r in rounds if r.world < 4 and r.stepping_at < admitted.started]
+                kept = set(smaller[-1].last) & set(admitted.first) if smaller else set()
+                pause = max(
+                    (admitted.first[pid] - smaller[-1].last[pid] for pid in kept),
+                    default=math.inf,
+                )
+                return resumed, admitted.stepping_at - fault_at, pause
+            time.sleep(0.05)
+        return never
+    finally:
+        stop_agents(agents)
+        for log in logs:
+            log.close()
+
+
+class _NewRound:
+    """The steps of one round after a fault: when each rank first stepped, and each
+    process's first and last step."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.ranks: dict[int, float] = {}
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    @property
+    def started(self) -> float:
+        return min(self.ranks.values())
+
+    @property
+    def stepping_at(self) -> float:
+        """When every rank of the round had stepped (inf: not yet)."""
+        return max(self.ranks.values()) if len(self.ranks) == self.world else math.inf
+
+
+def _new_rounds(
+    records: list[tuple[int, str, int, int, float]], generation: dict[int, str], since: float
+) -> list[_NewRound]:
+    """The rounds trained after ``since`` whose every rank stepped, by when they did:
+    records of processes that did not train before, or of survivors in a round they
+    were not in."""
+    rounds: dict[tuple[str, int], _NewRound] = {}
+    for pid, gen, rank, world, when in records:
+        if when <= since or generation.get(pid) == gen:
+            continue
+        found = rounds.setdefault((gen, world), _NewRound(world))
+        found.ranks.setdefault(rank, when)
+        found.first.setdefault(pid, when)
+        found.last[pid] = when
+    complete = [r for r in rounds.values() if math.isfinite(r.stepping_at)]
+    return sorted(complete, key=lambda r: r.stepping_at)
 
 
 def stop_agents(agents: list[subprocess.Popen[bytes]]) -> None:

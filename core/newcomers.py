@@ -1,12 +1,15 @@
-"""When a node whose workers are being replaced takes part in the group (live regroup).
+"""When a node with newcomers takes part in the group (live regroup).
 
 Nobody waits for a newcomer's start-up (docs/design.md, decision 13). A node that
-lost a worker starts its replacement outside the group; until the replacement is
-*ready* (its interpreter, imports and script up to ``job.rounds()``), the node is
-either out of the rendezvous, so that the others train on in a smaller world, or in
-it, so that the others wait (they cannot go on without it). Once ready, it joins;
-the rendezvous' own rules then admit it: it waits in the wait list and the others
-open the next round at a step boundary.
+lost a worker starts its replacement outside the group; a node that joins a running
+job (a replacement node, a spare, a scale-up) starts its workers' processes before
+it joins. Until its newcomers are *ready* (a replaced worker: its interpreter,
+imports and script up to ``job.rounds()``; a joining node's: interpreter and
+imports), the node is either out of the rendezvous, so that the others train on
+(in a smaller world, or in the one they have), or in it, so that the others wait
+(they cannot go on without it). Once ready, it joins; the rendezvous' own rules
+then admit it: it waits in the wait list and the others open the next round at a
+step boundary.
 
 :data:`ADMISSION_RULE` is the whole rule, one cell per case; :func:`admission`
 looks a node's case up in it. The agent carries the answer out (leave the round,
@@ -39,23 +42,28 @@ class NewcomerView:
 
     Attributes:
         ready: every newcomer of this node reported ready.
+        member: the node is in the others' round (it lost a worker): without it,
+            their world shrinks. False for a node joining a running job.
         may_shrink: the script declared that the job may train on without some of
             its workers for a while (``live.Job(may_shrink=True)``).
-        others: the participants of the node's last round besides itself that are
-            still in the job (not known to be gone).
+        others: the nodes that train (or would) without this one: the participants
+            of its round besides itself that are still in the job, or, for a
+            joining node, those of the running round (0: none runs).
         min_nodes: the rendezvous' minimum.
     """
 
     ready: bool
+    member: bool
     may_shrink: bool
     others: int
     min_nodes: int
 
 
 def others_go_on(view: NewcomerView) -> bool:
-    """Whether the others may train on without this node: the script allows a
-    smaller world and they are enough for a round by themselves."""
-    return view.may_shrink and view.others >= view.min_nodes
+    """Whether the others may train on without this node: they are enough for a
+    round by themselves, and either this node is not in their round or the script
+    allows a smaller world."""
+    return view.others >= view.min_nodes and (view.may_shrink or not view.member)
 
 
 #: (the newcomers are ready, the others may go on without this node) -> what to do

@@ -7,8 +7,9 @@ of it, for clusters up to ``max_nodes``, and judges every answer against the
 properties the rule exists for (docs/design.md, decision 13):
 
 * **nobody waits for a newcomer's start-up**: when the others may train on without
-  the node (the script may shrink, and they are enough for a round), a node whose
-  newcomers are not ready stays out, so no round forms that waits for them;
+  the node (they are enough for a round, and the node is not in theirs or the
+  script may shrink), a node whose newcomers are not ready stays out, so no round
+  forms that waits for them;
 * **no pointless absence**: a node steps out only when the others can form a round
   without it (else they wait anyway, and its absence costs them a second regroup);
 * **a ready newcomer is taken in**: once every newcomer is ready the node joins, so
@@ -31,13 +32,14 @@ __all__ = ["admission_violations", "newcomer_views"]
 
 def newcomer_views(max_nodes: int) -> Iterator[NewcomerView]:
     """Every view a node of a cluster of up to ``max_nodes`` can have: each
-    cluster size and minimum, each number of the others known gone, readiness and
-    the script's choice."""
+    cluster size and minimum, each number of the others known gone (or, for a
+    joining node, not running), readiness, membership and the script's choice."""
+    flags = (False, True)
     for nodes in range(1, max_nodes + 1):
-        for min_nodes, gone, ready, may_shrink in itertools.product(
-            range(1, nodes + 1), range(nodes), (False, True), (False, True)
+        for min_nodes, gone, ready, member, may_shrink in itertools.product(
+            range(1, nodes + 1), range(nodes), flags, flags, flags
         ):
-            yield NewcomerView(ready, may_shrink, nodes - 1 - gone, min_nodes)
+            yield NewcomerView(ready, member, may_shrink, nodes - 1 - gone, min_nodes)
 
 
 def admission_violations(max_nodes: int = 8) -> list[str]:
@@ -46,7 +48,7 @@ def admission_violations(max_nodes: int = 8) -> list[str]:
     found = []
     for view in newcomer_views(max_nodes):
         answer = core_newcomers.admission(view)
-        others_go_on = view.may_shrink and view.others >= view.min_nodes
+        others_go_on = view.others >= view.min_nodes and (view.may_shrink or not view.member)
         if not view.ready and others_go_on and answer is not Admission.STEP_OUT:
             found.append(f"the others wait for a newcomer's start-up: {view} -> {answer.name}")
         if answer is Admission.STEP_OUT and not others_go_on:

@@ -69,9 +69,11 @@ def _launch(**kwargs: object) -> WorkerLaunch:
     return WorkerLaunch(**fields)  # type: ignore[arg-type]
 
 
-def test_an_adopted_process_routes_its_own_streams_unless_they_are_teed() -> None:
+def test_an_adopted_process_routes_its_own_streams_and_leaves_teed_ones_to_the_agent() -> None:
     assert stream_targets(_launch()) == (None, None)
     assert stream_targets(_launch(redirect=Std.ALL)) == ("/logs/0/stdout.log", "/logs/0/stderr.log")
     assert stream_targets(_launch(redirect=Std.ERR, stderr_file="/x/err")) == (None, "/x/err")
     assert stream_targets(_launch(console=False)) == ("/dev/null", "/dev/null")
-    assert stream_targets(_launch(tee=Std.OUT)) is None
+    # A teed stream stays on the pipe the agent tees from, whatever else is asked.
+    assert stream_targets(_launch(tee=Std.OUT, redirect=Std.ALL)) == (None, "/logs/0/stderr.log")
+    assert stream_targets(_launch(tee=Std.ALL, console=False)) == (None, None)

@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,8 @@ def test_a_killed_worker_alone_is_started_again(cluster: Cluster) -> None:
     round_ = _newest_round(cluster)
     victim_rank = 3
     victim_node = next(name for name in ("a", "b") if before[victim_rank] in _pids(cluster, name))
-    cluster.wait_for(lambda: _warm_spare(cluster, victim_node), "a warm spare", WAIT)
+    workers = set(before.values())
+    cluster.wait_for(lambda: _warm_spare(cluster, victim_node, workers), "a warm spare", WAIT)
     os.kill(before[victim_rank], signal.SIGKILL)
     after = _wait_training(cluster, 4, round_)
     assert after[victim_rank] != before[victim_rank]
@@ -210,11 +212,12 @@ def _pids(cluster: Cluster, name: str) -> set[int]:
     return {p.pid for p in cluster.tree(name)}
 
 
-def _warm_spare(cluster: Cluster, name: str) -> bool:
-    """Whether agent ``name`` keeps a warm spare worker ready."""
+def _warm_spare(cluster: Cluster, name: str, workers: Collection[int] = ()) -> bool:
+    """Whether agent ``name`` keeps a warm spare worker ready (a process that
+    started as one and is not among ``workers``: spares become workers)."""
     for process in cluster.tree(name):
         try:
-            if "rallypoint.agent._warm_worker" in process.cmdline():
+            if process.pid not in workers and "rallypoint.agent._warm_worker" in process.cmdline():
                 return True
         except psutil.Error:
             continue
@@ -374,6 +377,41 @@ def test_a_stalled_worker_counts_as_failed(cluster: Cluster) -> None:
         if e["kind"] == "live_regroup" and e["round"] > round_
     ]  # fmt: skip
     assert regroups and regroups[0]["warm_started"] == 0, regroups
+
+
+def test_teed_workers_start_warm_and_their_output_is_teed(cluster: Cluster) -> None:
+    """One agent x 2 workers, --tee 3: the first workers are the warm spares started
+    with the rendezvous, and a killed worker's replacement is a warm spare too; each
+    one's output reaches its own log file and, prefixed, the console."""
+    logs = cluster.dir / "logs"
+    events = cluster.dir / "events.jsonl"
+    args = [
+        "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05",
+        "--stop-grace", "1", "--live", "--max-restarts", "3", "--tee", "3",
+        "--log-dir", str(logs), "--events-file", str(events),
+    ]  # fmt: skip
+    cluster.start([*args, *_train(cluster)], "a")
+    before = _wait_training(cluster, 2)
+    round_ = _newest_round(cluster)
+    workers = set(before.values())
+    cluster.wait_for(lambda: _warm_spare(cluster, "a", workers), "a warm spare", WAIT)
+    os.kill(before[1], signal.SIGKILL)
+    after = _wait_training(cluster, 2, round_)
+    assert after[0] == before[0] and after[1] != before[1]
+    _finish(cluster, ["a"])
+    _check_training(cluster)
+    regroups = [e for e in read_jsonl(events) if e["kind"] == "live_regroup"]
+    assert regroups[0]["round"] == round_ and regroups[0]["warm_started"] == 2, regroups
+    assert regroups[-1]["round"] > round_ and regroups[-1]["warm_started"] == 1, regroups
+    console = cluster.agents["a"].log()
+    for rank, pid in {**before, 1: after[1]}.items():
+        line = next(
+            (text for text in console.splitlines() if text.endswith(f"rank {rank} pid {pid}")),
+            None,
+        )
+        assert line is not None and line.startswith("[default"), (rank, pid, console[-2000:])
+        teed = [p for p in logs.rglob("stdout.log") if f"pid {pid}\n" in p.read_text()]
+        assert len(teed) == 1 and teed[0].parent.name == str(rank), (pid, teed)
 
 
 def test_the_live_api_without_a_live_agent_runs_one_round(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ k(k+1)/2 on every rank: a rank whose state is wrong, or a step lost or applied
 twice, shows in the value. Nothing is ever written to disk for the state: a
 newcomer can only have it from a peer.
 
-Each worker appends to ``OUT/records.jsonl``: ``start`` when it runs (before torch
+Each worker prints ``round R rank K pid P`` when a round is ready, and appends to
+``OUT/records.jsonl``: ``start`` when it runs (before torch
 loads), ``restore`` when the job asks it to load its checkpoint (a whole-job start;
 there is none, so it restores nothing), ``round`` when a round is ready (its step
 and parameter then), ``step`` for each committed step, ``done`` when it finished.
@@ -85,6 +86,7 @@ def main() -> None:
             value=param.item(),
             local_rank=rnd.local_rank,
         )
+        print(f"round {rnd.number} rank {rnd.rank} pid {pid}", flush=True)
         with rnd:
             for step in rnd.steps(steps):
                 if first_life and step == hang_at and rnd.local_rank == 0:

@@ -5,6 +5,8 @@ each likely bug planted in the rule."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rallypoint.core import newcomers as core_newcomers
@@ -14,10 +16,17 @@ from rallypoint.spec.check.admission import admission_violations, newcomer_views
 
 def test_a_data_parallel_job_trains_on_without_a_node_whose_worker_restarts() -> None:
     # 4 nodes, --nnodes 3:4: the three others form a round by themselves.
-    view = NewcomerView(ready=False, may_shrink=True, others=3, min_nodes=3)
+    view = NewcomerView(ready=False, member=True, may_shrink=True, others=3, min_nodes=3)
     assert admission(view) is Admission.STEP_OUT
-    ready = NewcomerView(ready=True, may_shrink=True, others=3, min_nodes=3)
-    assert admission(ready) is Admission.JOIN
+    assert admission(dataclasses.replace(view, ready=True)) is Admission.JOIN
+
+
+def test_a_node_joining_a_running_job_gets_ready_first_whatever_the_script() -> None:
+    view = NewcomerView(ready=False, member=False, may_shrink=False, others=2, min_nodes=2)
+    assert admission(view) is Admission.STEP_OUT
+    assert admission(dataclasses.replace(view, ready=True)) is Admission.JOIN
+    # The job starts as a whole: no round runs, so nobody waits for it.
+    assert admission(dataclasses.replace(view, others=0)) is Admission.JOIN
 
 
 @pytest.mark.parametrize(
@@ -28,7 +37,9 @@ def test_a_data_parallel_job_trains_on_without_a_node_whose_worker_restarts() ->
 def test_a_node_the_others_cannot_do_without_stays_in(
     may_shrink: bool, others: int, min_nodes: int
 ) -> None:
-    view = NewcomerView(ready=False, may_shrink=may_shrink, others=others, min_nodes=min_nodes)
+    view = NewcomerView(
+        ready=False, member=True, may_shrink=may_shrink, others=others, min_nodes=min_nodes
+    )
     assert admission(view) is Admission.JOIN
 
 
