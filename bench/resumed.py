@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 import psutil
 
@@ -88,30 +88,30 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _records(path: Path) -> list[tuple[int, str, int, int, float]]:
-    """(pid, generation, rank, world, time) of every complete line."""
+class StepRecord(NamedTuple):
+    """One committed step, as the worker logged it."""
+
+    pid: int
+    generation: str
+    rank: int
+    world: int
+    step: int
+    time: float
+
+
+def records(path: Path) -> list[StepRecord]:
+    """Every complete line of the steps file."""
     out = []
     if path.exists():
         for line in path.read_text().splitlines():
             parts = line.split()
             if len(parts) == 6:
                 with contextlib.suppress(ValueError):
+                    pid, gen, rank, world, step, when = parts
                     out.append(
-                        (int(parts[0]), parts[1], int(parts[2]), int(parts[3]), float(parts[5]))
+                        StepRecord(int(pid), gen, int(rank), int(world), int(step), float(when))
                     )
     return out
-
-
-def steps_done(path: Path) -> int:
-    """The highest step committed so far (0: none)."""
-    done = 0
-    if path.exists():
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 6:
-                with contextlib.suppress(ValueError):
-                    done = max(done, int(parts[4]))
-    return done
 
 
 def _agent_argv(case: str, fault: str, port: int, run_id: str, host: bool) -> list[str]:
@@ -158,10 +158,10 @@ def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> flo
             # waits (the spare): no steady training to fault.
             print(f"{case} {fault}: no steady training within 120 s", file=sys.stderr)
             return math.inf
-        before = _records(steps)
+        before = records(steps)
         victim_rank = world - 1
-        victim_pid = max((r for r in before if r[2] == victim_rank), key=lambda r: r[4])[0]
-        generation = {r[0]: r[1] for r in before}
+        victim_pid = max((r for r in before if r.rank == victim_rank), key=lambda r: r.time).pid
+        generation = {r.pid: r.generation for r in before}
         victim_agent = next(
             (a for a in agents if any(p.pid == victim_pid for p in _tree(a.pid))), None
         )
@@ -184,7 +184,7 @@ def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> flo
         new_world = {"crash": 3, "hang": 3, "spare": 2}.get(fault, 2)
         while time.time() - fault_at < give_up:
             first_steps: dict[int, float] = {}  # rank -> its first step in the new round
-            for pid, gen, rank, size, when in _records(steps):
+            for pid, gen, rank, size, _step, when in records(steps):
                 if when > fault_at and size == new_world and generation.get(pid) != gen:
                     first_steps.setdefault(rank, when)
             if len(first_steps) == new_world:
@@ -225,11 +225,11 @@ def _steady(steps: Path, world: int, timeout: float = 120.0) -> bool:
     trained for ``SETTLE_S``; False if that does not happen within ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        recs = _records(steps)
+        recs = records(steps)
         if recs:
-            first = min(r[4] for r in recs)
+            first = min(r.time for r in recs)
             if (
-                len({r[2] for r in recs if r[3] == world}) == world
+                len({r.rank for r in recs if r.world == world}) == world
                 and time.time() - first > SETTLE_S
             ):
                 return True
@@ -259,15 +259,15 @@ def measure_admission(
         if not _steady(steps, 4):
             print(f"{case} {fault}: no steady training within 120 s", file=sys.stderr)
             return never
-        before = _records(steps)
-        victim_pid = max((r for r in before if r[2] == 3), key=lambda r: r[4])[0]
+        before = records(steps)
+        victim_pid = max((r for r in before if r.rank == 3), key=lambda r: r.time).pid
         victim_agent = next(
             (a for a in agents[1:] if any(p.pid == victim_pid for p in _tree(a.pid))), None
         )
         if victim_agent is None:
             print(f"{case} {fault}: no steady training to fault; see {run_dir}", file=sys.stderr)
             return never
-        generation = {r[0]: r[1] for r in before}
+        generation = {r.pid: r.generation for r in before}
         fault_at = time.time()
         if fault == "admit-crash":
             os.kill(victim_pid, signal.SIGKILL)
@@ -277,7 +277,7 @@ def measure_admission(
                     proc.kill()
             _start_agent(agents, logs, case, fault, port, run_dir)
         while time.time() - fault_at < give_up:
-            rounds = _new_rounds(_records(steps), generation, fault_at)
+            rounds = _new_rounds(records(steps), generation, fault_at)
             admitted = next((r for r in rounds if r.world == 4), None)
             if admitted is not None:
                 resumed = rounds[0].stepping_at - fault_at
@@ -317,13 +317,13 @@ class _NewRound:
 
 
 def _new_rounds(
-    records: list[tuple[int, str, int, int, float]], generation: dict[int, str], since: float
+    stepped: list[StepRecord], generation: dict[int, str], since: float
 ) -> list[_NewRound]:
     """The rounds trained after ``since`` whose every rank stepped, by when they did:
     records of processes that did not train before, or of survivors in a round they
     were not in."""
     rounds: dict[tuple[str, int], _NewRound] = {}
-    for pid, gen, rank, world, when in records:
+    for pid, gen, rank, world, _step, when in stepped:
         if when <= since or generation.get(pid) == gen:
             continue
         found = rounds.setdefault((gen, world), _NewRound(world))
