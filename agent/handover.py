@@ -99,6 +99,9 @@ class _Spare:
     piped: Std
 
 
+#: seconds a worker that has formed no group yet (it holds no state) has to take a
+#: newer round before it is started again
+_EMPTY_GRACE = 3.0
 #: beat periods without a beat after which a worker counts as frozen
 _FROZEN_BEATS = 5
 
@@ -152,8 +155,9 @@ class LiveWorkers:
         self.progress_timeout = progress_timeout
         self._recorder = recorder
         self._channels: dict[int, _Channel] = {}
-        #: local rank -> (its launch in the round it must take, the deadline)
-        self._handed: dict[int, tuple[WorkerLaunch, float]] = {}
+        #: local rank -> (its launch in the round it must take, the deadline, the
+        #: seconds it was given)
+        self._handed: dict[int, tuple[WorkerLaunch, float, float]] = {}
         #: local rank -> how its progress looked
         self._progress: dict[int, _Progress] = {}
         #: local ranks killed for making no progress (their exit is a failure)
@@ -352,10 +356,16 @@ class LiveWorkers:
         outside, self._outside = self._outside, {}
         for launch in launches:
             rank = launch.local_rank
-            if self._is_live(group, rank) and self._channels[rank].send(
-                LiveMessage(round_, variables(launch), lost)
-            ):
-                self._handed[rank] = (launch, now + self.live_timeout)
+            if not self._is_live(group, rank):
+                fresh.append(launch)
+                continue
+            # One still forming its first group holds nothing: if its forming does
+            # not break at once, starting it again is cheaper than waiting.
+            status = self._channels[rank].status.read()
+            empty = status.phase is Phase.JOINING and status.step == 0 and status.group_at == 0
+            wait = min(self.live_timeout, _EMPTY_GRACE) if empty else self.live_timeout
+            if self._channels[rank].send(LiveMessage(round_, variables(launch), lost)):
+                self._handed[rank] = (launch, now + wait, wait)
             else:
                 fresh.append(launch)
         self._template = launches[0] if launches else self._template
@@ -386,7 +396,7 @@ class LiveWorkers:
         take the round in time, kill those that stopped making progress, and report
         a finished regroup."""
         now = time.monotonic()
-        for rank, (launch, deadline) in list(self._handed.items()):
+        for rank, (launch, deadline, given) in list(self._handed.items()):
             if self._channels[rank].status.read().round >= round_:
                 del self._handed[rank]
             elif now >= deadline:
@@ -394,7 +404,7 @@ class LiveWorkers:
                     "local rank %d did not take round %d within %g s; starting it again",
                     rank,
                     round_,
-                    self.live_timeout,
+                    given,
                 )
                 self.start(group, [launch])
         if self.progress_timeout > 0:

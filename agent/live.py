@@ -214,6 +214,10 @@ class Job:
         self._live_timeout = float(os.environ.get(TIMEOUT_ENV, "30"))
         self._current: Round | None = None
         self._round_sockets: dict[int, str] = {}
+        # While a round's group forms: the sockets from before, so that a newer
+        # round can break the forming (a peer of the old one may never come).
+        self._forming: dict[int, str] | None = None
+        self._forming_lock = threading.Lock()
         # A newcomer started outside the group: its first round comes from the agent.
         self._standby = False
         status_path, fd = os.environ.get(STATUS_ENV), os.environ.get(FD_ENV)
@@ -287,12 +291,18 @@ class Job:
         if self.timeout is not None:
             kwargs["timeout"] = self.timeout
         before = _sockets()
-        dist.init_process_group(**kwargs)
-        side = dist.new_group(backend="gloo")
+        with self._forming_lock:
+            self._forming = before
+        try:
+            if self._inbox is not None and self._inbox.newer_than(self.round) is not None:
+                raise LiveError(f"round {self.round} was superseded before its group formed")
+            dist.init_process_group(**kwargs)
+            side = dist.new_group(backend="gloo")
+        finally:
+            with self._forming_lock:
+                self._forming = None
         # gloo connects every pair while the groups form: these are the round's.
-        self._round_sockets = {
-            fd: inode for fd, inode in _sockets().items() if before.get(fd) != inode
-        }
+        self._round_sockets = _opened_since(before)
         if self._status is not None:
             self._status.write_group_ready(time.monotonic())
         self._report(Phase.SYNCING)
@@ -361,18 +371,7 @@ class Job:
         if self.backend == "nccl" and group is not None:
             with contextlib.suppress(Exception):
                 group.abort()
-        current = _sockets()
-        for fd, inode in self._round_sockets.items():
-            if current.get(fd) != inode:
-                continue  # closed, or the number reused since
-            with contextlib.suppress(OSError):
-                sock = socket.socket(fileno=os.dup(fd))
-                # A listener is left alone: gloo's accept loop aborts the process
-                # on a listener shut under it.
-                with contextlib.suppress(OSError):
-                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
+        _shut_down(self._round_sockets)
 
     def _leave_group(self) -> None:
         if not dist.is_initialized():
@@ -444,6 +443,7 @@ class Job:
         loop has not left the round well after the ranks' agreement was due."""
         rnd = self._current
         if rnd is None:
+            self._break_forming()
             return
         if message.lost:
             rnd.abort()
@@ -453,6 +453,16 @@ class Job:
         timer = threading.Timer(4 * CHECK_PERIOD + 4 * rnd.step_seconds, rnd.abort)
         timer.daemon = True
         timer.start()
+
+    def _break_forming(self) -> None:
+        """A newer round came while this round's group forms: shut the connections
+        the forming opened (the store's, gloo's), so that a wait on them fails now
+        instead of running out its timeout for a peer that may never come. (A
+        connect that retries a store nobody hosts any more is not broken this way:
+        the agent starts such a worker again, see ``handover._EMPTY_GRACE``.)"""
+        with self._forming_lock:
+            if self._forming is not None:
+                _shut_down(_opened_since(self._forming))
 
     def _is_lost_peer(self, exc: BaseException) -> bool:
         """Whether ``exc`` may be a collective broken by the regroup (so the worker
@@ -493,6 +503,28 @@ def _beat(status: StatusFile, main: int) -> None:
             time.sleep(BEAT_PERIOD)
 
     threading.Thread(target=run, name="rallypoint-live-beat", daemon=True).start()
+
+
+def _opened_since(before: Mapping[int, str]) -> dict[int, str]:
+    """The sockets this process opened since ``before`` was taken (:func:`_sockets`)."""
+    return {fd: inode for fd, inode in _sockets().items() if before.get(fd) != inode}
+
+
+def _shut_down(sockets: Mapping[int, str]) -> None:
+    """Shut down ``sockets`` (descriptor -> what it named) that are still open, so
+    that whatever waits on them fails now."""
+    current = _sockets()
+    for fd, inode in sockets.items():
+        if current.get(fd) != inode:
+            continue  # closed, or the number reused since
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(fd))
+            # A listener is left alone: gloo's accept loop aborts the process
+            # on a listener shut under it.
+            with contextlib.suppress(OSError):
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 def _sockets() -> dict[int, str]:

@@ -77,3 +77,19 @@ def test_an_adopted_process_routes_its_own_streams_and_leaves_teed_ones_to_the_a
     # A teed stream stays on the pipe the agent tees from, whatever else is asked.
     assert stream_targets(_launch(tee=Std.OUT, redirect=Std.ALL)) == (None, "/logs/0/stderr.log")
     assert stream_targets(_launch(tee=Std.ALL, console=False)) == (None, None)
+
+
+def test_a_spare_and_a_newcomer_report_ready_and_what_the_script_allows(tmp_path: Path) -> None:
+    path = str(tmp_path / "status")
+    agent_side = StatusFile(path, create=True)
+    worker_side = StatusFile(path)
+    assert (agent_side.read().may_shrink, agent_side.read().ready_at) == (0, 0.0)
+    worker_side.write_may_shrink(True)
+    worker_side.write_ready(7.5)
+    seen = agent_side.read()
+    assert (seen.phase, seen.ready_at, seen.may_shrink) == (Phase.READY, 7.5, 1)
+    worker_side.write_adopted()  # a warm spare becomes a worker: it starts afresh
+    again = agent_side.read()
+    assert (again.phase, again.ready_at, again.may_shrink) == (Phase.STARTED, 0.0, 1)
+    agent_side.close()
+    worker_side.close()

@@ -26,6 +26,8 @@ import psutil
 import pytest
 from helpers.cluster import Cluster, free_port, read_jsonl
 
+from rallypoint.agent.live_channel import Phase, Status, StatusFile
+
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "helpers" / "live_steps.py")
@@ -206,6 +208,65 @@ def test_survivors_train_on_while_a_replacement_starts(cluster: Cluster) -> None
     ]  # fmt: skip
     assert regroups and regroups[0]["started"] == 1, regroups
     assert regroups[0]["newcomer_ready_s"] >= 4, regroups[0]
+
+
+def _status_of(pid: int) -> Status | None:
+    """The live status of worker ``pid``, which started as a warm spare (the spare's
+    command line names its status file)."""
+    try:
+        path = psutil.Process(pid).cmdline()[-1]
+    except (psutil.Error, IndexError):
+        return None
+    if not os.path.isfile(path):
+        return None
+    status = StatusFile(path)
+    try:
+        return status.read()
+    finally:
+        status.close()
+
+
+def test_a_newcomer_whose_first_round_is_superseded_takes_the_next_at_once(
+    cluster: Cluster,
+) -> None:
+    """2 agents x 1 worker, --live-timeout 60: freeze a's worker, kill b's. b's
+    replacement forms the next round's group and waits for a's frozen worker; then
+    a's worker is killed too, so that round never forms. The replacement holds no
+    state: it leaves the forming for the round after it, or is started again into
+    it, within seconds, not --live-timeout."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    slow = ("--live-timeout", "60")
+    host = _agent_args(endpoint, "live-superseded", "2", 1, f"{FAST},is_host=true", *slow)
+    args = _agent_args(endpoint, "live-superseded", "2", 1, f"{FAST},is_host=false", *slow)
+    cluster.start([*host, *_train(cluster)], "a")
+    cluster.start([*args, *_train(cluster)], "b")
+    before = _wait_training(cluster, 2)
+    round_ = _newest_round(cluster)
+    (frozen,) = _pids(cluster, "a") & set(before.values())
+    (victim,) = _pids(cluster, "b") & set(before.values())
+    workers = set(before.values())
+    cluster.wait_for(lambda: _warm_spare(cluster, "b", workers), "a warm spare", WAIT)
+    os.kill(frozen, signal.SIGSTOP)
+    os.kill(victim, signal.SIGKILL)
+
+    def forming() -> int | None:
+        for r in _records(cluster):
+            if r["event"] == "start" and r["pid"] not in workers:
+                status = _status_of(r["pid"])
+                if status and status.round > round_ and status.phase is Phase.JOINING:
+                    return int(r["pid"])
+        return None
+
+    cluster.wait_for(forming, "the replacement forming its group", WAIT)
+    time.sleep(0.5)  # into init_process_group, waiting for the frozen peer
+    killed_at = time.monotonic()
+    os.kill(frozen, signal.SIGKILL)
+    _wait_training(cluster, 2, round_)
+    took_s = time.monotonic() - killed_at
+    assert took_s < 30, f"the next round trained {took_s:.1f} s after the kill"
+    _finish(cluster, ["a", "b"])
+    _check_training(cluster)
+    assert "within 60 s; starting it again" not in cluster.logs()
 
 
 def _pids(cluster: Cluster, name: str) -> set[int]:
