@@ -61,9 +61,10 @@ class EventKind(str, enum.Enum):
     FINISHED = "finished"
     #: every worker of the node made its first step in a round it was handed live
     #: (``--live``): how many workers were handed the round (handed) and started
-    #: (started), of those how many the warm spare became (warm_started); seconds from
-    #: the failure being noticed to the workers told, their process group formed, the
-    #: state in place and the first step
+    #: (started), of those how many warm spares became (warm_started); seconds from
+    #: the failure being noticed to the newcomers ready (newcomer_ready_s: at
+    #: ``job.rounds()``; None when no worker started), the workers told, their process
+    #: group formed, the state in place and the first step
     LIVE_REGROUP = "live_regroup"
 
 
@@ -223,11 +224,12 @@ def _started(fields: Mapping[str, Any]) -> str:
 
 #: a live regroup's phases, in order: (column, the field that holds its seconds)
 _PHASES = (
-    ("rendezvous done", "rendezvous"),
-    ("workers told", "told_s"),
-    ("group formed", "group_s"),
-    ("state in place", "state_s"),
-    ("first step", "first_step_s"),
+    ("ready", "newcomer_ready_s"),
+    ("rdzv", "rendezvous"),
+    ("told", "told_s"),
+    ("group", "group_s"),
+    ("state", "state_s"),
+    ("step", "first_step_s"),
 )
 
 
@@ -235,6 +237,7 @@ def _print_recoveries(events: Sequence[AgentEvent]) -> None:
     """Each ``live_regroup`` with the ``round`` event of the same node and round (its
     ``since_failure_s``: the rendezvous done), in seconds since the failure was
     noticed."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -246,7 +249,14 @@ def _print_recoveries(events: Sequence[AgentEvent]) -> None:
     table = Table(
         title="live regroups: seconds since the failure was noticed",
         title_justify="left",
-        caption="started*: the warm spare became one of them",
+        box=box.SIMPLE_HEAD,  # no column rules, one space between: eleven columns fit 80
+        collapse_padding=True,
+        pad_edge=False,
+        caption=(
+            "started*: a warm spare became one of them; ready: the newcomers reached "
+            "job.rounds(); rdzv: the rendezvous done; told: the workers; group: formed; "
+            "state: in place; step: every worker made one; from: the rank the state came from"
+        ),
         caption_justify="left",
     )
     for column in (
@@ -255,7 +265,7 @@ def _print_recoveries(events: Sequence[AgentEvent]) -> None:
         "handed",
         "started",
         *(name for name, _ in _PHASES),
-        "state from",
+        "from",
     ):
         table.add_column(column, justify="left" if column == "node" else "right")
     for e in events:
