@@ -20,7 +20,10 @@ What happens on a membership change (a peer crashed, a node left or joined):
 1. The agent joins the next round as it always does, then hands each of its live
    workers the new round's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...)
    over a local pipe (:mod:`rallypoint.agent.live_channel`). Only workers that are
-   really gone are started again.
+   really gone are started again. With ``Job(may_shrink=True)`` nobody waits for
+   them: their node is out of the rendezvous while they start (the others regroup
+   without it and train on), they report ready at ``job.rounds()``, and the node
+   joins again (the core's admission rule, :mod:`rallypoint.core.newcomers`).
 2. Every rank leaves the old round at the same step. A collective that cannot finish
    because a peer is gone fails (gloo: the peer's connection closes; NCCL: the
    communicator is aborted when the agent says a member is lost, or when the

@@ -141,6 +141,9 @@ def main() -> None:
         optimizer=optimizer,
         backend=backend,
         restore=lambda: load_checkpoint(path, model, device),
+        # Data parallel, each rank's batch drawn from (step, rank): the job may train
+        # on without a lost worker while its replacement starts (within --nnodes).
+        may_shrink=True,
     )
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     loss = torch.zeros((), device=device)
