@@ -135,6 +135,9 @@ class RallypointHandler(RendezvousHandler):
         self._hb_thread: threading.Thread | None = None
         self._boot_prefix = f"rallypoint/{settings.run_id}/boot"
         self._boot_store = PrefixStore(self._boot_prefix, store)
+        # What the job's agents tell one another beside the state (no decision
+        # reads it: a hint that lets a node get ready sooner).
+        self._facts = PrefixStore(f"rallypoint/{settings.run_id}/facts", store)
         self._settings_checked = False
         self._bootstrap_server: TCPStore | None = None
         self._bootstrap_info: RendezvousStoreInfo | None = None
@@ -342,6 +345,22 @@ class RallypointHandler(RendezvousHandler):
                     "that the rendezvous store is reachable",
                 )
             ) from exc
+
+    def tell(self, fact: str) -> None:
+        """Record ``fact`` for the job's other agents (see :meth:`knows`).
+
+        Raises:
+            RendezvousConnectionError: the store cannot be reached.
+        """
+        self._call_store(lambda: self._facts.set(fact, "1"), f"recording {fact!r}")
+
+    def knows(self, fact: str) -> bool:
+        """Whether an agent of the job recorded ``fact`` (:meth:`tell`).
+
+        Raises:
+            RendezvousConnectionError: the store cannot be reached.
+        """
+        return bool(self._call_store(lambda: self._facts.check([fact]), f"reading {fact!r}"))
 
     def is_closed(self) -> bool:
         return self._sync.refresh(self.cache_duration).closed

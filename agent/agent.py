@@ -68,6 +68,9 @@ _ASSIGN_ATTEMPTS = 5
 #: How often an agent out of the round looks whether its newcomers are ready (a
 #: status file in memory: the look is cheap, and it bounds the admission's delay).
 _READY_POLL = 0.01
+#: The fact an agent records once its workers run the live API: a node that joins the
+#: job later can start its workers before it has a round (they wait at job.rounds()).
+_LIVE_SCRIPT = "live-api"
 #: How long an agent that ended the job on a failure waits for the others to see it.
 _CLOSE_SEEN_TIMEOUT = 5.0
 #: The ends of the two messages of a rendezvous closed by another agent.
@@ -177,6 +180,8 @@ class ElasticAgent:
         #: the restart budget, exclusions and the health check
         self.recovery = Recovery(config, self.view, self.recorder)
         self.budget = self.recovery.budget
+        #: whether this agent recorded that the job's workers use the live API
+        self._told_live_script = False
         #: when the failure that ends the current round was noticed (monotonic)
         self._failure_noticed: float | None = None
         #: live regroup (``--live``): the workers' channels
@@ -561,8 +566,8 @@ class ElasticAgent:
         scaling it up), join only once they are warm (the core's admission rule)."""
         assert self.live is not None
         live = self.live
-        template = self._launches(_provisional(self.config))[0]
-        live.prepare_spares(self.group, template, self.config.nproc_per_node)
+        launches = self._launches(_provisional(self.config))
+        live.prepare_spares(self.group, launches[0], self.config.nproc_per_node)
         view = NewcomerView(
             ready=False,
             member=False,
@@ -570,9 +575,16 @@ class ElasticAgent:
             others=self.view.running_round_size(),
             min_nodes=self.config.min_nodes,
         )
-        if admission(view) is Admission.STEP_OUT:
-            logger.info("[%s] the job runs: joining once the workers are warm", self.config.role)
-            self._join_when_admitted(view, live.spares_warm, self.config.live_timeout)
+        if admission(view) is not Admission.STEP_OUT:
+            return
+        ready = live.spares_warm
+        if self.view.knows(_LIVE_SCRIPT):
+            # The job's script takes its rounds from the live API: its workers can
+            # run it up to job.rounds() before they have a round.
+            live.start_outside(self.group, launches)
+            ready = functools.partial(live.ready, self.group)
+        logger.info("[%s] the job runs: joining once the workers are ready", self.config.role)
+        self._join_when_admitted(view, ready, self.config.live_timeout)
 
     @staticmethod
     def _join_when_admitted(view: NewcomerView, ready: Callable[[], bool], timeout: float) -> None:
@@ -587,6 +599,9 @@ class ElasticAgent:
     def _live_check(self) -> None:
         if self.live is not None and self._round is not None:
             self.live.check(self.group, self._round.assignment.round)
+            if not self._told_live_script and self.live.uses_live_api():
+                self.view.tell(_LIVE_SCRIPT)
+                self._told_live_script = True
 
     def _since_failure(self) -> float | None:
         noticed = self._failure_noticed

@@ -208,14 +208,11 @@ class LiveWorkers:
     def ready(self, group: WorkerGroup) -> bool:
         """Whether every newcomer started outside the group is ready to be taken in
         (one that exited counts: it is started afresh with the round)."""
-        for rank in self._outside:
-            worker = group.worker(rank)
-            channel = self._channels.get(rank)
-            if worker is None or channel is None or worker.poll() is not None:
-                continue
-            if channel.status.read().phase is not Phase.READY:
-                return False
-        return True
+        return all(
+            self._channels[rank].status.read().phase is Phase.READY
+            for rank in self._outside
+            if self._running(group, rank)
+        )
 
     def may_shrink(self) -> bool:
         """Whether this node's script lets the job train on without some of its
@@ -356,7 +353,10 @@ class LiveWorkers:
         outside, self._outside = self._outside, {}
         for launch in launches:
             rank = launch.local_rank
-            if not self._is_live(group, rank):
+            # A newcomer started outside the group takes its first round from the
+            # pipe even if it is not ready yet: it reads it at ``job.rounds()``.
+            started_outside = rank in outside and self._running(group, rank)
+            if not started_outside and not self._is_live(group, rank):
                 fresh.append(launch)
                 continue
             # One still forming its first group holds nothing: if its forming does
@@ -382,12 +382,19 @@ class LiveWorkers:
         )
         return handed, started
 
-    def _is_live(self, group: WorkerGroup, local_rank: int) -> bool:
+    def _running(self, group: WorkerGroup, local_rank: int) -> bool:
         worker = group.worker(local_rank)
-        channel = self._channels.get(local_rank)
-        if worker is None or channel is None or worker.poll() is not None:
+        return worker is not None and local_rank in self._channels and worker.poll() is None
+
+    def _is_live(self, group: WorkerGroup, local_rank: int) -> bool:
+        if not self._running(group, local_rank):
             return False
-        return channel.status.read().phase not in (Phase.STARTED, Phase.DONE)
+        return self._channels[local_rank].status.read().phase not in (Phase.STARTED, Phase.DONE)
+
+    def uses_live_api(self) -> bool:
+        """Whether a worker of this node runs the live API (its script reached
+        ``job.rounds()``)."""
+        return any(c.status.read().phase is not Phase.STARTED for c in self._channels.values())
 
     # ----------------------------------------------------------- watching
 

@@ -209,6 +209,27 @@ class HandlerView:
         running = state.complete and not state.closed
         return len(state.participants) if running else 0
 
+    def tell(self, fact: str) -> None:
+        """Record ``fact`` for the job's other agents (rallypoint's handler; a no-op
+        on torch's). Never raises: a fact is a hint."""
+        tell = getattr(self.handler, "tell", None)
+        if callable(tell):
+            try:
+                tell(fact)
+            except Exception as exc:
+                logger.debug("recording %r: %s: %s", fact, type(exc).__name__, exc)
+
+    def knows(self, fact: str) -> bool:
+        """Whether an agent of the job recorded ``fact`` (False where unknown)."""
+        knows = getattr(self.handler, "knows", None)
+        if not callable(knows):
+            return False
+        try:
+            return bool(knows(fact))
+        except Exception as exc:
+            logger.debug("reading %r: %s: %s", fact, type(exc).__name__, exc)
+            return False
+
     def step_out(self) -> bool:
         """Take this node out of its round but keep the handler, to join again later
         (its newcomers start meanwhile). True when it is out: rallypoint's handler

@@ -349,21 +349,35 @@ def test_a_spare_takes_a_lost_nodes_place_with_the_state_of_a_peer(cluster: Clus
 
 
 def test_a_node_joins_a_running_job_without_a_restart(cluster: Cluster) -> None:
-    """2 agents training (--nnodes 2:3); a third joins. The two keep their processes,
-    every rank switches at the same step, and the newcomer gets the state."""
+    """2 agents training (--nnodes 2:3); a third joins, its worker slow to start
+    (3 s). The two keep their processes and keep stepping while it starts, every
+    rank switches at the same step, and the newcomer gets the state."""
     endpoint = f"127.0.0.1:{free_port()}"
     host = _agent_args(endpoint, "live-join", "2:3", 1, f"{FAST},is_host=true")
     args = _agent_args(endpoint, "live-join", "2:3", 1, f"{FAST},is_host=false")
+    events = str(cluster.dir / "events-c.jsonl")
     cluster.start([*host, *_train(cluster)], "a")
     cluster.start([*args, *_train(cluster)], "b")
     before = _wait_training(cluster, 2)
     round_ = _newest_round(cluster)
-    cluster.start([*args, *_train(cluster)], "c")
+    (cluster.dir / "slow_start").write_text("3")
+    cluster.start([*args, "--events-file", events, *_train(cluster)], "c")
     after = _wait_training(cluster, 3, round_)
     assert set(before.values()) <= set(after.values())
     _finish(cluster, ["a", "b", "c"])
     joined = _check_training(cluster)
     assert len(joined) == 1 and joined[0]["step"] > 0
+    records = _records(cluster)
+    newcomer = joined[0]["pid"]
+    started = next(r["time"] for r in records if r["event"] == "start" and r["pid"] == newcomer)
+    ready = next(r["time"] for r in records if r["event"] == "ready" and r["pid"] == newcomer)
+    while_starting = {
+        r["step"] for r in records
+        if r["event"] == "step" and r["pid"] in before.values() and started < r["time"] < ready
+    }  # fmt: skip
+    assert len(while_starting) >= 10, f"the others stood still: {sorted(while_starting)}"
+    (regroup,) = [e for e in read_jsonl(Path(events)) if e["kind"] == "live_regroup"]
+    assert regroup["started"] == 1 and regroup["warm_started"] == 1, regroup
     last_old = max(
         r["step"] for r in _records(cluster) if r["event"] == "step" and r["round"] == round_
     )
