@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers.waiting import eventually, join_all
@@ -156,6 +157,36 @@ def test_a_leaving_node_makes_its_peers_regroup_without_the_liveness_window(
     assert {i.world_size for i in infos} == {2}
     assert {h.round for h in handlers[:2]} == {1}
     assert not handlers[0].is_closed()
+
+
+def test_a_node_that_left_joins_again_with_the_same_handler(
+    cluster: tuple[MemoryBackend, Factory],
+) -> None:
+    """leave() without close() (a node out while its workers' replacements start):
+    the others form a round without it, and the same handler joins the next one."""
+    _, make = cluster
+    handlers = [make(2, 3) for _ in range(3)]
+    join_all(handlers, 60)
+    out = handlers[2]
+    out.leave()
+    assert {i.world_size for i in join_all(handlers[:2], 60)} == {2}
+    # As agents do: it waits to be taken in, the others see it waiting and rejoin.
+    with ThreadPoolExecutor(1) as pool:
+        back = pool.submit(out.next_rendezvous)
+        assert _eventually(lambda: handlers[0].num_nodes_waiting() == 1)
+        assert {i.world_size for i in join_all(handlers[:2], 60)} == {3}
+        assert back.result(60).world_size == 3
+    assert {h.round for h in handlers} == {2}
+
+
+def test_a_fact_one_agent_records_is_known_to_the_others(
+    cluster: tuple[MemoryBackend, Factory],
+) -> None:
+    _, make = cluster
+    first, second = make(1, 2), make(1, 2)
+    assert not second.knows("live-api")
+    first.tell("live-api")
+    assert second.knows("live-api") and not second.knows("something else")
 
 
 def test_leave_before_any_round_is_harmless(cluster: tuple[MemoryBackend, Factory]) -> None:
