@@ -365,11 +365,11 @@ ADMISSION = {
     ),
 }
 FIGURES.update({name: f"admission, {what}" for name, what in ADMISSION.items()})
-#: what measure_admission returns, in order
+#: what measure_admission returns, in order, and what its infinity means
 _ADMISSION_PHASES = (
-    "fault -> every rank of the next round stepping",
-    "fault -> the newcomer admitted (a round of 4 stepping)",
-    "the survivors' pause at the admission",
+    ("fault -> every rank of the next round stepping", None),
+    ("fault -> the newcomer admitted (a round of 4 stepping)", None),
+    ("the survivors' pause at the admission", "none: no smaller round trained"),
 )
 
 
@@ -387,17 +387,20 @@ def _report_admission(figures: list[str], repeats: int, give_up: float) -> None:
                 for case in CASES:
                     values = measure_admission(case, figure, Path(tmp), give_up)
                     results[figure][case].append(values)
-                    shown = ", ".join(_fmt(v, give_up) for v in values)
+                    shown = ", ".join(
+                        _fmt(v, give_up, never)
+                        for v, (_, never) in zip(values, _ADMISSION_PHASES, strict=True)
+                    )
                     print(f"  {figure} {case}: {shown}", flush=True)
     for figure in figures:
-        for index, phase in enumerate(_ADMISSION_PHASES):
+        for index, (phase, never) in enumerate(_ADMISSION_PHASES):
             medians = {}
             for case, runs in results[figure].items():
                 values = [run[index] for run in runs]
                 medians[case] = statistics.median(values)
                 spread = ", ".join(f"{v:.3f}" if math.isfinite(v) else "none" for v in values)
                 print(
-                    f"{FIGURES[figure]}: {phase}: {case} {_fmt(medians[case], give_up)}  "
+                    f"{FIGURES[figure]}: {phase}: {case} {_fmt(medians[case], give_up, never)}  "
                     f"[runs: {spread}]"
                 )
             live = medians["rallypoint live"]
@@ -437,8 +440,10 @@ def _report_resumed(figures: list[str], repeats: int, give_up: float) -> None:
             print(f"{FIGURES[figure]}: {case} / rallypoint live = {ratio} (median of {repeats})")
 
 
-def _fmt(value: float, give_up: float) -> str:
-    return f"{value:.3f} s" if math.isfinite(value) else f"no regroup within {give_up:g} s"
+def _fmt(value: float, give_up: float, never: str | None = None) -> str:
+    if math.isfinite(value):
+        return f"{value:.3f} s"
+    return never or f"no regroup within {give_up:g} s"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,16 +140,11 @@ def _agent_argv(case: str, fault: str, port: int, run_id: str, host: bool) -> li
 def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> float:
     """Seconds from the fault to every rank of the new world stepping (inf: never
     within ``give_up``)."""
-    run_dir = workdir / f"{fault}-{case.replace(' ', '-')}-{os.urandom(4).hex()}"
-    run_dir.mkdir()
-    (run_dir / "worker.py").write_text(WORKER)
-    steps = run_dir / "steps"
-    port = _free_port()
-    agents: list[subprocess.Popen[bytes]] = []
-    logs: list[IO[bytes]] = []
+    run = _Run(case, fault, workdir)
+    run_dir, steps, agents = run.dir, run.steps, run.agents
     try:
         for index in range(3):
-            _start_agent(agents, logs, case, fault, port, run_dir)
+            run.start_agent()
             if index == 0:
                 time.sleep(0.5)  # the store host first
         world = 2 if fault == "spare" else 3
@@ -192,32 +187,42 @@ def measure_resumed(case: str, fault: str, workdir: Path, give_up: float) -> flo
             time.sleep(0.02)
         return math.inf
     finally:
-        stop_agents(agents)
-        for log in logs:
-            log.close()
+        run.stop()
 
 
-def _start_agent(
-    agents: list[subprocess.Popen[bytes]],
-    logs: list[IO[bytes]],
-    case: str,
-    fault: str,
-    port: int,
-    run_dir: Path,
-) -> None:
-    """Start one more agent of the run in ``run_dir`` (the first hosts the store)."""
-    log = open(run_dir / f"agent{len(agents)}.log", "wb")  # noqa: SIM115
-    logs.append(log)
-    argv = _agent_argv(case, fault, port, run_dir.name, not agents)
-    agents.append(
-        subprocess.Popen(
-            [*argv, str(run_dir / "worker.py"), str(run_dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
+class _Run:
+    """One measured run: its folder (the worker, its steps, the agents' logs) and
+    its agents."""
+
+    def __init__(self, case: str, fault: str, workdir: Path) -> None:
+        self.case, self.fault = case, fault
+        self.dir = workdir / f"{fault}-{case.replace(' ', '-')}-{os.urandom(4).hex()}"
+        self.dir.mkdir()
+        (self.dir / "worker.py").write_text(WORKER)
+        self.steps = self.dir / "steps"
+        self.port = _free_port()
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+
+    def start_agent(self) -> None:
+        """Start one more agent (the first hosts the store)."""
+        log = open(self.dir / f"agent{len(self.agents)}.log", "wb")  # noqa: SIM115
+        self._logs.append(log)
+        argv = _agent_argv(self.case, self.fault, self.port, self.dir.name, not self.agents)
+        self.agents.append(
+            subprocess.Popen(
+                [*argv, str(self.dir / "worker.py"), str(self.dir)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         )
-    )
+
+    def stop(self) -> None:
+        stop_agents(self.agents)
+        for log in self._logs:
+            log.close()
 
 
 def _steady(steps: Path, world: int, timeout: float = 120.0) -> bool:
@@ -243,17 +248,12 @@ def measure_admission(
     """(fault -> every rank of the next round stepping, fault -> every rank of a
     round of 4 stepping, the survivors' pause at the admission) in seconds; inf
     where it did not happen within ``give_up`` (the pause: no round of 3 trained)."""
-    run_dir = workdir / f"{fault}-{case.replace(' ', '-')}-{os.urandom(4).hex()}"
-    run_dir.mkdir()
-    (run_dir / "worker.py").write_text(WORKER)
-    steps = run_dir / "steps"
-    port = _free_port()
-    agents: list[subprocess.Popen[bytes]] = []
-    logs: list[IO[bytes]] = []
+    run = _Run(case, fault, workdir)
+    run_dir, steps, agents = run.dir, run.steps, run.agents
     never = (math.inf, math.inf, math.inf)
     try:
         for index in range(4):
-            _start_agent(agents, logs, case, fault, port, run_dir)
+            run.start_agent()
             if index == 0:
                 time.sleep(0.5)  # the store host first
         if not _steady(steps, 4):
@@ -275,7 +275,7 @@ def measure_admission(
             for proc in _tree(victim_agent.pid):
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
-            _start_agent(agents, logs, case, fault, port, run_dir)
+            run.start_agent()
         while time.time() - fault_at < give_up:
             rounds = _new_rounds(records(steps), generation, fault_at)
             admitted = next((r for r in rounds if r.world == 4), None)
@@ -291,9 +291,7 @@ def measure_admission(
             time.sleep(0.05)
         return never
     finally:
-        stop_agents(agents)
-        for log in logs:
-            log.close()
+        run.stop()
 
 
 class _NewRound:
