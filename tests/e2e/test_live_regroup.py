@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -519,3 +520,19 @@ def test_the_gpu_check_runs_in_one_command() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first = proc.stdout.splitlines()[0]
     assert first.startswith("gpu_check: skipped") or " CUDA device(s): " in first
+
+
+def test_function_workers_start_warm(tmp_path: Path) -> None:
+    """The function API under --live: each worker is one of the warm spares the
+    agent started with the rendezvous (its process runs the warm worker)."""
+    from rallypoint.agent import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=2, standalone=True, live=True,
+        monitor_interval=0.05, log_dir=str(tmp_path),
+    )  # fmt: skip
+    # Each worker reports its own command line (the shell's parent is the worker).
+    cmdlines = elastic_launch(config, subprocess.getoutput)("tr '\\0' ' ' < /proc/$PPID/cmdline")
+    assert sorted(cmdlines) == [0, 1]
+    for line in cmdlines.values():
+        assert "rallypoint.agent._warm_worker" in line, cmdlines
