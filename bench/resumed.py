@@ -317,14 +317,15 @@ class _NewRound:
 def _new_rounds(
     stepped: list[StepRecord], generation: dict[int, str], since: float
 ) -> list[_NewRound]:
-    """The rounds trained after ``since`` whose every rank stepped, by when they did:
+    """The worlds trained after ``since`` whose every rank stepped, by when they did:
     records of processes that did not train before, or of survivors in a round they
-    were not in."""
-    rounds: dict[tuple[str, int], _NewRound] = {}
+    were not in. (By world size, not round: torchrun's generation is each agent's
+    restart count, which differs between agents of one round.)"""
+    rounds: dict[int, _NewRound] = {}
     for pid, gen, rank, world, _step, when in stepped:
         if when <= since or generation.get(pid) == gen:
             continue
-        found = rounds.setdefault((gen, world), _NewRound(world))
+        found = rounds.setdefault(world, _NewRound(world))
         found.ranks.setdefault(rank, when)
         found.first.setdefault(pid, when)
         found.last[pid] = when
