@@ -67,6 +67,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from .live_channel import (
     BEAT_PERIOD,
@@ -87,6 +88,8 @@ logger = logging.getLogger("rallypoint.live")
 #: How long the ranks may run between two agreements on a pending round: the
 #: latency of a planned switch (a node joining) against the cost of the check.
 CHECK_PERIOD = 0.2
+#: Seconds one look for the round's store may take (and a tenth: between two looks).
+_MASTER_PROBE = 0.5
 #: Markers of a collective that failed because a peer is gone (gloo raises plain
 #: RuntimeErrors that name the transport; NCCL DistBackendErrors).
 _COMMUNICATION_MARKERS = (
@@ -297,8 +300,7 @@ class Job:
         with self._forming_lock:
             self._forming = before
         try:
-            if self._inbox is not None and self._inbox.newer_than(self.round) is not None:
-                raise LiveError(f"round {self.round} was superseded before its group formed")
+            self._wait_for_master()
             dist.init_process_group(**kwargs)
             side = dist.new_group(backend="gloo")
         finally:
@@ -456,6 +458,36 @@ class Job:
         timer = threading.Timer(4 * CHECK_PERIOD + 4 * rnd.step_seconds, rnd.abort)
         timer.daemon = True
         timer.start()
+
+    def _wait_for_master(self) -> None:
+        """Wait until the round's store answers, unless a newer round comes first.
+        A rank that does not host the store otherwise connects inside
+        ``init_process_group``, which retries a refused connection until the group's
+        timeout: if the round is superseded before its host (rank 0's worker) opens
+        the store, nothing could end that wait.
+
+        Raises:
+            LiveError: a newer round came first.
+        """
+        inbox = self._inbox
+        if inbox is None:
+            return
+        env = os.environ
+        hosted = env.get("RANK") == "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        address = (env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT", "0") or 0))
+        # No longer than init_process_group itself would wait; then it reports.
+        limit = (self.timeout or default_pg_timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            if inbox.newer_than(self.round) is not None:
+                raise LiveError(f"round {self.round} was superseded before its group formed")
+            if hosted or not address[1] or time.monotonic() > deadline:
+                return
+            try:
+                with socket.create_connection(address, timeout=_MASTER_PROBE):
+                    return
+            except OSError:
+                time.sleep(_MASTER_PROBE / 10)  # refused: its host has not opened it yet
 
     def _break_forming(self) -> None:
         """A newer round came while this round's group forms: shut the connections

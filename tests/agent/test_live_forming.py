@@ -7,10 +7,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 from helpers.cluster import free_port
+
+from rallypoint.agent.live_channel import (
+    FD_ENV,
+    STATUS_ENV,
+    LiveMessage,
+    StatusFile,
+    encode_message,
+)
 
 #: rank 1 of 2 forms its group (a 120 s timeout); rank 0 never comes. Once the
 #: forming is under way, a newer round reaches the worker.
@@ -54,3 +64,45 @@ def test_a_newer_round_breaks_a_forming_group() -> None:
     # Within the 100 s bound, well short of the group's 120 s timeout: the forming
     # was broken, not timed out.
     assert proc.stdout.startswith("left after"), proc.stdout + proc.stderr[-2000:]
+
+
+#: rank 1 of 2 of round 0, whose store (rank 0's) never opens; a 120 s timeout.
+_NO_STORE_SCRIPT = """
+import time
+from rallypoint.agent import live
+
+job = live.Job(backend="gloo", timeout=120)
+started = time.monotonic()
+try:
+    job._open_round()
+except live.LiveError as exc:
+    print(f"left after {time.monotonic() - started:.1f} s: {exc}")
+else:
+    print("formed")
+"""
+
+
+def test_a_newer_round_ends_the_wait_for_a_store_that_never_opens(tmp_path: Path) -> None:
+    """The round is superseded before its store's host opened it: torch would retry
+    the connection until the group's timeout; the worker leaves for the newer one."""
+    status = StatusFile(str(tmp_path / "status"), create=True)
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, FD_ENV: str(read_fd), STATUS_ENV: status.path, "RALLYPOINT_ROUND": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "1",
+           "WORLD_SIZE": "2", "LOCAL_RANK": "0"}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _NO_STORE_SCRIPT], env=env, pass_fds=(read_fd,),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    os.close(read_fd)
+    try:
+        time.sleep(1.0)  # into the wait
+        os.write(write_fd, encode_message(LiveMessage(1, {}, lost=False)))
+        out, err = proc.communicate(timeout=100)
+    finally:
+        os.close(write_fd)
+        proc.kill()
+        proc.wait()
+        status.close()
+    # Within the 100 s bound, short of the 120 s the connection would be retried.
+    assert out.startswith("left after") and "superseded" in out, out + err[-2000:]
