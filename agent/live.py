@@ -492,9 +492,10 @@ class Job:
     def _break_forming(self) -> None:
         """A newer round came while this round's group forms: shut the connections
         the forming opened (the store's, gloo's), so that a wait on them fails now
-        instead of running out its timeout for a peer that may never come. (A
-        connect that retries a store nobody hosts any more is not broken this way:
-        the agent starts such a worker again, see ``handover._EMPTY_GRACE``.)"""
+        instead of running out its timeout for a peer that may never come (the
+        store is waited for before, in :meth:`_wait_for_master`; a gloo connect that
+        retries a vanished peer is not broken this way: the agent starts a worker
+        that holds nothing again, see ``handover._EMPTY_GRACE``)."""
         with self._forming_lock:
             if self._forming is not None:
                 _shut_down(_opened_since(self._forming))
