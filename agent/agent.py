@@ -557,7 +557,9 @@ class ElasticAgent:
         )
         # Bounded: this node's surviving workers wait for their next round no longer
         # than --live-timeout, and a replacement not ready by then is started again.
-        self._join_when_admitted(view, lambda: live.ready(self.group), self.config.live_timeout / 2)
+        self._join_when_admitted(
+            view, functools.partial(live.ready, self.group), self.config.live_timeout / 2
+        )
 
     def _warm_up(self) -> None:
         """Live, before this agent's first round: start a warm spare per local rank,

@@ -174,15 +174,14 @@ class LiveWorkers:
 
     # ------------------------------------------------------------ starting
 
-    def start(self, group: WorkerGroup, launches: Sequence[WorkerLaunch]) -> int:
+    def start(self, group: WorkerGroup, launches: Sequence[WorkerLaunch]) -> frozenset[int]:
         """Start ``launches`` (replacing their local ranks' workers): by adopting warm
         spares while there are, the others afresh. Each gets a new channel. Returns
-        how many warm spares they became."""
-        cold = []
-        for launch in launches:
-            if not self._adopt_spare(group, launch):
-                cold.append(launch)
-        warm = len(launches) - len(cold)
+        the local ranks that warm spares became."""
+        warm = frozenset(
+            launch.local_rank for launch in launches if self._adopt_spare(group, launch)
+        )
+        cold = [launch for launch in launches if launch.local_rank not in warm]
         prepared = []
         for launch in cold:
             self._forget(launch.local_rank)
@@ -202,8 +201,8 @@ class LiveWorkers:
             dataclasses.replace(launch, env={**launch.env, STANDBY_ENV: "1"}) for launch in launches
         ]
         warm = self.start(group, standby)
-        for i, launch in enumerate(standby):
-            self._outside[launch.local_rank] = i < warm
+        for launch in standby:
+            self._outside[launch.local_rank] = launch.local_rank in warm
 
     def ready(self, group: WorkerGroup) -> bool:
         """Whether every newcomer started outside the group is ready to be taken in
@@ -369,7 +368,7 @@ class LiveWorkers:
             else:
                 fresh.append(launch)
         self._template = launches[0] if launches else self._template
-        warm = self.start(group, fresh) if fresh else 0
+        warm = len(self.start(group, fresh)) if fresh else 0
         # A newcomer handed its first round was started for this round too.
         fresh_ranks = {launch.local_rank for launch in fresh}
         came_ready = {rank for rank in outside if rank not in fresh_ranks}
@@ -461,7 +460,8 @@ class LiveWorkers:
         regroup = self._regroup
         if regroup is None:
             return False
-        statuses = [c.status.read() for c in self._channels.values()]
+        by_rank = {rank: c.status.read() for rank, c in self._channels.items()}
+        statuses = list(by_rank.values())
         if not statuses or any(s.round != regroup.round or s.first_step_at <= 0 for s in statuses):
             return False
         self._regroup = None
@@ -473,11 +473,7 @@ class LiveWorkers:
         sources = sorted({s.source for s in statuses if s.source >= 0})
         # A newcomer is ready when its script reaches ``job.rounds()``: it says so
         # outside the group, or starts joining at once.
-        ready = [
-            s.ready_at or s.joined_at
-            for rank, channel in self._channels.items()
-            if rank in regroup.newcomers and (s := channel.status.read()).round == regroup.round
-        ]
+        ready = [s.ready_at or s.joined_at for r, s in by_rank.items() if r in regroup.newcomers]
         self._recorder.emit(
             EventKind.LIVE_REGROUP,
             regroup.round,
