@@ -9,7 +9,8 @@
 Both take the job-wide restart budget and self-exclusion: ``spec check
 --max-failures N --max-exclusions N [--restart-budget B] [--exclusion-rounds R]``,
 ``simulate --worker-failure-rate F --health-failure-rate H [--restart-budget B]
-[--exclusion-rounds R]`` (all off by default).
+[--exclusion-rounds R]`` (all off by default). ``simulate --newcomer-startup S
+[--no-shrink]`` simulates live regroup's admission of newcomers.
 """
 
 from __future__ import annotations
@@ -330,6 +331,21 @@ def _simulate_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--exclusion-rounds", type=int, default=1, help="rounds an excluded node sits out"
+    )
+    p.add_argument(
+        "--newcomer-startup",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="live regroup: new workers (replacements, a starting node's) are ready after "
+        "this long, and the node follows the core's admission rule meanwhile "
+        "(default: off, a node joins at once)",
+    )
+    p.add_argument(
+        "--no-shrink",
+        dest="may_shrink",
+        action="store_false",
+        help="live: the script does not let the world shrink while newcomers start",
     )
     p.add_argument("--latency", type=float, default=0.002, help="one-way backend latency, s")
     p.add_argument("--jitter", type=float, default=0.001)

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 from ...core import newcomers as core_newcomers
 from ...core.newcomers import Admission, NewcomerView
+from ..model.invariants import others_may_train_on
 
 __all__ = ["admission_violations", "newcomer_views"]
 
@@ -48,7 +49,7 @@ def admission_violations(max_nodes: int = 8) -> list[str]:
     found = []
     for view in newcomer_views(max_nodes):
         answer = core_newcomers.admission(view)
-        others_go_on = view.others >= view.min_nodes and (view.may_shrink or not view.member)
+        others_go_on = others_may_train_on(view)
         if not view.ready and others_go_on and answer is not Admission.STEP_OUT:
             found.append(f"the others wait for a newcomer's start-up: {view} -> {answer.name}")
         if answer is Admission.STEP_OUT and not others_go_on:

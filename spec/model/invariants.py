@@ -11,6 +11,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ...core import NodeDesc, RendezvousState, Settings
+from ...core.newcomers import NewcomerView
 
 __all__ = [
     "AgreementTracker",
@@ -25,6 +26,7 @@ __all__ = [
     "check_return",
     "check_state",
     "check_transition",
+    "others_may_train_on",
 ]
 
 
@@ -479,3 +481,10 @@ class AgreementTracker:
         if node not in result.membership:
             problems.append(f"round {round_}: {node} returned but is not a member")
         return problems
+
+
+def others_may_train_on(view: NewcomerView) -> bool:
+    """The properties' own reading of a view (not the rule's): the others are enough
+    for a round without the node, and the node is not in their round or the
+    script lets their world shrink. The admission sweep and the simulator judge by it."""
+    return view.others >= view.min_nodes and (view.may_shrink or not view.member)

@@ -74,6 +74,13 @@ What is simulated:
   round and sits out ``exclusion_rounds`` rounds) and joins again, standing by as
   a spare while excluded. All rates are 0 by default, and a rate of 0 draws
   nothing from the run's random numbers: runs without them are as before.
+* **Live regroup's newcomers** (``newcomer_startup``): a node's new workers (a
+  failure's replacements, a starting process's) are ready that long after they
+  start; the node asks the core's admission rule (``core.newcomers.admission``,
+  looked up at call time) and is out of the rendezvous meanwhile (a leave that
+  keeps its process, or not yet in) or in it, and joins once they are ready. The
+  checks: no round completes waiting for a start-up the others could have trained
+  through, and a node out with ready newcomers joins.
 
 Every committed write is checked with :func:`check_state` and
 :func:`check_transition` (above 256 nodes, a write that neither completes, closes

@@ -8,6 +8,7 @@ IO turned into events, and feeds the result back to the node."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ from ...core import (
     Read,
     ReadResult,
     RendezvousNode,
+    RendezvousState,
     Settings,
     Unreachable,
     Verdict,
@@ -42,6 +44,7 @@ from ...core import (
     keep_alive_period,
 )
 from ...core.driver import MemberResponse, member_response
+from ...core.newcomers import Admission, NewcomerView, admission
 from ..model.lifecycle import Phase
 from .backend import Backend
 from .checks import Checks
@@ -51,7 +54,16 @@ from .node import SimNode, Task
 __all__ = ["AGENT_EVENTS", "SimAgent"]
 
 #: The events a node's agent handles (each by its method ``on_<kind>``).
-AGENT_EVENTS = ("arrive", "tick", "notify", "response", "retry", "wake", "request_timeout")
+AGENT_EVENTS = (
+    "arrive",
+    "tick",
+    "notify",
+    "response",
+    "retry",
+    "wake",
+    "request_timeout",
+    "newcomers_ready",
+)
 
 
 class SimAgent:
@@ -103,6 +115,9 @@ class SimAgent:
         node.task = None
         node.joined = None
         node.queued_beat = node.queued_monitor = False
+        node.newcomers = None
+        node.newcomers_ready_at = -math.inf
+        node.outside = False
 
     def _cancel(self) -> None:
         """Forget the request, wait, watch or backoff in flight (their events are
@@ -127,8 +142,90 @@ class SimAgent:
         node.incarnation += 1
         node.core = RendezvousNode(node.desc, self.settings)
         self.loop.log(node, f"starts as {node.desc}")
+        if self._start_outside():
+            return
         self._regroup()
         self.drive()
+
+    # -- live: newcomers start outside the group (the core's admission rule) --------
+
+    def _start_outside(self) -> bool:
+        """Live: a starting node's workers start now. Ask the admission rule, as the
+        agent does before its first round; True: the node stays out of the
+        rendezvous until they are ready, because a round runs without it."""
+        if self.config.newcomer_startup is None:
+            return False
+        # What the agent's first read tells it (running_round_size).
+        state = self.backend.state
+        running = len(state.participants) if state.complete and not state.closed else 0
+        view = NewcomerView(
+            ready=False,
+            member=False,
+            may_shrink=False,
+            others=running,
+            min_nodes=self.settings.min_nodes,
+        )
+        if not self._newcomers_start(view):
+            return False
+        node = self.node
+        node.phase = Phase.IDLE
+        self.loop.log(node, f"joins once its workers are ready ({running} nodes train)")
+        return True
+
+    def _replace_outside(self, state: RendezvousState) -> bool:
+        """Live: the failed workers' replacements start now. Ask the admission rule,
+        as the agent does; True: the node steps out of its round (a leave that keeps
+        its process) until they are ready, so that the others train on."""
+        if self.config.newcomer_startup is None:
+            return False
+        node = self.node
+        others = len(set(state.participants) - {node.desc})
+        view = NewcomerView(
+            ready=False,
+            member=True,
+            may_shrink=self.config.may_shrink,
+            others=others,
+            min_nodes=self.settings.min_nodes,
+        )
+        if not self._newcomers_start(view):
+            return False
+        self.loop.log(node, f"steps out while its workers are replaced ({others} others)")
+        self.begin(LeaveOp(), node.deadline, Phase.JOINING, fresh=True)
+        return True
+
+    def _newcomers_start(self, view: NewcomerView) -> bool:
+        """Newcomers start, ready after ``newcomer_startup``; True: the rule says
+        to be out of the rendezvous meanwhile."""
+        node = self.node
+        assert self.config.newcomer_startup is not None
+        node.newcomers = view
+        node.newcomers_ready_at = self.loop.now + self.config.newcomer_startup
+        self.loop.at(node.newcomers_ready_at, "newcomers_ready", node.slot, data=node.incarnation)
+        node.outside = admission(view) is Admission.STEP_OUT
+        if node.outside:
+            self.report.stepped_out += 1
+        else:
+            self.report.joined_unready += 1
+        return node.outside
+
+    def on_newcomers_ready(self, incarnation: int) -> None:
+        """The node's newcomers are ready: it asks the rule again, and joins if it
+        was out (a node whose leave still runs joins once the leave is done)."""
+        node = self.node
+        view = node.newcomers
+        if not node.alive or incarnation != node.incarnation or view is None:
+            return  # of an earlier process
+        ready = dataclasses.replace(view, ready=True)
+        node.newcomers = None
+        answer = admission(ready)
+        self.checks.newcomers_ready(node, ready, answer)
+        if not node.outside or answer is not Admission.JOIN:
+            return
+        node.outside = False
+        self.loop.log(node, "its workers are ready: joins")
+        if node.task is None:
+            self._regroup()
+            self.drive()
 
     def begin(self, op: Operator, deadline: float, phase: Phase, fresh: bool) -> None:
         """Start an operation (StateSync.run): stop the heartbeats, the monitor and
@@ -163,9 +260,12 @@ class SimAgent:
                 self.loop.log(node, f"{type(op).__name__} -> the rendezvous is closed: stops")
                 self._stop_closed()
                 return False
-            # Charged: leave the round, then join the next; excluded (out of its
+            # Charged: leave the round (live: maybe out of the rendezvous while the
+            # replacements start), then join the next; excluded (out of its
             # round already): join again, as a spare while excluded. Either
             # decides on the view its write left (fresh).
+            if isinstance(op, ChargeRestartOp) and self._replace_outside(done.state):
+                return True
             after = ExitOp() if isinstance(op, ChargeRestartOp) else JoinOp()
             self.begin(after, node.deadline, Phase.JOINING, fresh=True)
             return True
@@ -173,6 +273,11 @@ class SimAgent:
             if node.leaving:
                 self.stop()
                 self.loop.at(self.loop.now + self.config.restart_delay, "arrive", node.slot)
+                return False
+            if node.outside:
+                # Out of the rendezvous until its newcomers are ready (then it joins).
+                node.task = None
+                node.phase = Phase.EXITED
                 return False
             # next_rendezvous: the join decides on the exit's view (fresh).
             self.begin(JoinOp(), node.deadline, Phase.JOINING, fresh=True)

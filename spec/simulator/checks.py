@@ -1,11 +1,12 @@
 """What the simulator checks: the safety properties of every committed write
 (whole, or on the entries it touched: see ``SimConfig.check_every``), agreement
-of returned joins, removals of live nodes (false and unfenced deaths), and the
-completed rounds' timings (:class:`Checks`)."""
+of returned joins, removals of live nodes (false and unfenced deaths), live
+regroup's admission of newcomers, and the completed rounds' timings (:class:`Checks`)."""
 
 from __future__ import annotations
 
 from ...core import Done, Membership, NodeDesc, RendezvousState, Settings
+from ...core.newcomers import Admission, NewcomerView
 from ..model.invariants import (
     AgreementTracker,
     RoundResult,
@@ -15,6 +16,7 @@ from ..model.invariants import (
     check_exclusions_kept,
     check_state,
     check_transition,
+    others_may_train_on,
 )
 from ..model.lifecycle import Phase
 from .config import SimConfig
@@ -133,6 +135,7 @@ class Checks:
         if new.participants and not new.complete and new.round not in self._round_opened:
             self._round_opened[new.round] = now
         if new.complete and not old.complete:
+            self._waits_for_no_newcomer(new)
             self._round_pending[new.round] = set(new.participants)
             self._round_size[new.round] = new.world_size
         pending = self._round_pending.get(old.round)
@@ -145,6 +148,32 @@ class Checks:
                     if node not in new.participants:
                         pending.discard(node)
             self._round_done(old.round)
+
+    def _waits_for_no_newcomer(self, state: RendezvousState) -> None:
+        """Nobody waits for a newcomer's start-up (live): a round completes with a
+        node whose newcomers still start only if, on what that node knew when it
+        asked, the others could not train on without it."""
+        problems = []
+        for desc in state.participants:
+            node = self._by_desc.get(desc)
+            if node is None or node.desc != desc or node.newcomers is None:
+                continue
+            if others_may_train_on(node.newcomers):
+                problems.append(
+                    f"round {state.round} waits for the start-up of {desc}'s newcomers"
+                    f" (ready at t={node.newcomers_ready_at:.3f}) though the others could"
+                    f" train on without it: {node.newcomers}"
+                )
+        if problems:
+            self.loop.violate(problems)
+
+    def newcomers_ready(self, node: SimNode, view: NewcomerView, answer: Admission) -> None:
+        """A ready newcomer is taken in (live): a node out of the rendezvous whose
+        newcomers are ready joins."""
+        if node.outside and answer is not Admission.JOIN:
+            self.loop.violate(
+                [f"{node.desc}'s newcomers are ready but it stays out ({answer.name}): {view}"]
+            )
 
     def _round_done(self, round_: int) -> None:
         pending = self._round_pending.get(round_)

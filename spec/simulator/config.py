@@ -71,6 +71,14 @@ class SimConfig:
     #: excluded node sits out
     restart_budget: int | None = None
     exclusion_rounds: int = 1
+    #: live regroup: a node's new workers (those replacing failed ones, or a
+    #: starting node's) take this long to be ready, and the node follows the core's
+    #: admission rule meanwhile (out of the rendezvous while the others train on,
+    #: or in it). None: the node joins at once (a restart, no newcomers to wait for)
+    newcomer_startup: float | None = None
+    #: the job's script lets the world shrink while newcomers start
+    #: (``live.Job(may_shrink=...)``)
+    may_shrink: bool = True
     #: stop with a violation after this many node-steps (a livelock guard)
     max_steps: int | None = None
     #: events kept for a violation's trace
@@ -137,6 +145,7 @@ _RULES = (
             "partition_duration",
             "wake_epsilon",
             "max_backoff",
+            "newcomer_startup",
         ),
         0,
         finite=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ...core import Membership, NodeDesc, NodeView, Operator, RendezvousNode, Settings
+from ...core.newcomers import NewcomerView
 from ..model.lifecycle import Name, Phase
 
 __all__ = ["SimNode", "Task"]
@@ -36,9 +37,12 @@ class SimNode:
         "leaving",
         "losses",
         "mwait",
+        "newcomers",
+        "newcomers_ready_at",
         "next_beat",
         "next_monitor",
         "offset",
+        "outside",
         "partitioned",
         "phase",
         "queued_beat",
@@ -87,6 +91,12 @@ class SimNode:
         #: whether the node's exit is a graceful leave (the process then stays
         #: down a while) rather than the first half of a re-rendezvous
         self.leaving = False
+        #: live: what the node knew when it last asked the admission rule about
+        #: newcomers still starting (None: none start), when they are ready
+        #: (simulated time), and whether it is out of the rendezvous meanwhile
+        self.newcomers: NewcomerView | None = None
+        self.newcomers_ready_at = -math.inf
+        self.outside = False
 
     @property
     def view(self) -> NodeView:

@@ -117,6 +117,10 @@ class SimReport:
     #: won writes that counted a failure in the restart budget, or excluded a node
     charges: int = 0
     exclusions: int = 0
+    #: live (``newcomer_startup``): nodes out of the rendezvous while their
+    #: newcomers started, and those in it meanwhile (the others could not go on)
+    stepped_out: int = 0
+    joined_unready: int = 0
     #: the restart budget's count, and whether the rendezvous is closed, at the end
     restarts: int = 0
     closed: bool = False
@@ -179,6 +183,7 @@ class SimReport:
             ("fences (deaths of unfenced nodes)", f"{self.fences} ({self.unfenced_deaths})"),
             ("operation timeouts", str(self.timeouts)),
             *self._failure_rows(),
+            *self._newcomer_rows(),
             ("phases published", str(self.phases)),
             ("backend reads per node", f"{t.reads / n:.1f}"),
             ("backend writes per node", f"{t.writes / n:.1f}"),
@@ -209,6 +214,12 @@ class SimReport:
             ("exclusions", str(self.exclusions)),
             ("rendezvous closed", "yes" if self.closed else "no"),
         ]
+
+    def _newcomer_rows(self) -> list[tuple[str, str]]:
+        """The admission rule's answers (live runs only)."""
+        if self.config.newcomer_startup is None:
+            return []
+        return [("newcomers started out / in", f"{self.stepped_out} / {self.joined_unready}")]
 
     def format(self) -> str:
         width = max(len(k) for k, _ in self.summary_rows())

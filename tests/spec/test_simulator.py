@@ -383,11 +383,14 @@ class ClusterMachine(RuleBasedStateMachine):
     node, how long) comes from a strategy, so a failure shrinks."""
 
     NODES = 6
+    #: live regroup's newcomers (None: a classic restart)
+    NEWCOMER_STARTUP: float | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.sim = Simulator(
             SimConfig(
+                newcomer_startup=self.NEWCOMER_STARTUP,
                 nodes=self.NODES,
                 min_nodes=max(1, self.NODES // 2),
                 duration=10_000.0,
@@ -454,7 +457,16 @@ class BigClusterMachine(ClusterMachine):
     NODES = 64
 
 
+class LiveClusterMachine(ClusterMachine):
+    """The same, with replaced workers and starting nodes getting ready outside the
+    group (the admission rule and its checks in every run)."""
+
+    NEWCOMER_STARTUP = 3.0
+
+
 TestCluster = ClusterMachine.TestCase
 TestCluster.settings = settings(max_examples=12, stateful_step_count=25, deadline=None)
 TestBigCluster = BigClusterMachine.TestCase
 TestBigCluster.settings = settings(max_examples=3, stateful_step_count=12, deadline=None)
+TestLiveCluster = LiveClusterMachine.TestCase
+TestLiveCluster.settings = settings(max_examples=8, stateful_step_count=25, deadline=None)
