@@ -35,9 +35,11 @@ What happens on a membership change (a peer crashed, a node left or joined):
 3. The new process group forms (``init_process_group``, ``env://``). The ranks compare
    their step counters; if they differ (a newcomer, or a rank that lost its last
    step), the lowest rank with the highest count sends the registered state to the
-   others over the side group (``torch.save`` / ``torch.load(weights_only=True)``: no
-   code can travel). A newcomer never reads a checkpoint on this path: ``restore``
-   runs only when no rank holds the state (the whole job starts).
+   others as tensors (:mod:`rallypoint.agent.live_state`: a JSON layout and the
+   tensors' bytes, over the side group, and CUDA tensors over the round's NCCL
+   group; no pickle, so no code can travel). A newcomer never reads a checkpoint on
+   this path: ``restore`` runs only when no rank holds the state (the whole job
+   starts).
 4. The next round is yielded; the script rebuilds whatever holds the process group
    (a ``DistributedDataParallel`` wrapper) and goes on from ``job.step``.
 
@@ -53,7 +55,6 @@ yields one round and a failure ends the process, as any script's would.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import socket
@@ -69,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from ..core.state_sources import Position, plan_sync
 from .live_channel import (
     BEAT_PERIOD,
     FD_ENV,
@@ -80,6 +82,7 @@ from .live_channel import (
     StatusFile,
     decode_message,
 )
+from .live_state import StateTransferError, broadcast_state
 
 __all__ = ["Job", "LiveError", "Round", "Stateful"]
 
@@ -317,55 +320,45 @@ class Job:
         self._report(Phase.STEPPING)
         return Round(self, side)
 
-    def _positions(self, side: Any) -> list[tuple[int, bool]]:
-        """Every rank's (step, holds the state), by rank."""
+    def _positions(self, side: Any) -> list[Position]:
+        """Every rank's position (its steps, whether it holds the state), by rank."""
         mine = torch.tensor([self.step, int(self._holds_state)], dtype=torch.int64)
         gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine, group=side)
-        return [(int(t[0]), bool(t[1])) for t in gathered]
+        return [Position(int(t[0]), bool(t[1])) for t in gathered]
 
     def _sync_state(self, side: Any) -> tuple[int, int]:
-        """Make every rank's state the front-runner's: (source rank or -1, bytes in).
-        When no rank holds the state (the whole job starts), each restores its own
-        first (:attr:`restore`)."""
-        positions = self._positions(side)
-        if not any(holds for _, holds in positions):
+        """Bring every rank to one state, as the core plans it (the front-runner's):
+        (source rank or -1, bytes in). When no rank holds the state (the whole job
+        starts), each restores its own first (:attr:`restore`)."""
+        plan = plan_sync(self._positions(side))
+        if plan.restore:
             if self.restore is not None:
                 self.step = int(self.restore() or 0)
             self._holds_state = True
-            positions = self._positions(side)  # a checkpoint some rank did not see
-        best = max(step for step, holds in positions if holds)
-        counts = [step if holds else -1 for step, holds in positions]
-        if min(counts) == best:
+            plan = plan_sync(self._positions(side))  # a checkpoint some rank did not see
+        if not plan.sources:
             return -1, 0
-        source = counts.index(best)
+        # Data-parallel: one shard, every rank holds all of it.
+        source, receivers = plan.sources[0], plan.receivers[0]
         me = dist.get_rank()
-        size = torch.zeros(1, dtype=torch.int64)
-        payload = b""
+        # CUDA tensors go over the round's NCCL group; the rest over the CPU side group.
+        devices = {"cuda": dist.group.WORLD} if self.backend == "nccl" else {}
+        mine = None
         if me == source:
-            buffer = io.BytesIO()
-            torch.save(
-                {"step": self.step, "state": {k: v.state_dict() for k, v in self.state.items()}},
-                buffer,
-            )
-            payload = buffer.getvalue()
-            size[0] = len(payload)
-        dist.broadcast(size, src=source, group=side)
-        data = (
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            if me == source
-            else torch.empty(int(size.item()), dtype=torch.uint8)
-        )
-        dist.broadcast(data, src=source, group=side)
-        if me == source or counts[me] == best:
+            mine = {"step": self.step, "state": {k: v.state_dict() for k, v in self.state.items()}}
+        try:
+            doc, size = broadcast_state(mine, source, side, device_groups=devices)
+        except StateTransferError as exc:
+            raise LiveError(f"round {self.round}: {exc}") from exc
+        if me not in receivers:
             return source, 0
-        doc = torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
         for name, obj in self.state.items():
             obj.load_state_dict(doc["state"][name])
         self.step = int(doc["step"])
         self._holds_state = True
         logger.info("round %d: state of step %d from rank %d", self.round, self.step, source)
-        return source, int(size.item())
+        return source, size
 
     def abort(self) -> None:
         """Break the round's communication so that no rank waits in it any more: NCCL
