@@ -20,14 +20,33 @@ another message:
   shards whose sources are at different steps cannot make one consistent state
   either (:attr:`SyncPlan.uneven`): either needs an older copy (a snapshot, a
   checkpoint) that every shard has.
+
+Sharded state whose shard has no live copy any more (FSDP without replicas: the
+rank that held it is gone) comes from a **snapshot**: every few steps each rank
+keeps a copy of its shard in its host memory and sends one to its *buddy*, a rank
+on another node (:func:`place_copies`, once per round), so that losing one node
+never loses a shard. After a loss, :func:`plan_restore` picks the newest step at
+which every shard has a copy among the ranks that are left, live or snapshot
+(every rank ahead of it rolls back), or, when no step is whole, the checkpoint on
+disk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import enum
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Position", "SyncPlan", "plan_sync"]
+__all__ = [
+    "Copy",
+    "Position",
+    "RestoreFrom",
+    "RestorePlan",
+    "SyncPlan",
+    "place_copies",
+    "plan_restore",
+    "plan_sync",
+]
 
 
 @dataclass(frozen=True)
@@ -96,4 +115,110 @@ def plan_sync(positions: Sequence[Position]) -> SyncPlan:
         step=None if missing or uneven else steps.pop(),
         missing=missing,
         uneven=uneven,
+    )
+
+
+# ------------------------------------------------------------ snapshots and buddies
+
+
+def place_copies(nodes: Sequence[Hashable]) -> tuple[int | None, ...]:
+    """Where each rank's snapshot keeps its second copy: by rank, the buddy rank (on
+    another node), or None for every rank when the round runs on one node.
+
+    ``nodes[rank]`` names the node that runs the rank (any sortable id, such as the
+    agent's group rank). The nodes, in sorted order, form a ring: the ``j``-th rank of
+    a node sends its copy to the ``j``-th rank (cyclically) of the next node, so with
+    as many ranks on every node each rank keeps exactly one copy of another's.
+    """
+    by_node: dict[Hashable, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    ring = sorted(by_node)  # type: ignore[type-var]
+    buddies: list[int | None] = [None] * len(nodes)
+    if len(ring) < 2:
+        return tuple(buddies)
+    for index, node in enumerate(ring):
+        after = by_node[ring[(index + 1) % len(ring)]]
+        for j, rank in enumerate(by_node[node]):
+            buddies[rank] = after[j % len(after)]
+    return tuple(buddies)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A whole snapshot of one shard, kept in a rank's host memory.
+
+    Attributes:
+        shard: whose shard (its number in the snapshot's layout).
+        step: the step it was taken at.
+        holder: the rank (of the round being planned) that keeps it.
+    """
+
+    shard: int
+    step: int
+    holder: int
+
+
+class RestoreFrom(enum.Enum):
+    """Where a round's state comes from when peers' live state is not enough."""
+
+    #: every shard has a live copy at the newest step: no rank rolls back
+    PEERS = "peers"
+    #: the newest step with a copy of every shard, some of them snapshots: the ranks
+    #: ahead of it roll back
+    SNAPSHOT = "snapshot"
+    #: no step has a copy of every shard among the ranks left: the disk checkpoint
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What a round restores, and from whom.
+
+    Attributes:
+        source: peers, a snapshot, or the disk (:class:`RestoreFrom`).
+        step: the step every rank is at once the plan is carried out (None: disk).
+        senders: shard -> the rank that sends its copy at ``step`` (a live copy
+            first, then a snapshot a rank of that shard keeps, then any; among
+            equals the lowest rank).
+        rolls_back: the ranks whose live state is ahead of ``step`` and is dropped.
+    """
+
+    source: RestoreFrom
+    step: int | None
+    senders: Mapping[int, int]
+    rolls_back: frozenset[int]
+
+
+def plan_restore(shards: int, live: Sequence[Position], copies: Iterable[Copy]) -> RestorePlan:
+    """The round's restore plan (see the module).
+
+    Args:
+        shards: how many shards the layout has (0..shards-1 must all be restored).
+        live: every rank's live position, by rank (``shard`` in the same layout).
+        copies: the whole snapshots the ranks keep.
+    """
+    # step -> shard -> (preference, holder): live state first, then a snapshot kept
+    # by a rank of that shard (it loads its own copy: nothing crosses the network),
+    # then any snapshot; among equals the lowest rank.
+    held: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for rank, p in enumerate(live):
+        if p.holds:
+            held.setdefault(p.step, {}).setdefault(p.shard, []).append((0, rank))
+    for copy in copies:
+        own = copy.holder < len(live) and live[copy.holder].shard == copy.shard
+        preference = 1 if own else 2
+        held.setdefault(copy.step, {}).setdefault(copy.shard, []).append((preference, copy.holder))
+    whole = [step for step, by_shard in held.items() if all(s in by_shard for s in range(shards))]
+    if not whole:
+        return RestorePlan(RestoreFrom.DISK, None, {}, frozenset())
+    step = max(whole)
+    chosen = {shard: min(held[step][shard]) for shard in range(shards)}
+    ahead = frozenset(rank for rank, p in enumerate(live) if p.holds and p.step > step)
+    from_snapshot = ahead or any(kind for kind, _ in chosen.values())
+    return RestorePlan(
+        RestoreFrom.SNAPSHOT if from_snapshot else RestoreFrom.PEERS,
+        step,
+        {shard: holder for shard, (_, holder) in chosen.items()},
+        ahead,
     )
