@@ -38,6 +38,7 @@ from .events import EventKind, EventRecorder
 from .live_channel import (
     BEAT_PERIOD,
     FD_ENV,
+    SOURCE_DISK,
     STANDBY_ENV,
     STATUS_ENV,
     TIMEOUT_ENV,
@@ -486,6 +487,7 @@ class LiveWorkers:
             state_s=since([s.state_at for s in statuses]),
             first_step_s=since([s.first_step_at for s in statuses]),
             state_from=sources,
+            state_from_disk=any(s.source == SOURCE_DISK for s in statuses),
             state_bytes=sum(s.state_bytes for s in statuses),
             step=max(s.step for s in statuses),
         )

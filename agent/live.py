@@ -70,10 +70,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ..core.state_sources import Position, plan_sync
+from ..core.state_sources import Position, SyncPlan, plan_sync
 from .live_channel import (
     BEAT_PERIOD,
     FD_ENV,
+    SOURCE_DISK,
     STANDBY_ENV,
     STATUS_ENV,
     TIMEOUT_ENV,
@@ -82,9 +83,9 @@ from .live_channel import (
     StatusFile,
     decode_message,
 )
-from .live_state import StateTransferError, broadcast_state
+from .live_state import StateTransferError, exchange_state, regraft, shard_of
 
-__all__ = ["Job", "LiveError", "Round", "Stateful"]
+__all__ = ["Job", "LiveError", "Round", "Sharded", "Stateful"]
 
 logger = logging.getLogger("rallypoint.live")
 
@@ -116,6 +117,43 @@ class Stateful(Protocol):
     def state_dict(self) -> Mapping[str, Any]: ...
 
     def load_state_dict(self, state_dict: Mapping[str, Any], /) -> Any: ...
+
+
+class Sharded:
+    """A sharded model and its optimizers as one :class:`Stateful`, through torch's
+    distributed state-dict API (``get_state_dict`` / ``set_state_dict``): FSDP2
+    (``fully_shard``), HSDP (a replicate x shard mesh) and tensor-parallel models,
+    whose parameters and optimizer state are ``DTensor`` shards. Return it from
+    :class:`Job`'s ``build``.
+
+    Attributes:
+        model: the wrapped model.
+        optimizers: its optimizers (the first is also :attr:`optimizer`).
+    """
+
+    def __init__(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizers = optimizers
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizers[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizers = get_state_dict(self.model, self.optimizers)
+        return {"model": model, "optimizers": optimizers}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], /) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optimizers"],
+        )
 
 
 class _Inbox:
@@ -185,6 +223,14 @@ class Job:
             step to resume at (the checkpoint's ``job.step``; 0 or None: from the
             start). A worker that joins a running job (a replacement, a node joining)
             does not call it: it gets the state from a peer, so it reads no file.
+        build: for sharded state (FSDP2, HSDP, tensor parallel): called on every rank
+            of every round once its process group has formed, before the state is
+            brought in; it builds the mesh and the wrapped objects for the round's
+            world (``init_device_mesh``, ``fully_shard``, the optimizer) and returns
+            them by name (:class:`Sharded`), in place of ``state``. The state then
+            comes from a rank that holds the same shard (another replica), or from
+            the rank's own memory when it kept its place; when no rank holds some
+            shard any more, every rank restores the checkpoint (``restore``).
         may_shrink: the job may train on without this worker for a while: when it
             is lost, the other nodes regroup without its node and go on stepping
             while its replacement starts, and take the replacement in once it is
@@ -205,12 +251,14 @@ class Job:
         backend: str | None = None,
         timeout: float | None = None,
         restore: Callable[[], int | None] | None = None,
+        build: Callable[[], Mapping[str, Stateful]] | None = None,
         may_shrink: bool = False,
         **named: Stateful,
     ) -> None:
         self.state: dict[str, Stateful] = {**(state or {}), **named}
         self.step = 0
         self.restore = restore
+        self.build = build
         self.may_shrink = may_shrink
         # Whether this process holds the job's state: restored it, got it from a
         # peer, or trained. A fresh worker does not, even at step 0.
@@ -306,59 +354,126 @@ class Job:
             self._wait_for_master()
             dist.init_process_group(**kwargs)
             side = dist.new_group(backend="gloo")
+            held, wanted = self._rebuild()
         finally:
             with self._forming_lock:
                 self._forming = None
-        # gloo connects every pair while the groups form: these are the round's.
+        # gloo connects every pair while the groups form (the script's mesh too):
+        # these are the round's.
         self._round_sockets = _opened_since(before)
         if self._status is not None:
             self._status.write_group_ready(time.monotonic())
         self._report(Phase.SYNCING)
-        source, size = self._sync_state(side)
+        source, size = self._sync_state(side, held, wanted)
         if self._status is not None:
             self._status.write_state(time.monotonic(), source, size)
         self._report(Phase.STEPPING)
         return Round(self, side)
 
-    def _positions(self, side: Any) -> list[Position]:
-        """Every rank's position (its steps, whether it holds the state), by rank."""
-        mine = torch.tensor([self.step, int(self._holds_state)], dtype=torch.int64)
-        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine, group=side)
-        return [Position(int(t[0]), bool(t[1])) for t in gathered]
+    def _tree(self) -> dict[str, Any]:
+        """The registered objects' state, by name (tensors are the objects' own)."""
+        return {name: obj.state_dict() for name, obj in self.state.items()}
 
-    def _sync_state(self, side: Any) -> tuple[int, int]:
-        """Bring every rank to one state, as the core plans it (the front-runner's):
-        (source rank or -1, bytes in). When no rank holds the state (the whole job
-        starts), each restores its own first (:attr:`restore`)."""
-        plan = plan_sync(self._positions(side))
-        if plan.restore:
-            if self.restore is not None:
-                self.step = int(self.restore() or 0)
-            self._holds_state = True
-            plan = plan_sync(self._positions(side))  # a checkpoint some rank did not see
-        if not plan.sources:
-            return -1, 0
-        # Data-parallel: one shard, every rank holds all of it.
-        source, receivers = plan.sources[0], plan.receivers[0]
+    def _positions(self, side: Any, held: Any, wanted: Any) -> list[Position]:
+        """Every rank's position, by rank: its steps, whether it holds the state in
+        this round's layout, the shard it holds (of ``held``, its state from before)
+        and the one it needs (of ``wanted``, the objects of this round)."""
+        have, need = shard_of(held), shard_of(wanted)
+        holds = self._holds_state and have.layout == need.layout
+        mine = torch.tensor([self.step, int(holds), have.index, need.index], dtype=torch.int64)
+        gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine, group=side)
+        return [
+            Position(int(step), bool(holds), int(shard), int(wants))
+            for step, holds, shard, wants in (t.tolist() for t in gathered)
+        ]
+
+    def _rebuild(self) -> tuple[Any, Any]:
+        """The state this rank holds from before (None: nothing) and the objects'
+        state for this round: with ``build``, the objects built for this round's
+        world; else the same objects'."""
+        held: Any = self._tree() if self._holds_state or self.build is None else None
+        if self.build is not None:
+            self.state = dict(self.build())
+            return held, self._tree()
+        if shard_of(held).layout != shard_of(None).layout:
+            raise LiveError(
+                "the registered state holds sharded tensors (DTensor): pass live.Job(build=...) "
+                "so that every round builds the mesh and the wrapping for its world"
+            )
+        return held, held
+
+    def _sync_state(self, side: Any, held: Any, wanted: Any) -> tuple[int, int]:
+        """Bring every rank to one state, as the core plans it (per shard, the
+        front-runner's): (the rank it came from, -1 when nothing came, or
+        :data:`SOURCE_DISK`; bytes in). ``held``, ``wanted``: :meth:`_rebuild`'s.
+        When no rank holds the state (the whole job starts), or no rank holds some
+        shard any more, every rank restores its checkpoint first (:attr:`restore`)."""
+        positions = self._positions(side, held, wanted)
+        plan = plan_sync(positions)
+        fell_back = not plan.restore and not plan.from_peers
+        if plan.restore or fell_back:
+            self._restore_checkpoint(plan)
+            held = wanted = self._tree()
+            positions = self._positions(side, held, wanted)
+            plan = plan_sync(positions)
+            if not plan.from_peers:  # every rank holds a state: only an uneven one
+                raise LiveError(f"round {self.round}: the checkpoints restored differ by shard")
         me = dist.get_rank()
+        mine = positions[me]
+        send_to = next((plan.receivers[s] for s, r in plan.sources.items() if r == me), ())
+        needs_it = me in plan.receivers.get(mine.needs, ())
+        receive_from = plan.sources[mine.needs] if needs_it else None
         # CUDA tensors go over the round's NCCL group; the rest over the CPU side group.
         devices = {"cuda": dist.group.WORLD} if self.backend == "nccl" else {}
-        mine = None
-        if me == source:
-            mine = {"step": self.step, "state": {k: v.state_dict() for k, v in self.state.items()}}
         try:
-            doc, size = broadcast_state(mine, source, side, device_groups=devices)
+            doc, size = exchange_state(
+                {"step": self.step, "state": held} if send_to else None,
+                send_to=sorted(send_to),
+                receive_from=receive_from,
+                group=side,
+                device_groups=devices,
+                like={"step": 0, "state": wanted},
+            )
         except StateTransferError as exc:
             raise LiveError(f"round {self.round}: {exc}") from exc
-        if me not in receivers:
-            return source, 0
-        for name, obj in self.state.items():
-            obj.load_state_dict(doc["state"][name])
+        if receive_from is None:
+            if held is not wanted:  # this rank kept its shard: into the objects rebuilt
+                self._load(regraft(held, wanted))
+            return (SOURCE_DISK if fell_back else -1), 0
+        self._load(doc["state"])
         self.step = int(doc["step"])
         self._holds_state = True
-        logger.info("round %d: state of step %d from rank %d", self.round, self.step, source)
-        return source, size
+        logger.info("round %d: state of step %d from rank %d", self.round, self.step, receive_from)
+        return receive_from, size
+
+    def _restore_checkpoint(self, plan: SyncPlan) -> None:
+        """Load the checkpoint on this rank (:attr:`restore`): the whole job starts,
+        or some shard has no copy among the ranks any more."""
+        if not plan.restore:
+            why = (
+                f"no rank holds shard(s) {sorted(plan.missing)} any more"
+                if plan.missing
+                else "the shards' newest copies are at different steps"
+            )
+            if self.restore is None:
+                raise LiveError(
+                    f"round {self.round}: {why}, and live.Job has no restore= to read a checkpoint"
+                )
+            logger.warning("round %d: %s; every rank restores the checkpoint", self.round, why)
+        if self.restore is not None:
+            self.step = int(self.restore() or 0)
+        self._holds_state = True
+
+    def _load(self, tree: Mapping[str, Any]) -> None:
+        """Load ``tree`` (by name) into the registered objects."""
+        if set(tree) != set(self.state):
+            raise LiveError(
+                f"round {self.round}: the peer's state holds {sorted(tree)}, this worker's "
+                f"{sorted(self.state)}: register the same objects on every rank"
+            )
+        for name, obj in self.state.items():
+            obj.load_state_dict(tree[name])
 
     def abort(self) -> None:
         """Break the round's communication so that no rank waits in it any more: NCCL

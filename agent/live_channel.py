@@ -32,6 +32,7 @@ from dataclasses import dataclass
 __all__ = [
     "BEAT_PERIOD",
     "FD_ENV",
+    "SOURCE_DISK",
     "STANDBY_ENV",
     "STATUS_ENV",
     "TIMEOUT_ENV",
@@ -54,6 +55,9 @@ TIMEOUT_ENV = "RALLYPOINT_LIVE_TIMEOUT"
 STANDBY_ENV = "RALLYPOINT_LIVE_STANDBY"
 #: seconds between two beats of a live worker
 BEAT_PERIOD = 0.1
+#: a status's ``source`` when no peer held some shard and the ranks restored the
+#: checkpoint instead
+SOURCE_DISK = -2
 
 
 class Phase(enum.IntEnum):
@@ -101,7 +105,8 @@ class Status:
     group_at: float
     state_at: float
     first_step_at: float
-    #: the global rank the state came from (-1: no transfer was needed)
+    #: the global rank the state came from (-1: no transfer was needed;
+    #: :data:`SOURCE_DISK`: the checkpoint)
     source: int
     #: bytes of state received (0 on the sender and when nothing moved)
     state_bytes: int

@@ -9,30 +9,47 @@ plain values at the leaves) is split in two:
   malformed is refused with :class:`StateTransferError`);
 * the **transfers**: each large tensor on its own, sent from its memory as it is
   (no copy on the sender), and the small ones packed into one buffer per device,
-  so that an optimizer's many scalar tensors cost one collective, not hundreds.
+  so that an optimizer's many scalar tensors cost one message, not hundreds.
 
-Every transfer is a broadcast of bytes (``uint8``), so any dtype travels on any
-backend. A CUDA tensor goes over the round's own group when that is NCCL, and over
-the CPU group otherwise; a receiver builds it on its own current device.
+A sharded tensor (a ``DTensor``: FSDP2, HSDP, tensor parallel) travels as its
+local shard; the receiver puts it back into a ``DTensor`` of its own mesh, taking
+the placements from its own state at the same place (:func:`unpack_state`'s
+``like``). Which shard a rank holds, and so which peers hold the same one, is
+:func:`shard_of`.
 
-What cannot travel (a sharded ``DTensor``, an object of a class of the script's)
-is reported by the sender to every rank of the broadcast, so that all of them fail
-with the same message instead of waiting for a state that never comes.
+:func:`exchange_state` moves the trees point to point, every sender to each of its
+receivers at once (in a sharded job several shards move in one exchange). Every
+message is ``uint8`` bytes, so any dtype travels on any backend. A CUDA tensor goes
+over the round's own group when that is NCCL, and over the CPU group otherwise; a
+receiver builds it on its own current device. What cannot travel (an object of a
+class of the script's) is reported by the sender to its receivers, and every rank
+of the exchange then fails alike, instead of waiting for a state that never comes.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-__all__ = ["StateTransferError", "broadcast_state", "pack_state", "unpack_state"]
+__all__ = [
+    "Shard",
+    "StateTransferError",
+    "exchange_state",
+    "pack_state",
+    "read_layout",
+    "regraft",
+    "shard_of",
+    "unpack_state",
+]
 
 #: Tensors smaller than this share a buffer (one collective for all of them).
 PACK_BELOW = 1 << 20
@@ -40,6 +57,8 @@ PACK_BELOW = 1 << 20
 #: viewed as any dtype.
 _ALIGN = 64
 _LAYOUT_VERSION = 1
+#: The device types a transfer can be on, by the code it has in a frame.
+_KINDS = ("cpu", "cuda")
 
 
 class StateTransferError(RuntimeError):
@@ -72,12 +91,17 @@ def pack_state(tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"})
     Raises:
         StateTransferError: a leaf that cannot travel, named by its path.
     """
-    tensors: list[tuple[torch.Tensor, str]] = []
+    tensors: list[tuple[torch.Tensor, bool]] = []  # (the data, a DTensor's shard)
 
     def encode(value: Any, path: str) -> Any:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+            _check_plain(value, path)
+            tensors.append((value, True))
+            return {"t": len(tensors) - 1}
         if isinstance(value, torch.Tensor):
             _check_plain(value, path)
-            tensors.append((value, path))
+            tensors.append((value, False))
             return {"t": len(tensors) - 1}
         if value is None or isinstance(value, (bool, int, str)):
             return value
@@ -140,10 +164,12 @@ def pack_state(tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"})
             slots[index] = [len(transfers), offset]
         transfers.append(buffer)
         kinds.append(wire)
-    for index, (tensor, _) in enumerate(tensors):
+    for index, (tensor, sharded) in enumerate(tensors):
         slot = slots[index]
         assert slot is not None
-        entries.append([*slot, _dtype_name(tensor.dtype), list(tensor.shape), tensor.device.type])
+        entries.append(
+            [*slot, _dtype_name(tensor.dtype), list(tensor.shape), tensor.device.type, sharded]
+        )
     layout = {
         "v": _LAYOUT_VERSION,
         "transfers": [[kind, t.numel()] for kind, t in zip(kinds, transfers, strict=True)],
@@ -156,9 +182,8 @@ def pack_state(tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"})
 def _check_plain(tensor: torch.Tensor, path: str) -> None:
     if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
         raise StateTransferError(
-            f"{path} is a {type(tensor).__name__} (a sharded or wrapped tensor): live "
-            "regroup copies one rank's whole state to the others, which suits data-parallel "
-            "training only; restore sharded state from a checkpoint"
+            f"{path} is a {type(tensor).__module__}.{type(tensor).__qualname__}, a tensor "
+            "subclass live regroup cannot take apart: plain tensors and DTensors travel"
         )
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise StateTransferError(f"{path} is a {tensor.layout} tensor: only dense tensors travel")
@@ -217,15 +242,17 @@ def read_layout(layout: bytes) -> dict[str, Any]:
         ):  # fmt: skip
             raise _fail(f"a transfer is not [device, bytes]: {entry!r}")
     for entry in tensors:
-        if not (isinstance(entry, list) and len(entry) == 5):
-            raise _fail(f"a tensor is not [transfer, offset, dtype, shape, device]: {entry!r}")
-        transfer, offset, dtype, shape, device = entry
+        if not (isinstance(entry, list) and len(entry) == 6):
+            raise _fail(
+                f"a tensor is not [transfer, offset, dtype, shape, device, sharded]: {entry!r}"
+            )
+        transfer, offset, dtype, shape, device, sharded = entry
         if not (_is_count(transfer) and transfer < len(transfers) and _is_count(offset)):
             raise _fail(f"a tensor's place is out of range: {entry!r}")
         if not (isinstance(shape, list) and all(_is_count(n) for n in shape)):
             raise _fail(f"a tensor's shape is not a list of sizes: {entry!r}")
-        if not isinstance(device, str):
-            raise _fail(f"a tensor's device is not a name: {entry!r}")
+        if not isinstance(device, str) or not isinstance(sharded, bool):
+            raise _fail(f"a tensor's device is not a name or its mark not a bool: {entry!r}")
         element = _dtype(dtype).itemsize
         if offset % element or offset + math.prod(shape) * element > transfers[transfer][1]:
             raise _fail(f"a tensor does not fit its transfer: {entry!r}")
@@ -244,27 +271,33 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 def unpack_state(
-    doc: Mapping[str, Any], transfers: list[torch.Tensor], place: Callable[[str], Any] = str
+    doc: Mapping[str, Any],
+    transfers: list[torch.Tensor],
+    place: Callable[[str], Any] = str,
+    like: Any = None,
 ) -> Any:
     """Build the tree of a layout (:func:`read_layout`) over the ``transfers`` it
     came with. The tensors are views into the transfers; ``place`` maps a sender's
-    device type to where this worker keeps such tensors.
+    device type to where this worker keeps such tensors. A sharded tensor's local
+    shard becomes a ``DTensor`` of the mesh and placements of the tensor at the same
+    place in ``like`` (this worker's own state: the same structure).
 
     Raises:
-        StateTransferError: the tree is malformed.
+        StateTransferError: the tree is malformed, or a shard has no DTensor of the
+            same local shape at its place in ``like``.
     """
     declared = [nbytes for _, nbytes in doc["transfers"]]
     if declared != [t.numel() for t in transfers]:
         raise _fail(f"transfers of {declared} bytes were announced, not what came")
-    built: list[torch.Tensor] = []
-    for transfer, offset, dtype, shape, device in doc["tensors"]:
+    built: list[tuple[torch.Tensor, bool]] = []
+    for transfer, offset, dtype, shape, device, sharded in doc["tensors"]:
         tensor = _slice(transfers[transfer], offset, _dtype(dtype), shape)
         target = place(device)
         if tensor.device != torch.device(target):
             tensor = tensor.to(target)
-        built.append(tensor)
+        built.append((tensor, sharded))
 
-    def build(value: Any) -> Any:
+    def build(value: Any, like: Any, path: str) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if not (isinstance(value, dict) and (len(value) == 1 or value.keys() == {"o", "m"})):
@@ -272,7 +305,8 @@ def unpack_state(
         kind = "o" if "m" in value else next(iter(value))
         item = value[kind]
         if kind == "t" and _is_count(item) and item < len(built):
-            return built[item]
+            tensor, sharded = built[item]
+            return _as_dtensor(tensor, like, path) if sharded else tensor
         if kind == "f" and item in ("inf", "-inf", "nan"):
             return float(item)
         if kind == "S" and isinstance(item, list) and all(_is_count(n) for n in item):
@@ -280,84 +314,236 @@ def unpack_state(
         if kind == "D":
             return _dtype(item)
         if kind in ("l", "u") and isinstance(item, list):
-            items = [build(v) for v in item]
+            peers: Sequence[Any] = like if isinstance(like, (list, tuple)) else ()
+            items = [
+                build(v, peers[i] if i < len(peers) else None, f"{path}[{i}]")
+                for i, v in enumerate(item)
+            ]
             return items if kind == "l" else tuple(items)
         if kind in ("d", "o") and isinstance(item, list):
             if not all(isinstance(p, list) and len(p) == 2 for p in item):
                 raise _fail(f"a dict's items are not [key, value] pairs: {item!r}")
+            known: Mapping[Any, Any] = like if isinstance(like, Mapping) else {}
             mapping: dict[Any, Any] = {} if kind == "d" else OrderedDict()
             for key, inner in item:
                 if key is not None and not isinstance(key, (bool, int, float, str)):
                     raise _fail(f"{key!r} is not a key")
-                mapping[key] = build(inner)
+                mapping[key] = build(inner, known.get(key), f"{path}[{key!r}]")
             if "m" in value:
-                mapping._metadata = build(value["m"])  # type: ignore[attr-defined]
+                mapping._metadata = build(value["m"], None, f"{path}._metadata")  # type: ignore[attr-defined]
             return mapping
         raise _fail(f"{value!r} is not a value of the layout")
 
     try:
-        return build(doc["tree"])
+        return build(doc["tree"], like, "state")
     except RecursionError:
         raise _fail("the tree is nested too deeply") from None
+
+
+def _as_dtensor(local: torch.Tensor, like: Any, path: str) -> DTensor:
+    """``local`` as this worker's shard of the DTensor ``like`` stands for."""
+    if not isinstance(like, DTensor):
+        raise StateTransferError(
+            f"{path}: a peer sent a shard of a sharded tensor where this worker's state has "
+            f"{type(like).__name__}: build the same model and wrapping on every rank"
+        )
+    mine = like.to_local()
+    if (mine.shape, mine.dtype) != (local.shape, local.dtype):
+        raise StateTransferError(
+            f"{path}: a peer sent a shard of {tuple(local.shape)} {local.dtype}, but this "
+            f"rank's shard is {tuple(mine.shape)} {mine.dtype} (a different mesh or wrapping)"
+        )
+    return DTensor.from_local(
+        local.to(mine.device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def regraft(tree: Any, like: Any) -> Any:
+    """``tree`` with each ``DTensor``'s local shard in a ``DTensor`` of the mesh of
+    the one at the same place in ``like`` (a rank that kept its shard moves it into
+    the objects it rebuilt for a new mesh). Large tensors are not copied."""
+    packed = pack_state(tree, direct_devices=frozenset(_KINDS))
+    return unpack_state(read_layout(packed.layout), packed.transfers, _local, like)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of a sharded state a rank holds.
+
+    Attributes:
+        index: the rank's coordinate along the mesh dimensions that shard the state
+            (0 when nothing is sharded: data-parallel training).
+        layout: names the sharding (the sizes of the sharded dimensions): two
+            ranks' indices compare only under the same layout.
+    """
+
+    index: int
+    layout: int
+
+
+def shard_of(tree: Any) -> Shard:
+    """Which shard of the state ``tree`` this rank holds: ranks with the same index
+    under the same layout hold the same data (the replicas of HSDP). Every mesh
+    dimension along which some ``DTensor`` of the tree is sharded counts; a
+    replicated dimension does not."""
+    dims: dict[tuple[str, int, int], tuple[int, int]] = {}  # mesh dim -> (size, coordinate)
+
+    def visit(value: Any) -> None:
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            coordinate = list(mesh.get_coordinate() or ())
+            for dim, placement in enumerate(value.placements):
+                if placement.is_shard() and dim < len(coordinate):
+                    # Named the same on every rank (a rank's sub-mesh is not).
+                    key = (str(mesh.mesh_dim_names), mesh.ndim, dim)
+                    dims[key] = (mesh.size(dim), coordinate[dim])
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(tree)
+    index = 0
+    sizes = []
+    for key in sorted(dims):
+        size, coordinate = dims[key]
+        index = index * size + coordinate
+        sizes.append([*key, size])  # the layout: each sharded dimension and its size
+    return Shard(index, zlib.crc32(json.dumps(sizes).encode()))
 
 
 # ------------------------------------------------------------------- the wire
 
 
-def broadcast_state(
-    tree: Any, source: int, group: Any, *, device_groups: Mapping[str, Any] | None = None
+def exchange_state(
+    tree: Any,
+    *,
+    send_to: Collection[int],
+    receive_from: int | None,
+    group: Any,
+    device_groups: Mapping[str, Any] | None = None,
+    like: Any = None,
 ) -> tuple[Any, int]:
-    """Give every rank of ``group`` the ``source`` rank's ``tree`` (ignored on the
-    others): (the tree, bytes that came). The layout and the CPU transfers go over
-    ``group``; a device type in ``device_groups`` (``{"cuda": nccl_group}``) sends
-    its tensors over that group instead. On the source the tree itself is returned.
+    """Send ``tree`` to the ranks ``send_to`` and receive a tree from
+    ``receive_from`` (None: nothing to receive), point to point over ``group``; all
+    at once, so that ranks that send to each other do not wait on each other. A
+    device type in ``device_groups`` (``{"cuda": nccl_group}``) sends its tensors
+    over that group. Every rank of ``group`` calls it, those with nothing to move
+    too: it ends with the ranks' agreement that every transfer went well.
+
+    Returns:
+        the received tree (None when nothing was received; :func:`unpack_state`'s
+        ``like``) and the bytes that came.
 
     Raises:
-        StateTransferError: the source's state cannot travel (on every rank, with the
-            source's reason) or what came is malformed.
+        StateTransferError: on every rank when any rank's state could not travel or
+            what came is malformed: the reason where it is known, else which rank
+            failed.
     """
     groups = {"cpu": group, **(device_groups or {})}
-    me = dist.get_rank()
     packed: Packed | None = None
-    header = torch.zeros(1, dtype=torch.int64)
-    message = b""
-    if me == source:
+    failure = b""
+    if send_to:
         try:
             packed = pack_state(tree, direct_devices=frozenset(groups))
-            message = packed.layout
-            header[0] = len(message)
         except StateTransferError as exc:
-            message = str(exc).encode()
-            header[0] = -len(message) - 1  # a failure, with its reason
-    dist.broadcast(header, src=source, group=group)
-    size = int(header.item())
-    text = _broadcast_bytes(message, abs(size + 1) if size < 0 else size, source, group)
-    if size < 0:
-        raise StateTransferError(text.decode(errors="replace"))
-    if packed is not None:
-        for transfer, kind in zip(packed.transfers, packed.kinds, strict=True):
-            dist.broadcast(transfer, src=source, group=groups[kind])
-        return tree, 0
-    doc = read_layout(text)
-    received = []
-    for kind, nbytes in doc["transfers"]:
-        if kind not in groups:
-            raise _fail(f"a transfer on {kind!r}, which this worker has no group for")
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=_local(kind))
-        dist.broadcast(buffer, src=source, group=groups[kind])
-        received.append(buffer)
-    return unpack_state(doc, received, _local), len(text) + sum(t.numel() for t in received)
+            failure = str(exc).encode()
+    # 1. A header: the layout's length (or minus the reason's, on a failure) and how
+    # many transfers follow.
+    header = torch.tensor(
+        [len(packed.layout), len(packed.transfers)] if packed else [-len(failure) - 1, 0]
+    )
+    heard = torch.zeros(2, dtype=torch.int64)
+    _p2p(group, [(header, dst) for dst in send_to], [(heard, receive_from)])
+    # 2. The layout (or the reason) and each transfer's device and size.
+    frame = torch.tensor(
+        [
+            [_KINDS.index(kind), t.numel()]
+            for kind, t in zip(packed.kinds, packed.transfers, strict=True)
+        ]
+        if packed
+        else [],
+        dtype=torch.int64,
+    ).reshape(-1, 2)
+    message = packed.layout if packed else failure
+    text_in = torch.empty(
+        abs(int(heard[0]) + 1) if heard[0] < 0 else int(heard[0]), dtype=torch.uint8
+    )
+    frame_in = torch.empty(max(int(heard[1]), 0), 2, dtype=torch.int64)
+    outgoing = []
+    for dst in send_to:
+        outgoing += [(_bytes_tensor(message), dst), (frame, dst)]
+    _p2p(group, outgoing, [(text_in, receive_from), (frame_in, receive_from)])
+    # 3. The transfers, each over the group of its device.
+    codes = [(int(code), int(size)) for code, size in frame_in.tolist()]
+    kinds_in = [_KINDS[code] if 0 <= code < len(_KINDS) else "cpu" for code, _ in codes]
+    received = [
+        torch.empty(max(size, 0), dtype=torch.uint8, device=_local(kind))
+        for (_, size), kind in zip(codes, kinds_in, strict=True)
+    ]
+    for kind in _KINDS:
+        sends = [
+            (transfer, dst)
+            for transfer, transfer_kind in zip(packed.transfers, packed.kinds, strict=True)
+            if transfer_kind == kind
+            for dst in send_to
+        ] if packed else []  # fmt: skip
+        receives = [(t, receive_from) for t, k in zip(received, kinds_in, strict=True) if k == kind]
+        if sends or receives:
+            _p2p(groups.get(kind, group), sends, receives)
+    # 4. The outcome, here and everywhere.
+    error: StateTransferError | None = StateTransferError(failure.decode()) if failure else None
+    result = None
+    if receive_from is not None and error is None:
+        try:
+            if heard[0] < 0:
+                raise StateTransferError(text_in.numpy().tobytes().decode(errors="replace"))
+            if any(not 0 <= code < len(_KINDS) or size < 0 for code, size in codes):
+                raise _fail(f"a transfer is not [device, bytes]: {codes!r}")
+            doc = read_layout(text_in.numpy().tobytes())
+            result = unpack_state(doc, received, _local, like)
+        except StateTransferError as exc:
+            error = exc
+    failed = torch.tensor([dist.get_rank() if error else -1], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if int(failed.item()) >= 0:
+        raise StateTransferError(
+            f"rank {int(failed.item())} could not take part in the state's transfer (see its log)"
+        )
+    size = text_in.numel() + sum(t.numel() for t in received)
+    return result, size if receive_from is not None else 0
 
 
-def _broadcast_bytes(data: bytes, size: int, source: int, group: Any) -> bytes:
-    buffer = (
+def _p2p(
+    group: Any,
+    sends: list[tuple[torch.Tensor, int]],
+    receives: list[tuple[torch.Tensor, int | None]],
+) -> None:
+    """Post every send and receive at once, then wait for all of them."""
+    works = [dist.isend(t, dst=dst, group=group) for t, dst in sends if t.numel()]
+    works += [
+        dist.irecv(t, src=src, group=group) for t, src in receives if src is not None and t.numel()
+    ]
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return (
         torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if data
-        else torch.empty(size, dtype=torch.uint8)
+        else torch.empty(0, dtype=torch.uint8)
     )
-    if size:
-        dist.broadcast(buffer, src=source, group=group)
-    return buffer.numpy().tobytes()
 
 
 def _local(device_type: str) -> Any:

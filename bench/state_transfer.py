@@ -5,8 +5,8 @@ each state size, interleaved in every repeat:
 
 * ``memory copy``: the sender copies the state's tensors in its own memory (the
   limit: no transfer can beat it);
-* ``tensors``: :func:`rallypoint.agent.live_state.broadcast_state` (a JSON layout,
-  then the tensors' bytes; what live regroup uses);
+* ``tensors``: :func:`rallypoint.agent.live_state.exchange_state` (a JSON layout,
+  then the tensors' bytes, point to point; what live regroup uses);
 * ``torch.save``: the path before it: ``torch.save`` into memory, the bytes
   broadcast, ``torch.load(weights_only=True)`` on the receiver.
 
@@ -71,7 +71,7 @@ def _via_torch_save(state: dict[str, torch.Tensor] | None, rank: int) -> object:
 
 
 def worker(rank: int, port: int, sizes: list[int], repeats: int) -> None:
-    from rallypoint.agent.live_state import broadcast_state
+    from rallypoint.agent.live_state import exchange_state
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -91,7 +91,12 @@ def worker(rank: int, port: int, sizes: list[int], repeats: int) -> None:
                     dist.broadcast(took_t, src=0)  # the sender's figure
                     took = float(took_t.item())
                 elif way == "tensors":
-                    got, _ = broadcast_state(state, 0, dist.group.WORLD)
+                    got, _ = exchange_state(
+                        state,
+                        send_to=[1] if rank == 0 else [],
+                        receive_from=0 if rank == 1 else None,
+                        group=dist.group.WORLD,
+                    )
                     took = time.perf_counter() - started
                     del got
                 else:

@@ -14,8 +14,8 @@ another message:
 * nobody holds anything: the whole job starts, and each rank restores its
   checkpoint (then the ranks compare again);
 * otherwise, per shard, the lowest rank holding the shard at its highest step is
-  the source, and every rank of that shard that is behind (or holds nothing)
-  receives from it;
+  the source, and every rank that needs that shard and is behind (or holds
+  nothing, or holds another shard: its place in the mesh moved) receives from it;
 * a shard that no rank holds any more cannot come from a peer (:attr:`SyncPlan.missing`);
   shards whose sources are at different steps cannot make one consistent state
   either (:attr:`SyncPlan.uneven`): either needs an older copy (a snapshot, a
@@ -57,11 +57,19 @@ class Position:
         step: the steps it has committed.
         holds: it holds the job's state (restored it, received it or trained).
         shard: the part of the state it holds (0 for data-parallel training).
+        wants: the part it needs in this round's layout (None: ``shard``; a rank
+            whose place in the mesh moved holds one shard and needs another).
     """
 
     step: int
     holds: bool
     shard: int = 0
+    wants: int | None = None
+
+    @property
+    def needs(self) -> int:
+        """The shard this rank must hold before the round's first step."""
+        return self.shard if self.wants is None else self.wants
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class SyncPlan:
         step: the step of the state every rank is at once the plan is carried out
             (None with ``restore``, or when the shards cannot agree).
         missing: shards some rank needs and no rank holds.
-        uneven: the shards' newest copies are at different steps.
+        uneven: the newest copies of the shards needed are at different steps.
     """
 
     restore: bool
@@ -103,10 +111,12 @@ def plan_sync(positions: Sequence[Position]) -> SyncPlan:
             best[p.shard], source[p.shard] = p.step, rank
     behind: dict[int, set[int]] = {}
     for rank, p in enumerate(positions):
-        if not p.holds or p.step < best.get(p.shard, -1):
-            behind.setdefault(p.shard, set()).add(rank)
-    missing = frozenset(shard for shard in behind if shard not in best)
-    steps = set(best.values())
+        current = p.holds and p.shard == p.needs and p.step == best[p.shard]
+        if not current:
+            behind.setdefault(p.needs, set()).add(rank)
+    needed = {p.needs for p in positions}
+    missing = frozenset(shard for shard in needed if shard not in best)
+    steps = {best[shard] for shard in needed if shard in best}
     uneven = len(steps) > 1
     return SyncPlan(
         restore=False,

@@ -186,12 +186,12 @@ def test_what_cannot_travel_is_named_by_its_place(tree: Any, named: str) -> None
         pack_state(tree)
 
 
-def test_a_sharded_tensor_is_refused_with_what_to_do_instead() -> None:
-    class Sharded(torch.Tensor):
+def test_a_tensor_subclass_it_cannot_take_apart_is_refused() -> None:
+    class Wrapped(torch.Tensor):
         pass
 
-    with pytest.raises(StateTransferError, match="restore sharded state from a checkpoint"):
-        pack_state({"w": torch.zeros(2).as_subclass(Sharded)})
+    with pytest.raises(StateTransferError, match="plain tensors and DTensors travel"):
+        pack_state({"w": torch.zeros(2).as_subclass(Wrapped)})
 
 
 json_values = st.recursive(
@@ -227,34 +227,43 @@ def test_a_layout_that_points_past_its_transfer_is_refused() -> None:
         read_layout(json.dumps(doc).encode())
 
 
-#: Two ranks over gloo on 127.0.0.1: rank 0 sends, rank 1 prints what came.
+#: Three ranks over gloo on 127.0.0.1: rank 0 sends to ranks 1 and 2, and rank 2
+#: sends its own state to rank 0 in the same exchange; each prints what came.
 _PEERS = """
 import datetime, sys, torch, torch.distributed as dist
-from rallypoint.agent.live_state import broadcast_state, StateTransferError
+from rallypoint.agent.live_state import exchange_state, StateTransferError
 rank, port, case = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 timeout = datetime.timedelta(seconds=60)
-store = dist.TCPStore("127.0.0.1", int(port), 2, rank == 0, timeout=timeout)
-dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+store = dist.TCPStore("127.0.0.1", int(port), 3, rank == 0, timeout=timeout)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
 torch.manual_seed(1)
 state = {"big": torch.randn(300_000), "small": {3: torch.tensor(7), "lr": 0.5}, "s": "x"}
 if case == "bad":
     state["small"]["hook"] = object()
+send_to = {0: [1, 2], 1: [], 2: [0]}[rank]
+receive_from = {0: 2, 1: 0, 2: 0}[rank]
+mine = {"from": torch.tensor(rank)} if rank == 2 else state
 try:
-    tree, size = broadcast_state(state if rank == 0 else None, 0, dist.group.WORLD)
+    tree, size = exchange_state(mine, send_to=send_to, receive_from=receive_from,
+                                group=dist.group.WORLD)
 except StateTransferError as exc:
     print("refused:", exc)
 else:
-    same = torch.equal(tree["big"], state["big"]) and tree["small"][3].item() == 7
-    print("same" if same and tree["small"]["lr"] == 0.5 and tree["s"] == "x" else "differs", size)
+    if rank == 0:
+        print("same" if tree["from"].item() == 2 else "differs", size)
+    else:
+        same = torch.equal(tree["big"], state["big"]) and tree["small"][3].item() == 7
+        print("same" if same and tree["small"]["lr"] == 0.5 and tree["s"] == "x" else "differs", size)
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("case", ["good", "bad"])
-def test_two_ranks_over_gloo(tmp_path: Path, case: str) -> None:
-    """The receiver gets the sender's state; a state that cannot travel fails on
-    both ranks with the sender's reason (the receiver does not wait for it)."""
+def test_three_ranks_over_gloo(tmp_path: Path, case: str) -> None:
+    """Each receiver gets its sender's state, in both directions at once; a state
+    that cannot travel fails on every rank, the receivers with the sender's reason
+    (nobody waits for it)."""
     script = tmp_path / "peers.py"
     script.write_text(_PEERS)
     port = str(free_port())
@@ -265,7 +274,7 @@ def test_two_ranks_over_gloo(tmp_path: Path, case: str) -> None:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in (0, 1)
+        for rank in (0, 1, 2)
     ]
     try:
         outputs = [p.communicate(timeout=120)[0] for p in procs]
@@ -275,7 +284,10 @@ def test_two_ranks_over_gloo(tmp_path: Path, case: str) -> None:
             p.wait()
     assert all(p.returncode == 0 for p in procs), outputs
     if case == "good":
-        received = outputs[1].split()
-        assert received[0] == "same" and int(received[1]) > 300_000 * 4, outputs
+        assert [o.split()[0] for o in outputs] == ["same"] * 3, outputs
+        assert int(outputs[1].split()[1]) > 300_000 * 4, outputs
     else:
-        assert all("refused: state['small']['hook'] is a builtins.object" in o for o in outputs)
+        reason = "refused: state['small']['hook'] is a builtins.object"
+        assert reason in outputs[1] and reason in outputs[2], outputs
+        # Rank 0's own receive went well: it learns that a peer failed.
+        assert "refused:" in outputs[0], outputs

@@ -10,7 +10,11 @@ from hypothesis import strategies as st
 from rallypoint.core.state_sources import Position, plan_sync
 
 positions = st.lists(
-    st.builds(Position, st.integers(0, 6), st.booleans(), st.integers(0, 2)), min_size=1, max_size=8
+    st.builds(
+        Position, st.integers(0, 6), st.booleans(), st.integers(0, 2), st.none() | st.integers(0, 2)
+    ),
+    min_size=1,
+    max_size=8,
 )
 
 
@@ -21,24 +25,32 @@ def test_each_shard_comes_from_the_lowest_rank_at_its_newest_step(ranks: list[Po
     assert plan.restore == (not any(p.holds for p in ranks))
     if plan.restore:
         return
+    newest = {p.shard: max(q.step for q in ranks if q.holds and q.shard == p.shard)
+              for p in ranks if p.holds}  # fmt: skip
     for shard, source in plan.sources.items():
         holders = [r for r, p in enumerate(ranks) if p.holds and p.shard == shard]
-        newest = max(ranks[r].step for r in holders)
         assert ranks[source].holds and ranks[source].shard == shard
-        assert source == min(r for r in holders if ranks[r].step == newest)
+        assert source == min(r for r in holders if ranks[r].step == newest[shard])
         assert source not in plan.receivers[shard]
     for rank, p in enumerate(ranks):
-        needs = not p.holds or any(
-            q.holds and q.shard == p.shard and q.step > p.step for q in ranks
-        )
-        receives = any(rank in group for group in plan.receivers.values())
-        assert receives == (needs and p.shard not in plan.missing), (rank, plan)
-    shards_held = {p.shard for p in ranks if p.holds}
-    assert plan.missing == {p.shard for p in ranks if not p.holds} - shards_held
-    newest = {s: max(p.step for p in ranks if p.holds and p.shard == s) for s in shards_held}
-    assert plan.uneven == (len(set(newest.values())) > 1)
+        current = p.holds and p.shard == p.needs and p.step == newest[p.shard]
+        receives = [shard for shard, group in plan.receivers.items() if rank in group]
+        expected = [] if current or p.needs not in newest else [p.needs]
+        assert receives == expected, (rank, plan)
+    needed = {p.needs for p in ranks}
+    assert plan.missing == needed - set(newest)
+    assert plan.uneven == (len({newest[s] for s in needed if s in newest}) > 1)
     if plan.from_peers:
-        assert plan.step == max(newest.values())
+        assert plan.step == max(newest[s] for s in needed)
+
+
+def test_a_rank_whose_place_moved_takes_the_shard_it_needs() -> None:
+    """HSDP shrunk to one replica: the survivors hold shards 1 and 0 and need 0 and 1."""
+    ranks = [Position(6, True, 1, wants=0), Position(6, True, 0, wants=1)]
+    plan = plan_sync(ranks)
+    assert plan.sources == {0: 1, 1: 0}
+    assert plan.receivers == {0: frozenset({0}), 1: frozenset({1})}
+    assert plan.from_peers and plan.step == 6
 
 
 def test_data_parallel_ranks_take_the_front_runners_state() -> None:

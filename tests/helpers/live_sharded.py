@@ -1,0 +1,119 @@
+"""A sharded live-regroup training loop the tests check: ``live_sharded.py OUT STEPS STEP_TIME``.
+
+A small MLP wrapped with FSDP2 (``fully_shard``) on a CPU device mesh, and Adam,
+registered through ``live.Job(build=...)``. ``LIVE_SHARDED_MESH=hsdp`` (the
+default) shards within a node and replicates across nodes (a replicate x shard
+mesh of ``WORLD_SIZE / LOCAL_WORLD_SIZE`` x ``LOCAL_WORLD_SIZE``); ``fsdp`` shards
+over the whole world. Every rank trains on the same batch at step k (drawn from a
+generator seeded with k), so a rank's result depends on the mesh and the step
+only: two runs of the same world commit the same bits at every step.
+
+Appends to ``OUT/records.jsonl``: ``start`` when the process runs, ``restore`` when
+the job asks it to load its checkpoint (a whole-job start: there is none), ``round``
+when a round is ready, and ``step`` for each committed step with ``digest``, a
+SHA-256 of the whole parameters (gathered from the shards) and of this rank's own
+optimizer shards, and ``shard`` (which part of the state this rank holds).
+``done`` when it finished. Each step sleeps STEP_TIME until ``OUT/sprint`` exists.
+Without a live agent (plain ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables) it runs
+one round: the undisturbed run the tests compare with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    out, steps, step_time = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    records = open(os.path.join(out, "records.jsonl"), "a", buffering=1)  # noqa: SIM115
+    pid = os.getpid()
+
+    def record(event: str, **fields: object) -> None:
+        records.write(
+            json.dumps({"event": event, "pid": pid, "time": time.time(), **fields}) + "\n"
+        )
+
+    record("start", local_rank=int(os.environ["LOCAL_RANK"]))
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from rallypoint.agent import live
+    from rallypoint.agent.live_state import shard_of
+
+    torch.set_num_threads(1)
+    mode = os.environ.get("LIVE_SHARDED_MESH", "hsdp")
+
+    def build() -> dict[str, live.Sharded]:
+        world = dist.get_world_size()
+        if mode == "hsdp":
+            local = int(os.environ["LOCAL_WORLD_SIZE"])
+            mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("dp", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        torch.manual_seed(0)  # the same start on every rank and in every round
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 5))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        return {"train": live.Sharded(model, optimizer)}
+
+    def restore() -> int:
+        record("restore", round=int(os.environ.get("RALLYPOINT_ROUND", "0")))
+        return 0
+
+    job = live.Job(build=build, backend="gloo", timeout=60, restore=restore, may_shrink=True)
+    sprint = os.path.join(out, "sprint")
+    for rnd in job.rounds():
+        train = job.state["train"]
+        assert isinstance(train, live.Sharded)
+        model, optimizer = train.model, train.optimizer
+        shard = shard_of(train.state_dict()).index
+        record(
+            "round", round=rnd.number, rank=rnd.rank, world=rnd.world_size, step=job.step,
+            shard=shard,
+        )  # fmt: skip
+        with rnd:
+            for step in rnd.steps(steps):
+                batch = torch.Generator().manual_seed(step)
+                x = torch.randn(16, 8, generator=batch)
+                y = torch.randn(16, 5, generator=batch)
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                digest = hashlib.sha256()
+                for param in model.parameters():
+                    assert isinstance(param, DTensor)
+                    digest.update(param.full_tensor().detach().numpy().tobytes())
+                for state in optimizer.state.values():
+                    for value in state.values():
+                        local = value.to_local() if isinstance(value, DTensor) else value
+                        digest.update(local.detach().numpy().tobytes())
+                if step_time and not os.path.exists(sprint):
+                    time.sleep(step_time)
+                record(
+                    "step", round=rnd.number, rank=rnd.rank, world=rnd.world_size,
+                    step=step + 1, shard=shard, digest=digest.hexdigest(),
+                )  # fmt: skip
+    record("done", step=job.step)
+    dist.barrier()
+    dist.destroy_process_group()
+    records.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's teardown at interpreter exit can abort the process
+
+
+if __name__ == "__main__":
+    main()
