@@ -32,10 +32,16 @@ STEP_TIME = 0.02
 FAST = "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60,last_call_timeout=0.5"
 
 
-def _undisturbed(tmp_path: Path, world: int, local: int) -> dict[tuple[int, int], str]:
+@pytest.fixture(scope="module")
+def digests(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], str]:
+    """(step, shard) -> digest, from the job run once without an agent (HSDP, 2 x 2).
+    A world of one replica commits the same bits (its gradients are averages of
+    identical batches), so the scenarios that shrink or grow compare with it too."""
+    return _undisturbed(tmp_path_factory.mktemp("undisturbed"), 4, 2)
+
+
+def _undisturbed(out: Path, world: int, local: int) -> dict[tuple[int, int], str]:
     """(step, shard) -> digest, from the same job run once without an agent."""
-    out = tmp_path / "undisturbed"
-    out.mkdir()
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -66,12 +72,14 @@ def _undisturbed(tmp_path: Path, world: int, local: int) -> dict[tuple[int, int]
     return digests
 
 
-def _agent_args(endpoint: str, run_id: str, nnodes: str, nproc: int) -> list[str]:
+def _agent_args(endpoint: str, run_id: str, nnodes: str, nproc: int, host: bool) -> list[str]:
+    """An agent's flags; ``host``: it hosts the c10d store (the others may be lost)."""
+    conf = f"{FAST},is_host={'true' if host else 'false'}"
     return [
         "--nnodes", nnodes, "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--local-addr", "127.0.0.1", "--monitor-interval", "0.05", "--stop-grace", "2",
-        "--live", "--live-timeout", "30", "--max-restarts", "3", "--rdzv-conf", FAST,
+        "--live", "--live-timeout", "30", "--max-restarts", "3", "--rdzv-conf", conf,
     ]  # fmt: skip
 
 
@@ -101,21 +109,24 @@ def _check_training(cluster: Cluster, digests: dict[tuple[int, int], str]) -> No
     assert done and all(r["step"] == STEPS for r in done)
 
 
+def _start(cluster: Cluster, name: str, args: list[str]) -> None:
+    events = str(cluster.dir / f"events-{name}.jsonl")
+    cluster.start(
+        [*args, "--events-file", events, SCRIPT, str(cluster.dir), str(STEPS), str(STEP_TIME)],
+        name,
+    )
+
+
 def test_a_killed_hsdp_worker_takes_its_shard_from_the_other_replica(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, digests: dict[tuple[int, int], str]
 ) -> None:
     """HSDP, 2 agents x 2 workers (each node one replica of 2 shards): SIGKILL rank
     3. Its replacement gets shard 1 from rank 1, the other replica, and reads no
     checkpoint; the three survivors keep their processes and rebuild their objects
     from their own shards; every step matches the undisturbed run bit for bit."""
-    digests = _undisturbed(tmp_path, 4, 2)
-    args = _agent_args(f"127.0.0.1:{free_port()}", "sharded-crash", "2", 2)
+    endpoint = f"127.0.0.1:{free_port()}"
     for name in ("a", "b"):
-        events = str(cluster.dir / f"events-{name}.jsonl")
-        cluster.start(
-            [*args, "--events-file", events, SCRIPT, str(cluster.dir), str(STEPS), str(STEP_TIME)],
-            name,
-        )
+        _start(cluster, name, _agent_args(endpoint, "sharded-crash", "2", 2, name == "a"))
     before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
     round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
     os.kill(before[3], signal.SIGKILL)
@@ -138,3 +149,57 @@ def test_a_killed_hsdp_worker_takes_its_shard_from_the_other_replica(
     regroups = [e for e in node_b if e["kind"] == "live_regroup" and e["round"] > round_]
     assert regroups and regroups[0]["state_from"] == [1], regroups
     assert regroups[0]["state_from_disk"] is False
+
+
+def test_a_lost_hsdp_replica_shrinks_the_mesh_without_resharding(
+    cluster: Cluster, digests: dict[tuple[int, int], str]
+) -> None:
+    """HSDP, --nnodes 1:2, 2 agents x 2 workers: SIGKILL agent b and its workers (one
+    whole replica). a's two workers keep their processes and their shards in a mesh
+    of one replica; nothing moves between ranks, and every step matches the
+    undisturbed run (whose gradients, averaged over identical batches, are the same
+    in a world of 2 and of 4)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    _start(cluster, "a", _agent_args(endpoint, "sharded-shrink", "1:2", 2, host=True))
+    _start(cluster, "b", _agent_args(endpoint, "sharded-shrink", "1:2", 2, host=False))
+    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
+    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
+    survivors = {p.pid for p in cluster.tree("a")} & set(before.values())
+    cluster.kill("b", machine=True)
+    after = cluster.wait_for(
+        lambda: _stepping(cluster, 2, round_), "2 ranks stepping after the loss", WAIT
+    )
+    assert set(after.values()) == survivors, "a survivor was restarted"
+    (cluster.dir / "sprint").touch()
+    assert cluster.wait("a", WAIT) == 0, cluster.logs()
+    assert cluster.leftovers() == []
+    _check_training(cluster, digests)
+    regroups = [
+        e for e in read_jsonl(cluster.dir / "events-a.jsonl")
+        if e["kind"] == "live_regroup" and e["round"] > round_
+    ]  # fmt: skip
+    assert regroups and regroups[0]["state_from"] == [] and regroups[0]["state_bytes"] == 0
+
+
+def test_a_node_joining_an_hsdp_job_gets_its_shards_from_the_running_replica(
+    cluster: Cluster, digests: dict[tuple[int, int], str]
+) -> None:
+    """HSDP, --nnodes 1:2: a trains alone (one replica); b joins. a's workers keep
+    their processes; b's get shards 0 and 1 from ranks 0 and 1 and read no
+    checkpoint; every step matches the undisturbed run."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    _start(cluster, "a", _agent_args(endpoint, "sharded-join", "1:2", 2, host=True))
+    alone = cluster.wait_for(lambda: _stepping(cluster, 2), "a alone stepping", WAIT)
+    _start(cluster, "b", _agent_args(endpoint, "sharded-join", "1:2", 2, host=False))
+    after = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
+    assert {after[0], after[1]} == set(alone.values()), "a's workers were restarted"
+    (cluster.dir / "sprint").touch()
+    for name in ("a", "b"):
+        assert cluster.wait(name, WAIT) == 0, cluster.logs()
+    assert cluster.leftovers() == []
+    _check_training(cluster, digests)
+    records = _records(cluster)
+    assert {r["pid"] for r in records if r["event"] == "restore"} == set(alone.values())
+    joined = [r for r in records if r["event"] == "round" and r["pid"] in (after[2], after[3])]
+    assert sorted((r["rank"], r["shard"]) for r in joined) == [(2, 0), (3, 1)]
+    assert all(r["step"] > 0 for r in joined), joined
