@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -38,11 +39,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 __all__ = [
     "Shard",
     "StateTransferError",
+    "exchange_packed",
     "exchange_state",
     "pack_state",
     "read_layout",
@@ -94,7 +95,7 @@ def pack_state(tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"})
     tensors: list[tuple[torch.Tensor, bool]] = []  # (the data, a DTensor's shard)
 
     def encode(value: Any, path: str) -> Any:
-        if isinstance(value, DTensor):
+        if _is_dtensor(value):
             value = value.to_local()
             _check_plain(value, path)
             tensors.append((value, True))
@@ -106,7 +107,10 @@ def pack_state(tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"})
         if value is None or isinstance(value, (bool, int, str)):
             return value
         if isinstance(value, float):
-            return value if math.isfinite(value) else {"f": repr(value)}
+            if math.isfinite(value):
+                return value
+            sign = "-" if math.isnan(value) and math.copysign(1, value) < 0 else ""
+            return {"f": sign + repr(value)}  # JSON has no inf or nan; keep a nan's sign
         if isinstance(value, torch.Size):
             return {"S": list(value)}
         if isinstance(value, torch.dtype):
@@ -177,6 +181,19 @@ def pack_state(tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"})
         "tree": tree_doc,
     }
     return Packed(json.dumps(layout, separators=(",", ":")).encode(), transfers, kinds)
+
+
+def _dtensor_class() -> Any:
+    """``DTensor``, once its module is loaded (None before: no state can hold one
+    then). Importing it costs a second or more, which a worker that shards nothing
+    must not pay before its first round."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _is_dtensor(value: Any) -> bool:
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def _check_plain(tensor: torch.Tensor, path: str) -> None:
@@ -307,7 +324,7 @@ def unpack_state(
         if kind == "t" and _is_count(item) and item < len(built):
             tensor, sharded = built[item]
             return _as_dtensor(tensor, like, path) if sharded else tensor
-        if kind == "f" and item in ("inf", "-inf", "nan"):
+        if kind == "f" and item in ("inf", "-inf", "nan", "-nan"):
             return float(item)
         if kind == "S" and isinstance(item, list) and all(_is_count(n) for n in item):
             return torch.Size(item)
@@ -340,9 +357,9 @@ def unpack_state(
         raise _fail("the tree is nested too deeply") from None
 
 
-def _as_dtensor(local: torch.Tensor, like: Any, path: str) -> DTensor:
+def _as_dtensor(local: torch.Tensor, like: Any, path: str) -> Any:
     """``local`` as this worker's shard of the DTensor ``like`` stands for."""
-    if not isinstance(like, DTensor):
+    if not _is_dtensor(like):
         raise StateTransferError(
             f"{path}: a peer sent a shard of a sharded tensor where this worker's state has "
             f"{type(like).__name__}: build the same model and wrapping on every rank"
@@ -353,7 +370,7 @@ def _as_dtensor(local: torch.Tensor, like: Any, path: str) -> DTensor:
             f"{path}: a peer sent a shard of {tuple(local.shape)} {local.dtype}, but this "
             f"rank's shard is {tuple(mine.shape)} {mine.dtype} (a different mesh or wrapping)"
         )
-    return DTensor.from_local(
+    return _dtensor_class().from_local(
         local.to(mine.device),
         like.device_mesh,
         like.placements,
@@ -380,10 +397,12 @@ class Shard:
             (0 when nothing is sharded: data-parallel training).
         layout: names the sharding (the sizes of the sharded dimensions): two
             ranks' indices compare only under the same layout.
+        count: how many shards the layout has.
     """
 
     index: int
     layout: int
+    count: int = 1
 
 
 def shard_of(tree: Any) -> Shard:
@@ -394,7 +413,7 @@ def shard_of(tree: Any) -> Shard:
     dims: dict[tuple[str, int, int], tuple[int, int]] = {}  # mesh dim -> (size, coordinate)
 
     def visit(value: Any) -> None:
-        if isinstance(value, DTensor):
+        if _is_dtensor(value):
             mesh = value.device_mesh
             coordinate = list(mesh.get_coordinate() or ())
             for dim, placement in enumerate(value.placements):
@@ -410,13 +429,13 @@ def shard_of(tree: Any) -> Shard:
                 visit(item)
 
     visit(tree)
-    index = 0
+    index, count = 0, 1
     sizes = []
     for key in sorted(dims):
         size, coordinate = dims[key]
-        index = index * size + coordinate
+        index, count = index * size + coordinate, count * size
         sizes.append([*key, size])  # the layout: each sharded dimension and its size
-    return Shard(index, zlib.crc32(json.dumps(sizes).encode()))
+    return Shard(index, zlib.crc32(json.dumps(sizes).encode()), count)
 
 
 # ------------------------------------------------------------------- the wire
@@ -432,11 +451,8 @@ def exchange_state(
     like: Any = None,
 ) -> tuple[Any, int]:
     """Send ``tree`` to the ranks ``send_to`` and receive a tree from
-    ``receive_from`` (None: nothing to receive), point to point over ``group``; all
-    at once, so that ranks that send to each other do not wait on each other. A
-    device type in ``device_groups`` (``{"cuda": nccl_group}``) sends its tensors
-    over that group. Every rank of ``group`` calls it, those with nothing to move
-    too: it ends with the ranks' agreement that every transfer went well.
+    ``receive_from`` (None: nothing to receive), point to point over ``group``
+    (:func:`exchange_packed`); every rank of ``group`` calls it.
 
     Returns:
         the received tree (None when nothing was received; :func:`unpack_state`'s
@@ -448,67 +464,116 @@ def exchange_state(
             failed.
     """
     groups = {"cpu": group, **(device_groups or {})}
-    packed: Packed | None = None
-    failure = b""
+    payload: Packed | StateTransferError | None = None
     if send_to:
         try:
-            packed = pack_state(tree, direct_devices=frozenset(groups))
+            payload = pack_state(tree, direct_devices=frozenset(groups))
         except StateTransferError as exc:
-            failure = str(exc).encode()
+            payload = exc
+    sources = [] if receive_from is None else [receive_from]
+    received = exchange_packed(
+        dict.fromkeys(send_to, payload), sources, group=group, device_groups=device_groups
+    )
+    if not received:
+        return None, 0
+    (packed,) = received
+    return unpack_state(read_layout(packed.layout), packed.transfers, _local, like), packed.nbytes
+
+
+def exchange_packed(
+    sends: Mapping[int, Packed | StateTransferError | None],
+    sources: Sequence[int],
+    *,
+    group: Any,
+    device_groups: Mapping[str, Any] | None = None,
+) -> list[Packed]:
+    """Send each rank of ``sends`` its packed state (or the reason it cannot have
+    one), and receive one from each rank of ``sources``, point to point over
+    ``group``; all at once, so that ranks that send to each other do not wait on
+    each other. A device type in ``device_groups`` (``{"cuda": nccl_group}``) sends
+    its transfers over that group. Every rank of ``group`` calls it, those with
+    nothing to move too: it ends with the ranks' agreement that every transfer
+    went well.
+
+    Returns:
+        what came from each source, in order (its layout checked by
+        :func:`read_layout`).
+
+    Raises:
+        StateTransferError: on every rank when any rank could not send or what came
+            is malformed: the reason where it is known, else which rank failed.
+    """
+    groups = {"cpu": group, **(device_groups or {})}
+    outgoing = {dst: p for dst, p in sends.items() if isinstance(p, Packed)}
+    failures = {
+        dst: str(p or "nothing to send").encode()
+        for dst, p in sends.items()
+        if not isinstance(p, Packed)
+    }
     # 1. A header: the layout's length (or minus the reason's, on a failure) and how
     # many transfers follow.
-    header = torch.tensor(
-        [len(packed.layout), len(packed.transfers)] if packed else [-len(failure) - 1, 0]
-    )
-    heard = torch.zeros(2, dtype=torch.int64)
-    _p2p(group, [(header, dst) for dst in send_to], [(heard, receive_from)])
+    headers = {
+        dst: torch.tensor([len(p.layout), len(p.transfers)]) for dst, p in outgoing.items()
+    } | {dst: torch.tensor([-len(why) - 1, 0]) for dst, why in failures.items()}
+    heard = {src: torch.zeros(2, dtype=torch.int64) for src in sources}
+    _p2p(group, [(headers[dst], dst) for dst in sends], [(h, src) for src, h in heard.items()])
     # 2. The layout (or the reason) and each transfer's device and size.
-    frame = torch.tensor(
-        [
-            [_KINDS.index(kind), t.numel()]
-            for kind, t in zip(packed.kinds, packed.transfers, strict=True)
-        ]
-        if packed
-        else [],
-        dtype=torch.int64,
-    ).reshape(-1, 2)
-    message = packed.layout if packed else failure
-    text_in = torch.empty(
-        abs(int(heard[0]) + 1) if heard[0] < 0 else int(heard[0]), dtype=torch.uint8
-    )
-    frame_in = torch.empty(max(int(heard[1]), 0), 2, dtype=torch.int64)
-    outgoing = []
-    for dst in send_to:
-        outgoing += [(_bytes_tensor(message), dst), (frame, dst)]
-    _p2p(group, outgoing, [(text_in, receive_from), (frame_in, receive_from)])
+    texts = {
+        src: torch.empty(abs(int(h[0]) + 1) if h[0] < 0 else int(h[0]), dtype=torch.uint8)
+        for src, h in heard.items()
+    }
+    frames = {src: torch.empty(max(int(h[1]), 0), 2, dtype=torch.int64) for src, h in heard.items()}
+    posted = []
+    for dst, p in outgoing.items():
+        frame = torch.tensor(
+            [[_KINDS.index(kind), t.numel()] for kind, t in zip(p.kinds, p.transfers, strict=True)],
+            dtype=torch.int64,
+        ).reshape(-1, 2)
+        posted += [(_bytes_tensor(p.layout), dst), (frame, dst)]
+    posted += [(_bytes_tensor(why), dst) for dst, why in failures.items()]
+    _p2p(group, posted, [(t, src) for part in (texts, frames) for src, t in part.items()])
     # 3. The transfers, each over the group of its device.
-    codes = [(int(code), int(size)) for code, size in frame_in.tolist()]
-    kinds_in = [_KINDS[code] if 0 <= code < len(_KINDS) else "cpu" for code, _ in codes]
-    received = [
-        torch.empty(max(size, 0), dtype=torch.uint8, device=_local(kind))
-        for (_, size), kind in zip(codes, kinds_in, strict=True)
-    ]
+    codes = {src: [(int(c), int(n)) for c, n in frames[src].tolist()] for src in sources}
+    kinds_in = {
+        src: [_KINDS[c] if 0 <= c < len(_KINDS) else "cpu" for c, _ in codes[src]]
+        for src in sources
+    }
+    received = {
+        src: [
+            torch.empty(max(n, 0), dtype=torch.uint8, device=_local(kind))
+            for (_, n), kind in zip(codes[src], kinds_in[src], strict=True)
+        ]
+        for src in sources
+    }
     for kind in _KINDS:
-        sends = [
-            (transfer, dst)
-            for transfer, transfer_kind in zip(packed.transfers, packed.kinds, strict=True)
-            if transfer_kind == kind
-            for dst in send_to
-        ] if packed else []  # fmt: skip
-        receives = [(t, receive_from) for t, k in zip(received, kinds_in, strict=True) if k == kind]
-        if sends or receives:
-            _p2p(groups.get(kind, group), sends, receives)
+        out = [
+            (t, dst)
+            for dst, p in outgoing.items()
+            for t, k in zip(p.transfers, p.kinds, strict=True)
+            if k == kind
+        ]
+        into = [
+            (t, src)
+            for src in sources
+            for t, k in zip(received[src], kinds_in[src], strict=True)
+            if k == kind
+        ]
+        if out or into:
+            _p2p(groups.get(kind, group), out, into)
     # 4. The outcome, here and everywhere.
-    error: StateTransferError | None = StateTransferError(failure.decode()) if failure else None
-    result = None
-    if receive_from is not None and error is None:
+    error = next((p for p in sends.values() if isinstance(p, StateTransferError)), None)
+    results = []
+    for src in sources:
+        if error is not None:
+            break
         try:
-            if heard[0] < 0:
-                raise StateTransferError(text_in.numpy().tobytes().decode(errors="replace"))
-            if any(not 0 <= code < len(_KINDS) or size < 0 for code, size in codes):
-                raise _fail(f"a transfer is not [device, bytes]: {codes!r}")
-            doc = read_layout(text_in.numpy().tobytes())
-            result = unpack_state(doc, received, _local, like)
+            text = texts[src].numpy().tobytes()
+            if heard[src][0] < 0:
+                raise StateTransferError(text.decode(errors="replace"))
+            if any(not 0 <= c < len(_KINDS) or n < 0 for c, n in codes[src]):
+                raise _fail(f"a transfer is not [device, bytes]: {codes[src]!r}")
+            read_layout(text)
+            results.append(Packed(text, received[src], kinds_in[src]))
         except StateTransferError as exc:
             error = exc
     failed = torch.tensor([dist.get_rank() if error else -1], dtype=torch.int64)
@@ -519,20 +584,17 @@ def exchange_state(
         raise StateTransferError(
             f"rank {int(failed.item())} could not take part in the state's transfer (see its log)"
         )
-    size = text_in.numel() + sum(t.numel() for t in received)
-    return result, size if receive_from is not None else 0
+    return results
 
 
 def _p2p(
     group: Any,
-    sends: list[tuple[torch.Tensor, int]],
-    receives: list[tuple[torch.Tensor, int | None]],
+    sends: Sequence[tuple[torch.Tensor, int]],
+    receives: Sequence[tuple[torch.Tensor, int]],
 ) -> None:
-    """Post every send and receive at once, then wait for all of them."""
+    """Post every send and receive (tensor, peer) at once, then wait for all of them."""
     works = [dist.isend(t, dst=dst, group=group) for t, dst in sends if t.numel()]
-    works += [
-        dist.irecv(t, src=src, group=group) for t, src in receives if src is not None and t.numel()
-    ]
+    works += [dist.irecv(t, src=src, group=group) for t, src in receives if t.numel()]
     for work in works:
         if work is not None:
             work.wait()
