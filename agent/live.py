@@ -70,7 +70,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ..core.state_sources import Position, SyncPlan, plan_sync
+from ..core.state_sources import (
+    Position,
+    RestoreFrom,
+    SyncPlan,
+    place_copies,
+    plan_restore,
+    plan_sync,
+)
 from .live_channel import (
     BEAT_PERIOD,
     FD_ENV,
@@ -83,7 +90,18 @@ from .live_channel import (
     StatusFile,
     decode_message,
 )
-from .live_state import StateTransferError, exchange_state, regraft, shard_of
+from .live_snapshots import Snapshots, gather_copies
+from .live_state import (
+    Packed,
+    StateTransferError,
+    exchange_packed,
+    exchange_state,
+    pack_state,
+    read_layout,
+    regraft,
+    shard_of,
+    unpack_state,
+)
 
 __all__ = ["Job", "LiveError", "Round", "Sharded", "Stateful"]
 
@@ -231,6 +249,12 @@ class Job:
             comes from a rank that holds the same shard (another replica), or from
             the rank's own memory when it kept its place; when no rank holds some
             shard any more, every rank restores the checkpoint (``restore``).
+        snapshot_every: with ``build``, every this many steps each rank keeps a copy
+            of its shard in its host memory and one in the host memory of a rank on
+            another node (sent in the background while training goes on), so that a
+            shard no live rank holds any more (FSDP, tensor parallel) comes back
+            from memory: every rank rolls back to the newest step whose copies are
+            whole, instead of restoring the checkpoint. 0: off.
         may_shrink: the job may train on without this worker for a while: when it
             is lost, the other nodes regroup without its node and go on stepping
             while its replacement starts, and take the replacement in once it is
@@ -252,6 +276,7 @@ class Job:
         timeout: float | None = None,
         restore: Callable[[], int | None] | None = None,
         build: Callable[[], Mapping[str, Stateful]] | None = None,
+        snapshot_every: int = 0,
         may_shrink: bool = False,
         **named: Stateful,
     ) -> None:
@@ -259,6 +284,16 @@ class Job:
         self.step = 0
         self.restore = restore
         self.build = build
+        if snapshot_every < 0 or (snapshot_every and build is None):
+            raise ValueError(
+                f"snapshot_every={snapshot_every}: a count of steps >= 0, for a job with build="
+            )
+        self.snapshot_every = snapshot_every
+        self.snapshots = Snapshots()
+        # The round's copies: the group they travel on, this rank's buddy and wards
+        # (rank -> the shard it holds), and the shard this rank holds.
+        self._copies: tuple[Any, int | None, dict[int, int]] | None = None
+        self._shard = shard_of(None)
         self.may_shrink = may_shrink
         # Whether this process holds the job's state: restored it, got it from a
         # peer, or trained. A fresh worker does not, even at step 0.
@@ -323,10 +358,14 @@ class Job:
             self._current = None
             if not rnd.interrupted:
                 self._report(Phase.DONE)
+                self.snapshots.wait(self._live_timeout / 2)  # none in flight at the end
                 rnd.settle()  # the script may keep `rnd`: it must not keep the side group
                 return
             self._report(Phase.JOINING)  # waiting for the next round is not a stall
+            if rnd.failure is None:  # a planned switch: let a snapshot in flight land
+                self.snapshots.wait(self._live_timeout / 2)
             self.abort()
+            self.snapshots.wait(self._live_timeout / 2)
             rnd.settle()  # no work of the round may be in flight when its groups go
             self._leave_group()
             self._next_round(rnd.failure)
@@ -354,6 +393,7 @@ class Job:
             self._wait_for_master()
             dist.init_process_group(**kwargs)
             side = dist.new_group(backend="gloo")
+            copies_group = dist.new_group(backend="gloo") if self.snapshot_every else None
             held, wanted = self._rebuild()
         finally:
             with self._forming_lock:
@@ -365,6 +405,8 @@ class Job:
             self._status.write_group_ready(time.monotonic())
         self._report(Phase.SYNCING)
         source, size = self._sync_state(side, held, wanted)
+        if copies_group is not None:
+            self._place_copies(side, copies_group)
         if self._status is not None:
             self._status.write_state(time.monotonic(), source, size)
         self._report(Phase.STEPPING)
@@ -411,7 +453,12 @@ class Job:
         shard any more, every rank restores its checkpoint first (:attr:`restore`)."""
         positions = self._positions(side, held, wanted)
         plan = plan_sync(positions)
+        self._shard = shard_of(wanted)
         fell_back = not plan.restore and not plan.from_peers
+        if fell_back and self.snapshot_every:
+            restored = self._restore_copies(side, positions, held, wanted)
+            if restored is not None:
+                return restored
         if plan.restore or fell_back:
             self._restore_checkpoint(plan)
             held = wanted = self._tree()
@@ -446,6 +493,77 @@ class Job:
         self._holds_state = True
         logger.info("round %d: state of step %d from rank %d", self.round, self.step, receive_from)
         return receive_from, size
+
+    def _restore_copies(
+        self, side: Any, positions: list[Position], held: Any, wanted: Any
+    ) -> tuple[int, int] | None:
+        """Some shard has no live copy: roll every rank back to the newest step
+        whose copies (live or snapshot) the ranks hold whole, as the core plans it;
+        (source, bytes in) as :meth:`_sync_state`, or None when no step is whole."""
+        me = dist.get_rank()
+        layout = self._shard.layout
+        copies = gather_copies(self.snapshots.copies(layout, me), side)
+        live = [Position(p.step, p.holds, p.shard) for p in positions]
+        plan = plan_restore(self._shard.count, live, copies)
+        if plan.source is RestoreFrom.DISK or plan.step is None:
+            return None
+        step = plan.step
+
+        def copy_of(shard: int) -> Packed | StateTransferError:
+            p = positions[me]
+            if p.holds and (p.shard, p.step) == (shard, step):
+                return pack_state(held, direct_devices=frozenset({"cpu"}))
+            found = self.snapshots.get(layout, shard, step)
+            return found or StateTransferError(f"rank {me} lost its copy of shard {shard}")
+
+        sends = {
+            rank: copy_of(p.needs)
+            for rank, p in enumerate(positions)
+            if rank != me and plan.senders[p.needs] == me
+        }
+        source = plan.senders[positions[me].needs]
+        try:
+            received = exchange_packed(sends, [] if source == me else [source], group=side)
+            packed = received[0] if received else copy_of(positions[me].needs)
+            if isinstance(packed, StateTransferError):
+                raise packed
+            tree = unpack_state(read_layout(packed.layout), packed.transfers, like=wanted)
+        except StateTransferError as exc:
+            raise LiveError(f"round {self.round}: {exc}") from exc
+        self._load(tree)
+        logger.warning(
+            "round %d: no rank held shard(s) of step %d any more; every rank rolled back to "
+            "the snapshot of step %d",
+            self.round,
+            max(p.step for p in positions),
+            step,
+        )
+        self.step = step
+        self._holds_state = True
+        return (-1 if source == me else source), (0 if source == me else packed.nbytes)
+
+    def _place_copies(self, side: Any, group: Any) -> None:
+        """Where this round's snapshots go: each rank's buddy on another node (the
+        core's placement over the ranks' nodes) and the shards of the ranks whose
+        buddy this one is."""
+        node = int(os.environ.get("GROUP_RANK", "0"))
+        mine = torch.tensor([node, self._shard.index], dtype=torch.int64)
+        rows = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine, group=side)
+        nodes = [int(r[0]) for r in rows]
+        buddies = place_copies(nodes)
+        me = dist.get_rank()
+        wards = {rank: int(rows[rank][1]) for rank, b in enumerate(buddies) if b == me}
+        self._copies = (group, buddies[me], wards)
+
+    def _snapshot(self) -> None:
+        """Keep a copy of the state at this step, and send one to the buddy."""
+        if self._copies is None:
+            return
+        group, buddy, wards = self._copies
+        self.snapshots.take(
+            self._tree(), self._shard, self.step, buddy=buddy, wards=wards, group=group
+        )
 
     def _restore_checkpoint(self, plan: SyncPlan) -> None:
         """Load the checkpoint on this rank (:attr:`restore`): the whole job starts,
@@ -533,6 +651,8 @@ class Job:
         status = self._status
         if status is not None:
             status.write_step(self.step)
+        if self.snapshot_every and self.step % self.snapshot_every == 0:
+            self._snapshot()
 
     def _first_step(self) -> None:
         if self._status is not None:

@@ -253,7 +253,8 @@ else:
         print("same" if tree["from"].item() == 2 else "differs", size)
     else:
         same = torch.equal(tree["big"], state["big"]) and tree["small"][3].item() == 7
-        print("same" if same and tree["small"]["lr"] == 0.5 and tree["s"] == "x" else "differs", size)
+        same = same and tree["small"]["lr"] == 0.5 and tree["s"] == "x"
+        print("same" if same else "differs", size)
 dist.destroy_process_group()
 """
 
@@ -291,3 +292,29 @@ def test_three_ranks_over_gloo(tmp_path: Path, case: str) -> None:
         assert reason in outputs[1] and reason in outputs[2], outputs
         # Rank 0's own receive went well: it learns that a peer failed.
         assert "refused:" in outputs[0], outputs
+
+
+def test_a_snapshot_is_a_copy_and_only_the_two_newest_steps_are_kept() -> None:
+    """What a rank keeps of its own state: a copy (training on does not change it),
+    listed per shard and step for the restore plan, the oldest dropped."""
+    from rallypoint.agent.live_snapshots import Snapshots
+    from rallypoint.agent.live_state import Shard
+    from rallypoint.core.state_sources import Copy
+
+    weights = torch.zeros(300_000)  # above the size that shares a buffer
+    snapshots = Snapshots()
+    shard = Shard(index=1, layout=7, count=2)
+    for step in (10, 20, 30):
+        weights.fill_(step)
+        snapshots.take({"w": weights}, shard, step, buddy=None, wards={}, group=None)
+    weights.fill_(-1)
+    assert sorted(snapshots.copies(7, holder=5), key=lambda c: c.step) == [
+        Copy(1, 20, 5),
+        Copy(1, 30, 5),
+    ]
+    assert snapshots.copies(8, holder=5) == []
+    packed = snapshots.get(7, 1, 20)
+    assert packed is not None and snapshots.get(7, 1, 10) is None
+    tree = unpack_state(read_layout(packed.layout), packed.transfers)
+    assert torch.equal(tree["w"], torch.full((300_000,), 20.0))
+    assert snapshots.bytes_kept >= 2 * 300_000 * 4

@@ -27,9 +27,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "helpers" / "live_sharded.py")
 WAIT = 120.0
-STEPS = 400
+STEPS = 200
 STEP_TIME = 0.02
 FAST = "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60,last_call_timeout=0.5"
+#: plain FSDP over the whole world, a snapshot every 10 steps
+FSDP = {"LIVE_SHARDED_MESH": "fsdp", "LIVE_SHARDED_SNAPSHOT_EVERY": "10"}
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +39,25 @@ def digests(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], s
     """(step, shard) -> digest, from the job run once without an agent (HSDP, 2 x 2).
     A world of one replica commits the same bits (its gradients are averages of
     identical batches), so the scenarios that shrink or grow compare with it too."""
-    return _undisturbed(tmp_path_factory.mktemp("undisturbed"), 4, 2)
+    return _undisturbed(tmp_path_factory.mktemp("undisturbed"), 4, 2, {})
 
 
-def _undisturbed(out: Path, world: int, local: int) -> dict[tuple[int, int], str]:
+@pytest.fixture(scope="module")
+def fsdp_digests(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], str]:
+    """The same for plain FSDP over 4 ranks (a shard per rank, no replica)."""
+    return _undisturbed(tmp_path_factory.mktemp("undisturbed-fsdp"), 4, 2, FSDP)
+
+
+def _undisturbed(
+    out: Path, world: int, local: int, extra_env: dict[str, str]
+) -> dict[tuple[int, int], str]:
     """(step, shard) -> digest, from the same job run once without an agent."""
     port = str(free_port())
     procs = []
     for rank in range(world):
         env = dict(
             os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local),
-            LOCAL_WORLD_SIZE=str(local), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+            LOCAL_WORLD_SIZE=str(local), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra_env,
         )  # fmt: skip
         procs.append(
             subprocess.Popen(
@@ -109,11 +119,12 @@ def _check_training(cluster: Cluster, digests: dict[tuple[int, int], str]) -> No
     assert done and all(r["step"] == STEPS for r in done)
 
 
-def _start(cluster: Cluster, name: str, args: list[str]) -> None:
+def _start(cluster: Cluster, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
     events = str(cluster.dir / f"events-{name}.jsonl")
     cluster.start(
         [*args, "--events-file", events, SCRIPT, str(cluster.dir), str(STEPS), str(STEP_TIME)],
         name,
+        env=env,
     )
 
 
@@ -203,3 +214,47 @@ def test_a_node_joining_an_hsdp_job_gets_its_shards_from_the_running_replica(
     joined = [r for r in records if r["event"] == "round" and r["pid"] in (after[2], after[3])]
     assert sorted((r["rank"], r["shard"]) for r in joined) == [(2, 0), (3, 1)]
     assert all(r["step"] > 0 for r in joined), joined
+
+
+def test_a_killed_fsdp_worker_rolls_the_job_back_to_its_buddys_snapshot(
+    cluster: Cluster, fsdp_digests: dict[tuple[int, int], str]
+) -> None:
+    """Plain FSDP over 2 agents x 2 workers, a snapshot every 10 steps: SIGKILL rank
+    3. No rank holds its shard, but rank 1 (on the other node) keeps its snapshot:
+    every rank rolls back to the newest whole snapshot, the replacement gets shard 3
+    from rank 1 and reads no checkpoint, the survivors keep their processes, and the
+    steps redone carry the same bits as the undisturbed run."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    for name in ("a", "b"):
+        _start(cluster, name, _agent_args(endpoint, "fsdp-crash", "2", 2, name == "a"), FSDP)
+    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
+    cluster.wait_for(
+        lambda: any(r["event"] == "step" and r["step"] >= 25 for r in _records(cluster)),
+        "two snapshots taken",
+        WAIT,
+    )
+    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
+    os.kill(before[3], signal.SIGKILL)
+    after = cluster.wait_for(
+        lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the kill", WAIT
+    )
+    assert [after[rank] for rank in (0, 1, 2)] == [before[rank] for rank in (0, 1, 2)]
+    (cluster.dir / "sprint").touch()
+    for name in ("a", "b"):
+        assert cluster.wait(name, WAIT) == 0, cluster.logs()
+    assert cluster.leftovers() == []
+    _check_training(cluster, fsdp_digests)
+    records = _records(cluster)
+    assert {r["pid"] for r in records if r["event"] == "restore"} == set(before.values())
+    next_round = min(r["round"] for r in records if r["event"] == "round" and r["round"] > round_)
+    resumed = [r for r in records if r["event"] == "round" and r["round"] == next_round]
+    assert len(resumed) == 4 and all(r["step"] % 10 == 0 for r in resumed), resumed
+    last_before = max(
+        r["step"] for r in records if r["event"] == "step" and r["pid"] == before[0]
+        and r["round"] <= round_
+    )  # fmt: skip
+    assert all(last_before - 20 <= r["step"] <= last_before for r in resumed), resumed
+    node_b = read_jsonl(cluster.dir / "events-b.jsonl")
+    regroups = [e for e in node_b if e["kind"] == "live_regroup" and e["round"] > round_]
+    assert regroups and 1 in regroups[0]["state_from"], regroups
+    assert regroups[0]["state_from_disk"] is False

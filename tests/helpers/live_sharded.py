@@ -4,9 +4,11 @@ A small MLP wrapped with FSDP2 (``fully_shard``) on a CPU device mesh, and Adam,
 registered through ``live.Job(build=...)``. ``LIVE_SHARDED_MESH=hsdp`` (the
 default) shards within a node and replicates across nodes (a replicate x shard
 mesh of ``WORLD_SIZE / LOCAL_WORLD_SIZE`` x ``LOCAL_WORLD_SIZE``); ``fsdp`` shards
-over the whole world. Every rank trains on the same batch at step k (drawn from a
-generator seeded with k), so a rank's result depends on the mesh and the step
-only: two runs of the same world commit the same bits at every step.
+over the whole world. ``LIVE_SHARDED_SNAPSHOT_EVERY=K`` keeps a snapshot of each
+shard every K steps (``live.Job(snapshot_every=K)``). Every rank trains on the
+same batch at step k (drawn from a generator seeded with k), so a rank's result
+depends on the mesh and the step only: two runs of the same world commit the same
+bits at every step.
 
 Appends to ``OUT/records.jsonl``: ``start`` when the process runs, ``restore`` when
 the job asks it to load its checkpoint (a whole-job start: there is none), ``round``
@@ -72,7 +74,14 @@ def main() -> None:
         record("restore", round=int(os.environ.get("RALLYPOINT_ROUND", "0")))
         return 0
 
-    job = live.Job(build=build, backend="gloo", timeout=60, restore=restore, may_shrink=True)
+    job = live.Job(
+        build=build,
+        backend="gloo",
+        timeout=60,
+        restore=restore,
+        may_shrink=True,
+        snapshot_every=int(os.environ.get("LIVE_SHARDED_SNAPSHOT_EVERY", "0")),
+    )
     sprint = os.path.join(out, "sprint")
     for rnd in job.rounds():
         train = job.state["train"]
