@@ -128,6 +128,37 @@ def _start(cluster: Cluster, name: str, args: list[str], env: dict[str, str] | N
     )
 
 
+def _finish(cluster: Cluster, names: list[str], digests: dict[tuple[int, int], str]) -> None:
+    """Let the job run to its last step at full speed, and check it (module docstring)."""
+    (cluster.dir / "sprint").touch()
+    for name in names:
+        assert cluster.wait(name, WAIT) == 0, cluster.logs()
+    assert cluster.leftovers() == []
+    _check_training(cluster, digests)
+
+
+def _kill_rank_3(
+    cluster: Cluster, from_step: int = 0
+) -> tuple[dict[int, int], dict[int, int], int]:
+    """Once 4 ranks step (and a step >= ``from_step`` was committed), SIGKILL rank 3's
+    worker; once 4 ranks step again, check that ranks 0-2 kept their processes and
+    rank 3's was replaced. Returns (rank -> pid before, after, the round it died in)."""
+    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
+    cluster.wait_for(
+        lambda: any(r["event"] == "step" and r["step"] >= from_step for r in _records(cluster)),
+        f"step {from_step}",
+        WAIT,
+    )
+    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
+    os.kill(before[3], signal.SIGKILL)
+    after = cluster.wait_for(
+        lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the kill", WAIT
+    )
+    assert after[3] != before[3]
+    assert [after[rank] for rank in (0, 1, 2)] == [before[rank] for rank in (0, 1, 2)]
+    return before, after, round_
+
+
 def test_a_killed_hsdp_worker_takes_its_shard_from_the_other_replica(
     cluster: Cluster, digests: dict[tuple[int, int], str]
 ) -> None:
@@ -138,19 +169,8 @@ def test_a_killed_hsdp_worker_takes_its_shard_from_the_other_replica(
     endpoint = f"127.0.0.1:{free_port()}"
     for name in ("a", "b"):
         _start(cluster, name, _agent_args(endpoint, "sharded-crash", "2", 2, name == "a"))
-    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
-    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
-    os.kill(before[3], signal.SIGKILL)
-    after = cluster.wait_for(
-        lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the kill", WAIT
-    )
-    assert after[3] != before[3]
-    assert [after[rank] for rank in (0, 1, 2)] == [before[rank] for rank in (0, 1, 2)]
-    (cluster.dir / "sprint").touch()
-    for name in ("a", "b"):
-        assert cluster.wait(name, WAIT) == 0, cluster.logs()
-    assert cluster.leftovers() == []
-    _check_training(cluster, digests)
+    before, after, round_ = _kill_rank_3(cluster)
+    _finish(cluster, ["a", "b"], digests)
     records = _records(cluster)
     restored = {r["pid"] for r in records if r["event"] == "restore"}
     assert restored == set(before.values()), "the replacement read a checkpoint"
@@ -181,10 +201,7 @@ def test_a_lost_hsdp_replica_shrinks_the_mesh_without_resharding(
         lambda: _stepping(cluster, 2, round_), "2 ranks stepping after the loss", WAIT
     )
     assert set(after.values()) == survivors, "a survivor was restarted"
-    (cluster.dir / "sprint").touch()
-    assert cluster.wait("a", WAIT) == 0, cluster.logs()
-    assert cluster.leftovers() == []
-    _check_training(cluster, digests)
+    _finish(cluster, ["a"], digests)
     regroups = [
         e for e in read_jsonl(cluster.dir / "events-a.jsonl")
         if e["kind"] == "live_regroup" and e["round"] > round_
@@ -204,11 +221,7 @@ def test_a_node_joining_an_hsdp_job_gets_its_shards_from_the_running_replica(
     _start(cluster, "b", _agent_args(endpoint, "sharded-join", "1:2", 2, host=False))
     after = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
     assert {after[0], after[1]} == set(alone.values()), "a's workers were restarted"
-    (cluster.dir / "sprint").touch()
-    for name in ("a", "b"):
-        assert cluster.wait(name, WAIT) == 0, cluster.logs()
-    assert cluster.leftovers() == []
-    _check_training(cluster, digests)
+    _finish(cluster, ["a", "b"], digests)
     records = _records(cluster)
     assert {r["pid"] for r in records if r["event"] == "restore"} == set(alone.values())
     joined = [r for r in records if r["event"] == "round" and r["pid"] in (after[2], after[3])]
@@ -227,23 +240,8 @@ def test_a_killed_fsdp_worker_rolls_the_job_back_to_its_buddys_snapshot(
     endpoint = f"127.0.0.1:{free_port()}"
     for name in ("a", "b"):
         _start(cluster, name, _agent_args(endpoint, "fsdp-crash", "2", 2, name == "a"), FSDP)
-    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
-    cluster.wait_for(
-        lambda: any(r["event"] == "step" and r["step"] >= 25 for r in _records(cluster)),
-        "two snapshots taken",
-        WAIT,
-    )
-    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
-    os.kill(before[3], signal.SIGKILL)
-    after = cluster.wait_for(
-        lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the kill", WAIT
-    )
-    assert [after[rank] for rank in (0, 1, 2)] == [before[rank] for rank in (0, 1, 2)]
-    (cluster.dir / "sprint").touch()
-    for name in ("a", "b"):
-        assert cluster.wait(name, WAIT) == 0, cluster.logs()
-    assert cluster.leftovers() == []
-    _check_training(cluster, fsdp_digests)
+    before, _, round_ = _kill_rank_3(cluster, from_step=25)  # two snapshots taken
+    _finish(cluster, ["a", "b"], fsdp_digests)
     records = _records(cluster)
     assert {r["pid"] for r in records if r["event"] == "restore"} == set(before.values())
     next_round = min(r["round"] for r in records if r["event"] == "round" and r["round"] > round_)
