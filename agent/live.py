@@ -597,11 +597,12 @@ class Job:
         """Break the round's communication so that no rank waits in it any more: NCCL
         aborts its communicators; gloo cannot, so the round's connections are shut
         down (the peers' collectives then fail as if this process had died). Safe
-        from any thread."""
-        group = dist.group.WORLD if dist.is_initialized() else None
-        if self.backend == "nccl" and group is not None:
-            with contextlib.suppress(Exception):
-                group.abort()
+        from any thread. With NCCL every NCCL group of the process is aborted: the
+        round's and those the script built on it (a device mesh's)."""
+        if self.backend == "nccl" and dist.is_initialized():
+            for group in _nccl_groups():
+                with contextlib.suppress(Exception):
+                    group.abort()
         _shut_down(self._round_sockets)
 
     def _leave_group(self) -> None:
@@ -767,6 +768,18 @@ def _beat(status: StatusFile, main: int) -> None:
             time.sleep(BEAT_PERIOD)
 
     threading.Thread(target=run, name="rallypoint-live-beat", daemon=True).start()
+
+
+def _nccl_groups() -> list[Any]:
+    """This process's NCCL process groups (the default one at least)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", None) or [dist.group.WORLD])
+    found = []
+    for group in groups:
+        with contextlib.suppress(Exception):
+            if "nccl" in str(dist.get_backend(group)):
+                found.append(group)
+    return found
 
 
 def _opened_since(before: Mapping[int, str]) -> dict[int, str]:

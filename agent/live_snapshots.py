@@ -74,8 +74,7 @@ class Snapshots:
         same step. Waits for the previous exchange first, so that every rank runs
         them in the same order."""
         self.wait()
-        packed = pack_state(tree, direct_devices=frozenset({"cpu"}))
-        own = Packed(packed.layout, [t.clone() for t in packed.transfers], packed.kinds)
+        own = pack_state(tree, direct_devices=frozenset({"cpu"}), copy=True)  # host memory
         self._keep(Taken(shard, step, own))
         if buddy is None and not wards:
             return

@@ -85,9 +85,13 @@ class Packed:
 # ----------------------------------------------------------------- packing
 
 
-def pack_state(tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"})) -> Packed:
+def pack_state(
+    tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"}), copy: bool = False
+) -> Packed:
     """Split ``tree`` for the wire (:class:`Packed`). ``direct_devices``: the device
     types with a group of their own; a tensor on any other travels through the CPU.
+    ``copy``: the transfers own their memory (a snapshot), instead of large tensors
+    being sent from the state's own memory.
 
     Raises:
         StateTransferError: a leaf that cannot travel, named by its path.
@@ -151,7 +155,9 @@ def pack_state(tree: Any, *, direct_devices: frozenset[str] = frozenset({"cpu"})
         if nbytes >= PACK_BELOW:
             data = tensor.detach()
             if data.device.type != wire:
-                data = data.to(wire)
+                data = data.to(wire)  # a copy already
+            elif copy:
+                data = data.clone(memory_format=torch.contiguous_format)
             transfers.append(_as_bytes(data.contiguous()))
             kinds.append(wire)
             slots[index] = [len(transfers) - 1, 0]

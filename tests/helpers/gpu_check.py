@@ -12,6 +12,12 @@ with what it saw, and the exit status is the number of failures:
   devices: its sibling keeps its process, aborts the lost round's communicator and
   sends the state to the newcomer; with one device (NCCL refuses two ranks on one
   GPU) the warm spare takes over and the job finishes;
+* ``sharded``: with two or more devices, live_sharded.py (FSDP2 on CUDA, NCCL, a
+  snapshot every 10 steps) on two agents of one device each; one worker SIGKILLed:
+  the others keep their processes, every rank rolls back to the newest whole
+  snapshot (the lost shard's copy kept by its buddy on the other agent, sent over
+  the new round's groups), the steps trained again carry the same bits as the first
+  time, and the job finishes;
 * ``health``: the pre-flight health check (matmul on the device, NCCL all-reduce).
 """
 
@@ -25,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, "-m", "rallypoint.run", "--standalone", "--nproc-per-node", "gpu"]
@@ -122,6 +129,98 @@ def check_live(devices: int) -> tuple[bool, str]:
         return ok, detail + " | " + text[-300:].replace("\n", " / ")
 
 
+def check_sharded(devices: int) -> tuple[bool, str]:
+    if devices < 2:
+        return True, "skipped: needs two devices (NCCL refuses two ranks on one)"
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp)
+        script = str(ROOT / "tests" / "helpers" / "live_sharded.py")
+        agents = []
+        for node in (0, 1):
+            env = dict(
+                os.environ, CUDA_VISIBLE_DEVICES=str(node), LIVE_SHARDED_BACKEND="nccl",
+                LIVE_SHARDED_MESH="fsdp", LIVE_SHARDED_SNAPSHOT_EVERY="10",
+            )  # fmt: skip
+            host = "true" if node == 0 else "false"
+            conf = f"keep_alive_interval=1,keep_alive_max_attempt=2,is_host={host}"
+            command = [
+                sys.executable, "-m", "rallypoint.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", "gpu-sharded", "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
+                "--live", "--max-restarts", "2", "--monitor-interval", "0.05",
+                script, str(out_dir), "300", "0.01",
+            ]  # fmt: skip
+            agents.append(
+                subprocess.Popen(
+                    command,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        records = out_dir / "records.jsonl"
+
+        def read() -> list[dict[str, Any]]:
+            if not records.exists():
+                return []
+            return [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
+
+        try:
+            deadline = time.monotonic() + 180
+            while not any(r["event"] == "step" and r["step"] > 35 for r in read()):
+                if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+                    return False, "no training: " + " / ".join(
+                        (a.stdout.read() if a.stdout and a.poll() is not None else "")[-400:]
+                        for a in agents
+                    )
+                time.sleep(0.1)
+            steps = [r for r in read() if r["event"] == "step"]
+            pids = {r["rank"]: r["pid"] for r in steps}
+            last = max(r["step"] for r in steps)
+            os.kill(pids[1], signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while not any(r["event"] == "round" and r["round"] > 0 for r in read()):
+                if time.monotonic() > deadline:
+                    return False, "no round after the kill"
+                time.sleep(0.1)
+            (out_dir / "sprint").touch()
+            codes = [a.wait(timeout=240) for a in agents]
+            text = " / ".join((a.stdout.read() if a.stdout else "")[-300:] for a in agents)
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
+        recs = read()
+        digests: dict[tuple[int, int], set[str]] = {}
+        for r in recs:
+            if r["event"] == "step":
+                digests.setdefault((r["step"], r["shard"]), set()).add(r["digest"])
+        differing = [key for key, seen in digests.items() if len(seen) > 1]
+        later = [r for r in recs if r["event"] == "round" and r["round"] > 0]
+        resumed = min((r["step"] for r in later), default=-1)
+        restored = {r["pid"] for r in recs if r["event"] == "restore"}
+        checks = {
+            "both agents exit 0": codes == [0, 0],
+            "every step committed": {step for step, _ in digests} == set(range(1, 301)),
+            "steps trained again carry the same bits": not differing,
+            "the survivor kept its process": pids[0] in {r["pid"] for r in later},
+            "rolled back to a snapshot": resumed % 10 == 0 and resumed >= last - 20,
+            "only the first workers restored": restored == {pids[0], pids[1]},
+        }
+        failed = [what for what, held in checks.items() if not held]
+        detail = f"exits {codes}; killed after step {last}, rolled back to {resumed}"
+        detail += f"; failed: {', '.join(failed)}" if failed else ""
+        return not failed, detail + " | " + text.replace("\n", " / ")
+
+
 def check_health() -> tuple[bool, str]:
     out = _run([*RUN, "--health-check", "-m", "json.tool", "--help"], timeout=240)
     return out.returncode == 0, f"exit {out.returncode}; " + (out.stderr[-300:]).replace(
@@ -146,6 +245,7 @@ def main() -> int:
         ("launch", check_launch),
         ("abort", check_abort),
         ("live", lambda: check_live(devices)),
+        ("sharded", lambda: check_sharded(devices)),
         ("health", check_health),
     ):
         started = time.monotonic()

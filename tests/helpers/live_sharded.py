@@ -4,11 +4,12 @@ A small MLP wrapped with FSDP2 (``fully_shard``) on a CPU device mesh, and Adam,
 registered through ``live.Job(build=...)``. ``LIVE_SHARDED_MESH=hsdp`` (the
 default) shards within a node and replicates across nodes (a replicate x shard
 mesh of ``WORLD_SIZE / LOCAL_WORLD_SIZE`` x ``LOCAL_WORLD_SIZE``); ``fsdp`` shards
-over the whole world. ``LIVE_SHARDED_SNAPSHOT_EVERY=K`` keeps a snapshot of each
-shard every K steps (``live.Job(snapshot_every=K)``). Every rank trains on the
-same batch at step k (drawn from a generator seeded with k), so a rank's result
-depends on the mesh and the step only: two runs of the same world commit the same
-bits at every step.
+over the whole world. ``LIVE_SHARDED_BACKEND=nccl`` trains on the local rank's
+CUDA device (the mesh and the model on it). ``LIVE_SHARDED_SNAPSHOT_EVERY=K`` keeps
+a snapshot of each shard every K steps (``live.Job(snapshot_every=K)``). Every
+rank trains on the same batch at step k (drawn from a generator seeded with k), so
+a rank's result depends on the mesh and the step only: two runs of the same world
+commit the same bits at every step.
 
 Appends to ``OUT/records.jsonl``: ``start`` when the process runs, ``restore`` when
 the job asks it to load its checkpoint (a whole-job start: there is none), ``round``
@@ -53,16 +54,22 @@ def main() -> None:
 
     torch.set_num_threads(1)
     mode = os.environ.get("LIVE_SHARDED_MESH", "hsdp")
+    backend = os.environ.get("LIVE_SHARDED_BACKEND", "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
 
     def build() -> dict[str, live.Sharded]:
         world = dist.get_world_size()
         if mode == "hsdp":
             local = int(os.environ["LOCAL_WORLD_SIZE"])
-            mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("dp", "shard"))
+            shape, names = (world // local, local), ("dp", "shard")
         else:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+            shape, names = (world,), ("shard",)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         torch.manual_seed(0)  # the same start on every rank and in every round
-        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 5))
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 5)).to(device)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -76,7 +83,7 @@ def main() -> None:
 
     job = live.Job(
         build=build,
-        backend="gloo",
+        backend=backend,
         timeout=60,
         restore=restore,
         may_shrink=True,
@@ -95,8 +102,8 @@ def main() -> None:
         with rnd:
             for step in rnd.steps(steps):
                 batch = torch.Generator().manual_seed(step)
-                x = torch.randn(16, 8, generator=batch)
-                y = torch.randn(16, 5, generator=batch)
+                x = torch.randn(16, 8, generator=batch).to(device)
+                y = torch.randn(16, 5, generator=batch).to(device)
                 loss = (model(x) - y).pow(2).mean()
                 loss.backward()
                 optimizer.step()
@@ -104,11 +111,11 @@ def main() -> None:
                 digest = hashlib.sha256()
                 for param in model.parameters():
                     assert isinstance(param, DTensor)
-                    digest.update(param.full_tensor().detach().numpy().tobytes())
+                    digest.update(param.full_tensor().detach().cpu().numpy().tobytes())
                 for state in optimizer.state.values():
                     for value in state.values():
                         local = value.to_local() if isinstance(value, DTensor) else value
-                        digest.update(local.detach().numpy().tobytes())
+                        digest.update(local.detach().cpu().numpy().tobytes())
                 if step_time and not os.path.exists(sprint):
                     time.sleep(step_time)
                 record(
