@@ -1,4 +1,4 @@
-"""What sharded live regroup's snapshots cost when nothing fails.
+"""What sharded live regroup's snapshots cost when nothing fails, and what they save.
 
 Two ranks over gloo on 127.0.0.1, each its own node (so each keeps its buddy's
 copy), train an FSDP2 model (``fully_shard`` on a CPU mesh, Adam) through
@@ -6,7 +6,13 @@ copy), train an FSDP2 model (``fully_shard`` on a CPU mesh, Adam) through
 API's single round). Each repeat runs the same steps with snapshots off and with
 ``snapshot_every=K``, interleaved, and compares the loop's time per step; it also
 prints the host memory the snapshots hold (``job.snapshots.bytes_kept``) against
-the rank's own state. Usage::
+the rank's own state.
+
+Then, in the run with snapshots, the state's way back after rank 1 loses its shard:
+from its buddy's copy (rank 0 sends it over the side group, rank 1 builds and loads
+it: what a live regroup does) against a DCP checkpoint of the same state written
+and read back (``torch.distributed.checkpoint`` save and load on local disk, what a
+restart needs besides its start-up), timed on rank 1. Usage::
 
     python bench/snapshot_cost.py [--steps 200] [--every 50] [--width 1024] [--repeats 3]
 """
@@ -20,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -58,15 +65,51 @@ def worker(steps: int, every: int, width: int) -> None:
                 train.optimizer.zero_grad()
             took = time.perf_counter() - started
     job.snapshots.wait()
+    recovery = _recovery_figures(job, train) if every else {}
     own = sum(
         t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else 0
         for t in train.model.state_dict().values()
     )
     if dist.get_rank() == 0:
         line = {"s_per_step": took / (steps - 5), "kept": job.snapshots.bytes_kept, "params": own}
-        print(json.dumps(line), flush=True)
+        print(json.dumps({**line, **recovery}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _recovery_figures(job: object, train: object) -> dict[str, float]:
+    """Seconds for rank 1's shard to come back from its buddy's snapshot, and for a
+    DCP checkpoint of the state to be saved and loaded (both ranks, timed on 1)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from rallypoint.agent import live
+    from rallypoint.agent.live_state import exchange_packed, read_layout, unpack_state
+
+    assert isinstance(job, live.Job) and isinstance(train, live.Sharded)
+    me = dist.get_rank()
+    like = job._tree()
+    layout = job._shard.layout
+    step = max(c.step for c in job.snapshots.copies(layout, me))
+    dist.barrier()
+    started = time.perf_counter()
+    sends = {1: job.snapshots.get(layout, 1, step)} if me == 0 else {}
+    received = exchange_packed(sends, [0] if me == 1 else [], group=dist.group.WORLD)
+    if received:
+        packed = received[0]
+        job._load(unpack_state(read_layout(packed.layout), packed.transfers, like=like))
+    from_buddy = time.perf_counter() - started
+    folder = os.path.join(os.environ["SNAPSHOT_BENCH_DIR"], "dcp")  # one, as shared storage
+    dist.barrier()
+    started = time.perf_counter()
+    dcp.save({"train": train}, checkpoint_id=folder)
+    dist.barrier()
+    saved = time.perf_counter() - started
+    started = time.perf_counter()
+    dcp.load({"train": train}, checkpoint_id=folder)
+    loaded = time.perf_counter() - started
+    dist.barrier()
+    return {"from_buddy": from_buddy, "dcp_save": saved, "dcp_load": loaded}
 
 
 def _free_port() -> int:
@@ -75,13 +118,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run(steps: int, every: int, width: int) -> dict[str, float]:
+def run(steps: int, every: int, width: int, folder: str) -> dict[str, float]:
     port = str(_free_port())
     procs = []
     for rank in (0, 1):
         env = dict(
             os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
             GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+            SNAPSHOT_BENCH_DIR=folder,
         )  # fmt: skip
         command = [sys.executable, __file__, "--worker", "--steps", str(steps)]
         command += ["--every", str(every), "--width", str(width)]
@@ -113,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     for _ in range(args.repeats):
-        runs["off"].append(run(args.steps, 0, args.width))  # interleaved: load hits both
-        runs["on"].append(run(args.steps, args.every, args.width))
+        with tempfile.TemporaryDirectory(prefix="rallypoint-snapshots-") as folder:
+            # interleaved: load drifts hit both alike
+            runs["off"].append(run(args.steps, 0, args.width, folder))
+            runs["on"].append(run(args.steps, args.every, args.width, folder))
     per_step = {mode: statistics.median(r["s_per_step"] for r in rs) for mode, rs in runs.items()}
     state_mb = runs["on"][0]["params"] * 3 / 1e6  # parameters and Adam's two moments
     for mode, rs in runs.items():
@@ -127,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"snapshot every {args.every} steps: {per_step['on'] / per_step['off'] - 1:+.1%} per step; "
         f"host memory held {kept:.0f} MB per rank ({kept / state_mb:.1f}x its state)"
+    )
+    figures = {k: statistics.median(r[k] for r in runs["on"]) for k in ("from_buddy", "dcp_save")}
+    figures["dcp_load"] = statistics.median(r["dcp_load"] for r in runs["on"])
+    disk = figures["dcp_save"] + figures["dcp_load"]
+    print(
+        f"a lost shard back: from its buddy's snapshot {figures['from_buddy'] * 1e3:.0f} ms; "
+        f"a DCP checkpoint saved {figures['dcp_save'] * 1e3:.0f} ms + loaded "
+        f"{figures['dcp_load'] * 1e3:.0f} ms (local disk); {disk / figures['from_buddy']:.1f}x"
     )
     return 0
 
