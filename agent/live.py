@@ -540,6 +540,7 @@ class Job:
         )
         self.step = step
         self._holds_state = True
+        self.snapshots.forget_after(step)
         return (-1 if source == me else source), (0 if source == me else packed.nbytes)
 
     def _place_copies(self, side: Any, group: Any) -> None:
@@ -582,6 +583,7 @@ class Job:
         if self.restore is not None:
             self.step = int(self.restore() or 0)
         self._holds_state = True
+        self.snapshots.forget_after(self.step)
 
     def _load(self, tree: Mapping[str, Any]) -> None:
         """Load ``tree`` (by name) into the registered objects."""

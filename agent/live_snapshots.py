@@ -111,6 +111,13 @@ class Snapshots:
             self._kept = {key: t for key, t in self._kept.items() if key[2] in steps}
             self.bytes_kept = sum(t.packed.nbytes for t in self._kept.values())
 
+    def forget_after(self, step: int) -> None:
+        """Drop the copies of steps after ``step``: the job went back to it, and a
+        copy from the timeline it left must never mix with the new one's."""
+        with self._lock:
+            self._kept = {key: t for key, t in self._kept.items() if key[2] <= step}
+            self.bytes_kept = sum(t.packed.nbytes for t in self._kept.values())
+
     def copies(self, layout: int, holder: int) -> list[Copy]:
         """The whole copies of shards of ``layout`` this rank (``holder``) keeps."""
         with self._lock:

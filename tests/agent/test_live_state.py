@@ -318,3 +318,6 @@ def test_a_snapshot_is_a_copy_and_only_the_two_newest_steps_are_kept() -> None:
     tree = unpack_state(read_layout(packed.layout), packed.transfers)
     assert torch.equal(tree["w"], torch.full((300_000,), 20.0))
     assert snapshots.bytes_kept >= 2 * 300_000 * 4
+    # The job went back to step 20: the copy of 30 belongs to a timeline it left.
+    snapshots.forget_after(20)
+    assert snapshots.copies(7, holder=5) == [Copy(1, 20, 5)]

@@ -256,3 +256,45 @@ def test_a_killed_fsdp_worker_rolls_the_job_back_to_its_buddys_snapshot(
     regroups = [e for e in node_b if e["kind"] == "live_regroup" and e["round"] > round_]
     assert regroups and 1 in regroups[0]["state_from"], regroups
     assert regroups[0]["state_from_disk"] is False
+
+
+def test_a_lost_fsdp_node_comes_back_from_the_snapshots_its_buddies_keep(
+    cluster: Cluster, fsdp_digests: dict[tuple[int, int], str]
+) -> None:
+    """Plain FSDP over 2 agents x 2 workers, a snapshot every 10 steps: SIGKILL agent
+    b and its workers (half the shards) and start a replacement agent at once. The
+    lost shards' copies live on a's ranks (their buddies on the other node): every
+    rank rolls back to the newest whole snapshot, the replacement's workers get the
+    lost shards from a's and read no checkpoint, a's workers keep their processes,
+    and the steps redone carry the same bits as the undisturbed run."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    for name in ("a", "b"):
+        _start(cluster, name, _agent_args(endpoint, "fsdp-node", "2", 2, name == "a"), FSDP)
+    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
+    cluster.wait_for(
+        lambda: any(r["event"] == "step" and r["step"] >= 25 for r in _records(cluster)),
+        "two snapshots taken",
+        WAIT,
+    )
+    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
+    survivors = {p.pid for p in cluster.tree("a")} & set(before.values())
+    cluster.kill("b", machine=True)
+    _start(cluster, "b2", _agent_args(endpoint, "fsdp-node", "2", 2, host=False), FSDP)
+    after = cluster.wait_for(
+        lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the loss", WAIT
+    )
+    assert survivors < set(after.values()), "a survivor was restarted"
+    _finish(cluster, ["a", "b2"], fsdp_digests)
+    records = _records(cluster)
+    assert {r["pid"] for r in records if r["event"] == "restore"} == set(before.values())
+    newcomers = set(after.values()) - survivors
+    first_rounds: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r["event"] == "round" and r["pid"] in newcomers:
+            first_rounds.setdefault(r["pid"], r)
+    joined = list(first_rounds.values())
+    assert len(joined) == 2 and all(r["step"] > 0 and r["step"] % 10 == 0 for r in joined), joined
+    regroups = [
+        e for e in read_jsonl(cluster.dir / "events-b2.jsonl") if e["kind"] == "live_regroup"
+    ]
+    assert all(e["state_from_disk"] is False for e in regroups), regroups

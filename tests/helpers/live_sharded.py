@@ -14,8 +14,9 @@ commit the same bits at every step.
 Appends to ``OUT/records.jsonl``: ``start`` when the process runs, ``restore`` when
 the job asks it to load its checkpoint (a whole-job start: there is none), ``round``
 when a round is ready, and ``step`` for each committed step with ``digest``, a
-SHA-256 of the whole parameters (gathered from the shards) and of this rank's own
-optimizer shards, and ``shard`` (which part of the state this rank holds).
+SHA-256 of this rank's shards of the parameters and of the optimizer state, and
+``shard`` (which part of the state this rank holds: ranks of one shard hold the
+same bits).
 ``done`` when it finished. Each step sleeps STEP_TIME until ``OUT/sprint`` exists.
 Without a live agent (plain ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables) it runs
 one round: the undisturbed run the tests compare with.
@@ -111,7 +112,7 @@ def main() -> None:
                 digest = hashlib.sha256()
                 for param in model.parameters():
                     assert isinstance(param, DTensor)
-                    digest.update(param.full_tensor().detach().cpu().numpy().tobytes())
+                    digest.update(param.to_local().detach().cpu().numpy().tobytes())
                 for state in optimizer.state.values():
                     for value in state.values():
                         local = value.to_local() if isinstance(value, DTensor) else value
