@@ -321,3 +321,46 @@ def test_a_snapshot_is_a_copy_and_only_the_two_newest_steps_are_kept() -> None:
     # The job went back to step 20: the copy of 30 belongs to a timeline it left.
     snapshots.forget_after(20)
     assert snapshots.copies(7, holder=5) == [Copy(1, 20, 5)]
+
+
+#: Three ranks: rank 0 receives from ranks 1 and 2 at once (a rank that keeps the
+#: snapshots of two wards), and sends its own to rank 2 in the same exchange.
+_WARDS = """
+import datetime, sys, torch, torch.distributed as dist
+from rallypoint.agent.live_state import exchange_packed, pack_state, read_layout, unpack_state
+rank, port = int(sys.argv[1]), sys.argv[2]
+store = dist.TCPStore("127.0.0.1", int(port), 3, rank == 0,
+                      timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
+mine = pack_state({"rank": torch.full((100_000,), float(rank)), "n": rank}, copy=True)
+sends = {0: {2: mine}, 1: {0: mine}, 2: {0: mine}}[rank]
+sources = {0: [1, 2], 1: [], 2: [0]}[rank]
+got = exchange_packed(sends, sources, group=dist.group.WORLD)
+trees = [unpack_state(read_layout(p.layout), p.transfers) for p in got]
+print(" ".join(f"{t['n']}:{int(t['rank'].sum().item() // 100_000)}" for t in trees), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.integration
+def test_a_rank_receives_from_several_senders_in_one_exchange(tmp_path: Path) -> None:
+    script = tmp_path / "wards.py"
+    script.write_text(_WARDS)
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1, 2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert [o.split() for o in outputs] == [["1:1", "2:2"], [], ["0:0"]], outputs
