@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 SCRIPT = str(Path(__file__).resolve().parents[1] / "helpers" / "live_sharded.py")
 WAIT = 120.0
 STEPS = 200
-STEP_TIME = 0.02
+#: seconds a step takes until the scenario is done (then the job sprints): the
+#: runway a fault's recovery has before the job would finish
+STEP_TIME = 0.1
 FAST = "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60,last_call_timeout=0.5"
 #: plain FSDP over the whole world, a snapshot every 10 steps
 FSDP = {"LIVE_SHARDED_MESH": "fsdp", "LIVE_SHARDED_SNAPSHOT_EVERY": "10"}
@@ -119,10 +121,16 @@ def _check_training(cluster: Cluster, digests: dict[tuple[int, int], str]) -> No
     assert done and all(r["step"] == STEPS for r in done)
 
 
-def _start(cluster: Cluster, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+def _start(
+    cluster: Cluster,
+    name: str,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    step_time: float = STEP_TIME,
+) -> None:
     events = str(cluster.dir / f"events-{name}.jsonl")
     cluster.start(
-        [*args, "--events-file", events, SCRIPT, str(cluster.dir), str(STEPS), str(STEP_TIME)],
+        [*args, "--events-file", events, SCRIPT, str(cluster.dir), str(STEPS), str(step_time)],
         name,
         env=env,
     )
@@ -216,7 +224,10 @@ def test_a_node_joining_an_hsdp_job_gets_its_shards_from_the_running_replica(
     their processes; b's get shards 0 and 1 from ranks 0 and 1 and read no
     checkpoint; every step matches the undisturbed run."""
     endpoint = f"127.0.0.1:{free_port()}"
-    _start(cluster, "a", _agent_args(endpoint, "sharded-join", "1:2", 2, host=True))
+    # a alone must not finish before b's workers have started (seconds each on a
+    # loaded host): slow steps until the scenario is done
+    join = _agent_args(endpoint, "sharded-join", "1:2", 2, host=True)
+    _start(cluster, "a", join, step_time=0.5)
     alone = cluster.wait_for(lambda: _stepping(cluster, 2), "a alone stepping", WAIT)
     _start(cluster, "b", _agent_args(endpoint, "sharded-join", "1:2", 2, host=False))
     after = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
