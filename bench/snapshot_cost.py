@@ -150,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.steps <= 5 or args.every < 1:
-        parser.error("--steps must be above 5 and --every at least 1")
-    if args.worker:
+    if args.worker:  # every 0: the run without snapshots
         worker(args.steps, args.every, args.width)
         return 0
+    if args.steps <= 5 or args.every < 1:
+        parser.error("--steps must be above 5 and --every at least 1")
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="rallypoint-snapshots-") as folder:
