@@ -227,6 +227,31 @@ def test_a_layout_that_points_past_its_transfer_is_refused() -> None:
         read_layout(json.dumps(doc).encode())
 
 
+def _three_ranks(tmp_path: Path, source: str, *args: str) -> list[str]:
+    """Run ``source`` as ranks 0, 1 and 2 (``RANK PORT *args``), each exiting 0: their
+    outputs."""
+    script = tmp_path / "ranks.py"
+    script.write_text(source)
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1, 2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert all(p.returncode == 0 for p in procs), outputs
+    return outputs
+
+
 #: Three ranks over gloo on 127.0.0.1: rank 0 sends to ranks 1 and 2, and rank 2
 #: sends its own state to rank 0 in the same exchange; each prints what came.
 _PEERS = """
@@ -265,25 +290,7 @@ def test_three_ranks_over_gloo(tmp_path: Path, case: str) -> None:
     """Each receiver gets its sender's state, in both directions at once; a state
     that cannot travel fails on every rank, the receivers with the sender's reason
     (nobody waits for it)."""
-    script = tmp_path / "peers.py"
-    script.write_text(_PEERS)
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, case],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1, 2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert all(p.returncode == 0 for p in procs), outputs
+    outputs = _three_ranks(tmp_path, _PEERS, case)
     if case == "good":
         assert [o.split()[0] for o in outputs] == ["same"] * 3, outputs
         assert int(outputs[1].split()[1]) > 300_000 * 4, outputs
@@ -344,23 +351,5 @@ dist.destroy_process_group()
 
 @pytest.mark.integration
 def test_a_rank_receives_from_several_senders_in_one_exchange(tmp_path: Path) -> None:
-    script = tmp_path / "wards.py"
-    script.write_text(_WARDS)
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1, 2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert all(p.returncode == 0 for p in procs), outputs
+    outputs = _three_ranks(tmp_path, _WARDS)
     assert [o.split() for o in outputs] == [["1:1", "2:2"], [], ["0:0"]], outputs
