@@ -93,6 +93,7 @@ from .live_channel import (
 from .live_snapshots import Snapshots, gather_copies
 from .live_state import (
     Packed,
+    Shard,
     StateTransferError,
     exchange_packed,
     exchange_state,
@@ -416,11 +417,10 @@ class Job:
         """The registered objects' state, by name (tensors are the objects' own)."""
         return {name: obj.state_dict() for name, obj in self.state.items()}
 
-    def _positions(self, side: Any, held: Any, wanted: Any) -> list[Position]:
+    def _positions(self, side: Any, have: Shard, need: Shard) -> list[Position]:
         """Every rank's position, by rank: its steps, whether it holds the state in
-        this round's layout, the shard it holds (of ``held``, its state from before)
-        and the one it needs (of ``wanted``, the objects of this round)."""
-        have, need = shard_of(held), shard_of(wanted)
+        this round's layout, the shard it holds (``have``, of its state from before)
+        and the one it needs (``need``, of the objects of this round)."""
         holds = self._holds_state and have.layout == need.layout
         mine = torch.tensor([self.step, int(holds), have.index, need.index], dtype=torch.int64)
         gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(dist.get_world_size())]
@@ -451,9 +451,10 @@ class Job:
         :data:`SOURCE_DISK`; bytes in). ``held``, ``wanted``: :meth:`_rebuild`'s.
         When no rank holds the state (the whole job starts), or no rank holds some
         shard any more, every rank restores its checkpoint first (:attr:`restore`)."""
-        positions = self._positions(side, held, wanted)
-        plan = plan_sync(positions)
         self._shard = shard_of(wanted)
+        have = self._shard if held is wanted else shard_of(held)
+        positions = self._positions(side, have, self._shard)
+        plan = plan_sync(positions)
         fell_back = not plan.restore and not plan.from_peers
         if fell_back and self.snapshot_every:
             restored = self._restore_copies(side, positions, held, wanted)
@@ -462,7 +463,7 @@ class Job:
         if plan.restore or fell_back:
             self._restore_checkpoint(plan)
             held = wanted = self._tree()
-            positions = self._positions(side, held, wanted)
+            positions = self._positions(side, self._shard, self._shard)
             plan = plan_sync(positions)
             if not plan.from_peers:  # every rank holds a state: only an uneven one
                 raise LiveError(f"round {self.round}: the checkpoints restored differ by shard")
@@ -503,8 +504,7 @@ class Job:
         me = dist.get_rank()
         layout = self._shard.layout
         copies = gather_copies(self.snapshots.copies(layout, me), side)
-        live = [Position(p.step, p.holds, p.shard) for p in positions]
-        plan = plan_restore(self._shard.count, live, copies)
+        plan = plan_restore(self._shard.count, positions, copies)
         if plan.source is RestoreFrom.DISK or plan.step is None:
             return None
         step = plan.step

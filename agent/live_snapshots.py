@@ -56,7 +56,6 @@ class Snapshots:
         self._kept: dict[tuple[int, int, int], Taken] = {}  # (layout, shard, step)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.bytes_kept = 0
 
     def take(
         self,
@@ -109,14 +108,18 @@ class Snapshots:
             self._kept[(taken.shard.layout, taken.shard.index, taken.step)] = taken
             steps = sorted({step for _, _, step in self._kept}, reverse=True)[:KEEP]
             self._kept = {key: t for key, t in self._kept.items() if key[2] in steps}
-            self.bytes_kept = sum(t.packed.nbytes for t in self._kept.values())
 
     def forget_after(self, step: int) -> None:
         """Drop the copies of steps after ``step``: the job went back to it, and a
         copy from the timeline it left must never mix with the new one's."""
         with self._lock:
             self._kept = {key: t for key, t in self._kept.items() if key[2] <= step}
-            self.bytes_kept = sum(t.packed.nbytes for t in self._kept.values())
+
+    @property
+    def bytes_kept(self) -> int:
+        """The host memory the copies hold."""
+        with self._lock:
+            return sum(t.packed.nbytes for t in self._kept.values())
 
     def copies(self, layout: int, holder: int) -> list[Copy]:
         """The whole copies of shards of ``layout`` this rank (``holder``) keeps."""

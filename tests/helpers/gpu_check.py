@@ -41,6 +41,14 @@ def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[s
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def _records(out_dir: Path) -> list[dict[str, Any]]:
+    """What the training script's workers recorded so far (``OUT/records.jsonl``)."""
+    records = out_dir / "records.jsonl"
+    if not records.exists():
+        return []
+    return [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
+
+
 def check_launch() -> tuple[bool, str]:
     with tempfile.TemporaryDirectory() as ckpt:
         example = str(ROOT / "examples" / "train.py")
@@ -86,22 +94,15 @@ def check_live(devices: int) -> tuple[bool, str]:
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
-        records = out_dir / "records.jsonl"
-
-        def read() -> list[dict[str, object]]:
-            if not records.exists():
-                return []
-            return [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
-
         try:
             deadline = time.monotonic() + 180
-            while not any(r["event"] == "step" and int(r["step"]) > 200 for r in read()):  # type: ignore[call-overload]
+            while not any(r["event"] == "step" and int(r["step"]) > 200 for r in _records(out_dir)):  # type: ignore[call-overload]
                 if time.monotonic() > deadline or agent.poll() is not None:
                     return False, "no training: " + (agent.stdout.read() if agent.stdout else "")[
                         -800:
                     ]
                 time.sleep(0.1)
-            steps = [r for r in read() if r["event"] == "step"]
+            steps = [r for r in _records(out_dir) if r["event"] == "step"]
             victim = max(steps, key=lambda r: (r["rank"], r["time"]))  # type: ignore[arg-type]
             sibling_pid = next((r["pid"] for r in steps if r["rank"] == 0), None)
             os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
@@ -112,7 +113,7 @@ def check_live(devices: int) -> tuple[bool, str]:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
-        recs = read()
+        recs = _records(out_dir)
         steps = [r for r in recs if r["event"] == "step"]
         wrong = [r for r in steps if r["value"] != r["step"] * (r["step"] + 1) / 2]  # type: ignore[operator]
         rounds = [r for r in recs if r["event"] == "round" and r["round"] != 0]
@@ -165,28 +166,21 @@ def check_sharded(devices: int) -> tuple[bool, str]:
                     start_new_session=True,
                 )
             )
-        records = out_dir / "records.jsonl"
-
-        def read() -> list[dict[str, Any]]:
-            if not records.exists():
-                return []
-            return [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
-
         try:
             deadline = time.monotonic() + 180
-            while not any(r["event"] == "step" and r["step"] > 35 for r in read()):
+            while not any(r["event"] == "step" and r["step"] > 35 for r in _records(out_dir)):
                 if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
                     return False, "no training: " + " / ".join(
                         (a.stdout.read() if a.stdout and a.poll() is not None else "")[-400:]
                         for a in agents
                     )
                 time.sleep(0.1)
-            steps = [r for r in read() if r["event"] == "step"]
+            steps = [r for r in _records(out_dir) if r["event"] == "step"]
             pids = {r["rank"]: r["pid"] for r in steps}
             last = max(r["step"] for r in steps)
             os.kill(pids[1], signal.SIGKILL)
             deadline = time.monotonic() + 120
-            while not any(r["event"] == "round" and r["round"] > 0 for r in read()):
+            while not any(r["event"] == "round" and r["round"] > 0 for r in _records(out_dir)):
                 if time.monotonic() > deadline:
                     return False, "no round after the kill"
                 time.sleep(0.1)
@@ -198,7 +192,7 @@ def check_sharded(devices: int) -> tuple[bool, str]:
                 if agent.poll() is None:
                     os.killpg(agent.pid, signal.SIGKILL)
                     agent.wait()
-        recs = read()
+        recs = _records(out_dir)
         digests: dict[tuple[int, int], set[str]] = {}
         for r in recs:
             if r["event"] == "step":
