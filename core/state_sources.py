@@ -46,6 +46,7 @@ __all__ = [
     "place_copies",
     "plan_restore",
     "plan_sync",
+    "reshard_from",
 ]
 
 
@@ -59,12 +60,17 @@ class Position:
         shard: the part of the state it holds (0 for data-parallel training).
         wants: the part it needs in this round's layout (None: ``shard``; a rank
             whose place in the mesh moved holds one shard and needs another).
+        layout: names the layout of the state it holds (the mesh it was trained
+            in); :func:`plan_sync` compares only positions of the round's layout.
+        count: how many shards that layout has.
     """
 
     step: int
     holds: bool
     shard: int = 0
     wants: int | None = None
+    layout: int = 0
+    count: int = 1
 
     @property
     def needs(self) -> int:
@@ -125,6 +131,28 @@ def plan_sync(positions: Sequence[Position]) -> SyncPlan:
         step=None if missing or uneven else steps.pop(),
         missing=missing,
         uneven=uneven,
+    )
+
+
+def reshard_from(positions: Sequence[Position], layout: int) -> tuple[Position, ...] | None:
+    """When the round's state must be resharded: the ranks' positions in the layout
+    the state is held in (only ranks of that layout hold it), or None when it need
+    not be (nobody holds the state, or the front-runner holds it in ``layout``, the
+    round's own: :func:`plan_sync` then applies to the ranks of that layout).
+
+    The front-runner is the rank holding the state at the highest step (the lowest
+    rank among equals); its layout is the one every other rank's boxes come from
+    (:mod:`rallypoint.core.reshard`).
+    """
+    holders = [(p.step, -rank) for rank, p in enumerate(positions) if p.holds]
+    if not holders:
+        return None
+    front = positions[-max(holders)[1]]
+    if front.layout == layout:
+        return None
+    return tuple(
+        Position(p.step, p.holds and p.layout == front.layout, p.shard, None, front.layout, p.count)
+        for p in positions
     )
 
 
