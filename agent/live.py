@@ -62,6 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Protocol
@@ -73,10 +74,10 @@ from torch.distributed.constants import default_pg_timeout
 from ..core.state_sources import (
     Position,
     RestoreFrom,
-    SyncPlan,
     place_copies,
     plan_restore,
     plan_sync,
+    reshard_from,
 )
 from .live_channel import (
     BEAT_PERIOD,
@@ -90,6 +91,7 @@ from .live_channel import (
     StatusFile,
     decode_message,
 )
+from .live_reshard import reshard
 from .live_snapshots import Snapshots, gather_copies
 from .live_state import (
     Packed,
@@ -97,6 +99,7 @@ from .live_state import (
     StateTransferError,
     exchange_packed,
     exchange_state,
+    local_shards,
     pack_state,
     read_layout,
     regraft,
@@ -418,17 +421,23 @@ class Job:
         return {name: obj.state_dict() for name, obj in self.state.items()}
 
     def _positions(self, side: Any, have: Shard, need: Shard) -> list[Position]:
-        """Every rank's position, by rank: its steps, whether it holds the state in
-        this round's layout, the shard it holds (``have``, of its state from before)
-        and the one it needs (``need``, of the objects of this round)."""
-        holds = self._holds_state and have.layout == need.layout
-        mine = torch.tensor([self.step, int(holds), have.index, need.index], dtype=torch.int64)
-        gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        """Every rank's position, by rank: its steps, whether it holds the state,
+        the shard it holds (``have``, of its state from before, and that state's
+        layout) and the one it needs (``need``, of the objects of this round)."""
+        row = [self.step, int(self._holds_state), have.index, need.index, have.layout, have.count]
+        mine = torch.tensor(row, dtype=torch.int64)
+        gathered = [torch.zeros(len(row), dtype=torch.int64) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine, group=side)
         return [
-            Position(int(step), bool(holds), int(shard), int(wants))
-            for step, holds, shard, wants in (t.tolist() for t in gathered)
+            Position(int(step), bool(holds), int(shard), int(wants), int(layout), int(count))
+            for step, holds, shard, wants, layout, count in (t.tolist() for t in gathered)
         ]
+
+    def _in_layout(self, positions: list[Position]) -> list[Position]:
+        """The positions as the round's layout sees them: a state held in another
+        layout is no state of this round's (:func:`plan_sync` compares the rest)."""
+        layout = self._shard.layout
+        return [replace(p, holds=p.holds and p.layout == layout) for p in positions]
 
     def _rebuild(self) -> tuple[Any, Any]:
         """The state this rank holds from before (None: nothing) and the objects'
@@ -453,17 +462,30 @@ class Job:
         shard any more, every rank restores its checkpoint first (:attr:`restore`)."""
         self._shard = shard_of(wanted)
         have = self._shard if held is wanted else shard_of(held)
-        positions = self._positions(side, have, self._shard)
+        everyone = self._positions(side, have, self._shard)
+        old = reshard_from(everyone, self._shard.layout)
+        positions = self._in_layout(everyone)
         plan = plan_sync(positions)
-        fell_back = not plan.restore and not plan.from_peers
-        if fell_back and self.snapshot_every:
-            restored = self._restore_copies(side, positions, held, wanted)
-            if restored is not None:
-                return restored
-        if plan.restore or fell_back:
-            self._restore_checkpoint(plan)
+        why: str | None = None  # why the ranks read the checkpoint, though some hold the state
+        if old is not None:  # the mesh changed: the state is held in another layout
+            resharded = self._reshard(side, old, held, wanted)
+            if resharded is not None:
+                return resharded
+            why = "no step has a copy of every shard of the mesh the state was trained in"
+        elif not plan.restore and not plan.from_peers:
+            if self.snapshot_every:
+                restored = self._restore_copies(side, positions, held, wanted)
+                if restored is not None:
+                    return restored
+            why = (
+                f"no rank holds shard(s) {sorted(plan.missing)} any more"
+                if plan.missing
+                else "the shards' newest copies are at different steps"
+            )
+        if why is not None or plan.restore:
+            self._restore_checkpoint(why)
             held = wanted = self._tree()
-            positions = self._positions(side, self._shard, self._shard)
+            positions = self._in_layout(self._positions(side, self._shard, self._shard))
             plan = plan_sync(positions)
             if not plan.from_peers:  # every rank holds a state: only an uneven one
                 raise LiveError(f"round {self.round}: the checkpoints restored differ by shard")
@@ -488,7 +510,7 @@ class Job:
         if receive_from is None:
             if held is not wanted:  # this rank kept its shard: into the objects rebuilt
                 self._load(regraft(held, wanted))
-            return (SOURCE_DISK if fell_back else -1), 0
+            return (SOURCE_DISK if why is not None else -1), 0
         self._load(doc["state"])
         self.step = int(doc["step"])
         self._holds_state = True
@@ -543,6 +565,60 @@ class Job:
         self.snapshots.forget_after(step)
         return (-1 if source == me else source), (0 if source == me else packed.nbytes)
 
+    def _reshard(
+        self, side: Any, old: tuple[Position, ...], held: Any, wanted: Any
+    ) -> tuple[int, int] | None:
+        """The mesh changed: reshard the state in memory from the newest step of which
+        the ranks hold every old shard (live, or in snapshots), as the core plans it
+        (:func:`plan_restore` over the old layout, then
+        :mod:`~rallypoint.agent.live_reshard`); (source, bytes in) as
+        :meth:`_sync_state`, or None when no step is whole."""
+        me = dist.get_rank()
+        front = next(p for p in old if p.holds)
+        layout = front.layout
+        kept = self.snapshots.copies(layout, me)
+        copies = gather_copies(kept, side) if self.snapshot_every else []
+        plan = plan_restore(front.count, old, copies)
+        if plan.source is RestoreFrom.DISK or plan.step is None:
+            return None
+        sources: list[Any] = []
+        failure = None
+        mine = old[me]
+        for shard in sorted(s for s, sender in plan.senders.items() if sender == me):
+            if mine.holds and (mine.shard, mine.step) == (shard, plan.step):
+                sources.append(local_shards(held))
+                continue
+            packed = self.snapshots.get(layout, shard, plan.step)
+            if packed is None:
+                failure = f"it lost its copy of shard {shard} of step {plan.step}"
+                break
+            doc = read_layout(packed.layout)
+            sources.append(unpack_state(doc, packed.transfers, local_shards=True))
+        devices = {"cuda": dist.group.WORLD} if self.backend == "nccl" else {}
+        try:
+            tree, size, came_from = reshard(
+                sources,
+                wanted,
+                reference=plan.senders[0],
+                group=side,
+                device_groups=devices,
+                failure=failure,
+            )
+        except StateTransferError as exc:
+            raise LiveError(f"round {self.round}: {exc}") from exc
+        self._load(tree)
+        logger.warning(
+            "round %d: the state of step %d was resharded in memory from %d shards to %d",
+            self.round,
+            plan.step,
+            front.count,
+            self._shard.count,
+        )
+        self.step = plan.step
+        self._holds_state = True
+        self.snapshots.forget_after(plan.step)
+        return (min(came_from) if came_from else -1), size
+
     def _place_copies(self, side: Any, group: Any) -> None:
         """Where this round's snapshots go: each rank's buddy on another node (the
         core's placement over the ranks' nodes) and the shards of the ranks whose
@@ -566,15 +642,11 @@ class Job:
             self._tree(), self._shard, self.step, buddy=buddy, wards=wards, group=group
         )
 
-    def _restore_checkpoint(self, plan: SyncPlan) -> None:
-        """Load the checkpoint on this rank (:attr:`restore`): the whole job starts,
-        or some shard has no copy among the ranks any more."""
-        if not plan.restore:
-            why = (
-                f"no rank holds shard(s) {sorted(plan.missing)} any more"
-                if plan.missing
-                else "the shards' newest copies are at different steps"
-            )
+    def _restore_checkpoint(self, why: str | None) -> None:
+        """Load the checkpoint on this rank (:attr:`restore`): the whole job starts
+        (``why`` None), or, for ``why``, the ranks cannot make one state from what
+        they hold."""
+        if why is not None:
             if self.restore is None:
                 raise LiveError(
                     f"round {self.round}: {why}, and live.Job has no restore= to read a checkpoint"

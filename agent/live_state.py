@@ -40,11 +40,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.reshard import Box
+
 __all__ = [
+    "LocalShard",
     "Shard",
     "StateTransferError",
     "exchange_packed",
     "exchange_state",
+    "local_shards",
+    "map_leaves",
     "pack_state",
     "read_layout",
     "regraft",
@@ -57,7 +62,7 @@ PACK_BELOW = 1 << 20
 #: Offsets inside a shared buffer are multiples of this, so that every slice can be
 #: viewed as any dtype.
 _ALIGN = 64
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 2
 #: The device types a transfer can be on, by the code it has in a frame.
 _KINDS = ("cpu", "cuda")
 
@@ -96,13 +101,19 @@ def pack_state(
     Raises:
         StateTransferError: a leaf that cannot travel, named by its path.
     """
-    tensors: list[tuple[torch.Tensor, bool]] = []  # (the data, a DTensor's shard)
+    # (the data, for a DTensor's local shard its global shape and offsets)
+    tensors: list[tuple[torch.Tensor, list[list[int]] | bool]] = []
 
     def encode(value: Any, path: str) -> Any:
         if _is_dtensor(value):
+            shape, box = _place_of(value)
             value = value.to_local()
             _check_plain(value, path)
-            tensors.append((value, True))
+            tensors.append((value, [list(shape), list(box.offsets)]))
+            return {"t": len(tensors) - 1}
+        if isinstance(value, LocalShard):
+            _check_plain(value.data, path)
+            tensors.append((value.data, [list(value.shape), list(value.box.offsets)]))
             return {"t": len(tensors) - 1}
         if isinstance(value, torch.Tensor):
             _check_plain(value, path)
@@ -120,15 +131,15 @@ def pack_state(
         if isinstance(value, torch.dtype):
             return {"D": _dtype_name(value)}
         if isinstance(value, tuple):
-            return {"u": [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+            return {"u": [encode(v, _child(path, i)) for i, v in enumerate(value)]}
         if isinstance(value, list):
-            return {"l": [encode(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+            return {"l": [encode(v, _child(path, i)) for i, v in enumerate(value)]}
         if isinstance(value, Mapping):
             pairs = []
             for key, item in value.items():
                 if key is not None and not isinstance(key, (bool, int, float, str)):
                     raise StateTransferError(f"{path} has a key of type {type(key).__name__}")
-                pairs.append([key, encode(item, f"{path}[{key!r}]")])
+                pairs.append([key, encode(item, _child(path, key))])
             if isinstance(value, OrderedDict):
                 doc: dict[str, Any] = {"o": pairs}
                 metadata = getattr(value, "_metadata", None)
@@ -254,7 +265,7 @@ def read_layout(layout: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise _fail(f"the layout is not JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(doc, dict) or doc.get("v") != _LAYOUT_VERSION:
-        raise _fail("the layout is not of version 1")
+        raise _fail(f"the layout is not of version {_LAYOUT_VERSION}")
     transfers, tensors = doc.get("transfers"), doc.get("tensors")
     if not isinstance(transfers, list) or not isinstance(tensors, list) or "tree" not in doc:
         raise _fail("the layout lacks its transfers, tensors or tree")
@@ -274,12 +285,28 @@ def read_layout(layout: bytes) -> dict[str, Any]:
             raise _fail(f"a tensor's place is out of range: {entry!r}")
         if not (isinstance(shape, list) and all(_is_count(n) for n in shape)):
             raise _fail(f"a tensor's shape is not a list of sizes: {entry!r}")
-        if not isinstance(device, str) or not isinstance(sharded, bool):
-            raise _fail(f"a tensor's device is not a name or its mark not a bool: {entry!r}")
+        if not isinstance(device, str) or not (sharded is False or _is_place(sharded, shape)):
+            raise _fail(
+                f"a tensor's device is not a name, or its place in a sharded tensor not "
+                f"[global shape, offsets] inside it: {entry!r}"
+            )
         element = _dtype(dtype).itemsize
         if offset % element or offset + math.prod(shape) * element > transfers[transfer][1]:
             raise _fail(f"a tensor does not fit its transfer: {entry!r}")
     return doc
+
+
+def _is_place(place: Any, local: list[int]) -> bool:
+    """Whether ``place`` is [global shape, offsets] of a box of ``local``'s sizes."""
+    if not (isinstance(place, list) and len(place) == 2):
+        return False
+    shape, offsets = place
+    return (
+        isinstance(shape, list) and isinstance(offsets, list)
+        and len(shape) == len(offsets) == len(local)
+        and all(_is_count(n) for n in [*shape, *offsets])
+        and all(o + n <= s for o, n, s in zip(offsets, local, shape, strict=True))
+    )  # fmt: skip
 
 
 def _is_count(value: Any) -> bool:
@@ -298,12 +325,15 @@ def unpack_state(
     transfers: list[torch.Tensor],
     place: Callable[[str], Any] = str,
     like: Any = None,
+    *,
+    local_shards: bool = False,
 ) -> Any:
     """Build the tree of a layout (:func:`read_layout`) over the ``transfers`` it
     came with. The tensors are views into the transfers; ``place`` maps a sender's
     device type to where this worker keeps such tensors. A sharded tensor's local
     shard becomes a ``DTensor`` of the mesh and placements of the tensor at the same
-    place in ``like`` (this worker's own state: the same structure).
+    place in ``like`` (this worker's own state: the same structure), or with
+    ``local_shards`` a :class:`LocalShard` (no mesh: to be resharded).
 
     Raises:
         StateTransferError: the tree is malformed, or a shard has no DTensor of the
@@ -312,7 +342,7 @@ def unpack_state(
     declared = [nbytes for _, nbytes in doc["transfers"]]
     if declared != [t.numel() for t in transfers]:
         raise _fail(f"transfers of {declared} bytes were announced, not what came")
-    built: list[tuple[torch.Tensor, bool]] = []
+    built: list[tuple[torch.Tensor, Any]] = []
     for transfer, offset, dtype, shape, device, sharded in doc["tensors"]:
         tensor = _slice(transfers[transfer], offset, _dtype(dtype), shape)
         target = place(device)
@@ -329,6 +359,9 @@ def unpack_state(
         item = value[kind]
         if kind == "t" and _is_count(item) and item < len(built):
             tensor, sharded = built[item]
+            if sharded and local_shards:
+                whole, offsets = sharded
+                return LocalShard(tensor, tuple(whole), Box(tuple(offsets), tuple(tensor.shape)))
             return _as_dtensor(tensor, like, path) if sharded else tensor
         if kind == "f" and item in ("inf", "-inf", "nan", "-nan"):
             return float(item)
@@ -339,7 +372,7 @@ def unpack_state(
         if kind in ("l", "u") and isinstance(item, list):
             peers: Sequence[Any] = like if isinstance(like, (list, tuple)) else ()
             items = [
-                build(v, peers[i] if i < len(peers) else None, f"{path}[{i}]")
+                build(v, peers[i] if i < len(peers) else None, _child(path, i))
                 for i, v in enumerate(item)
             ]
             return items if kind == "l" else tuple(items)
@@ -351,7 +384,7 @@ def unpack_state(
             for key, inner in item:
                 if key is not None and not isinstance(key, (bool, int, float, str)):
                     raise _fail(f"{key!r} is not a key")
-                mapping[key] = build(inner, known.get(key), f"{path}[{key!r}]")
+                mapping[key] = build(inner, known.get(key), _child(path, key))
             if "m" in value:
                 mapping._metadata = build(value["m"], None, f"{path}._metadata")  # type: ignore[attr-defined]
             return mapping
@@ -392,6 +425,55 @@ def regraft(tree: Any, like: Any) -> Any:
     the objects it rebuilt for a new mesh). Large tensors are not copied."""
     packed = pack_state(tree, direct_devices=frozenset(_KINDS))
     return unpack_state(read_layout(packed.layout), packed.transfers, _local, like)
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """A rank's box of a sharded tensor apart from any mesh (to be resharded): its
+    ``data``, the whole tensor's global ``shape``, and where ``data`` lies in it."""
+
+    data: torch.Tensor
+    shape: tuple[int, ...]
+    box: Box
+
+
+def _place_of(value: Any) -> tuple[tuple[int, ...], Box]:
+    """A ``DTensor``'s global shape and the box its local shard holds."""
+    (chunk,) = value.__create_chunk_list__()  # one box per rank for a DTensor
+    return tuple(value.shape), Box(tuple(chunk.offsets), tuple(chunk.sizes))
+
+
+def local_shards(tree: Any) -> Any:
+    """``tree`` with each ``DTensor`` as its :class:`LocalShard` (no copy)."""
+
+    def apart(_: str, value: Any) -> Any:
+        if not _is_dtensor(value):
+            return value
+        shape, box = _place_of(value)
+        return LocalShard(value.to_local(), shape, box)
+
+    return map_leaves(tree, apart)
+
+
+def map_leaves(tree: Any, apply: Callable[[str, Any], Any], path: str = "state") -> Any:
+    """``tree`` with each leaf (what is not a dict, list or tuple) replaced by
+    ``apply(path, leaf)``; ``path`` names the leaf as the transfer's messages do."""
+    if isinstance(tree, Mapping):
+        mapped = {key: map_leaves(item, apply, _child(path, key)) for key, item in tree.items()}
+        if isinstance(tree, OrderedDict):
+            ordered = OrderedDict(mapped)
+            if hasattr(tree, "_metadata"):
+                ordered._metadata = tree._metadata  # type: ignore[attr-defined]
+            return ordered
+        return mapped
+    if isinstance(tree, (list, tuple)):
+        items = [map_leaves(item, apply, _child(path, i)) for i, item in enumerate(tree)]
+        return items if isinstance(tree, list) else tuple(items)
+    return apply(path, tree)
+
+
+def _child(path: str, key: Any) -> str:
+    return f"{path}[{key!r}]"
 
 
 @dataclass(frozen=True)

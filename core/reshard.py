@@ -109,8 +109,8 @@ def plan_reshard(
     for name, by_box in holders.items():
         _check_tiling(name, shapes[name], sorted(by_box))
     pieces = []
-    for target, tensors in needed.items():
-        for name, need in tensors.items():
+    for target, wants in needed.items():
+        for name, need in wants.items():
             if name not in holders:
                 raise ReshardError(f"{name}: rank {target} needs a tensor no rank holds")
             if not need.within(shapes[name]):

@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import subprocess
-import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers.cluster import free_port
+from helpers.cluster import run_ranks
 from helpers.examples import examples
 from hypothesis import given
 from hypothesis import strategies as st
@@ -227,31 +225,6 @@ def test_a_layout_that_points_past_its_transfer_is_refused() -> None:
         read_layout(json.dumps(doc).encode())
 
 
-def _three_ranks(tmp_path: Path, source: str, *args: str) -> list[str]:
-    """Run ``source`` as ranks 0, 1 and 2 (``RANK PORT *args``), each exiting 0: their
-    outputs."""
-    script = tmp_path / "ranks.py"
-    script.write_text(source)
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1, 2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert all(p.returncode == 0 for p in procs), outputs
-    return outputs
-
-
 #: Three ranks over gloo on 127.0.0.1: rank 0 sends to ranks 1 and 2, and rank 2
 #: sends its own state to rank 0 in the same exchange; each prints what came.
 _PEERS = """
@@ -290,7 +263,7 @@ def test_three_ranks_over_gloo(tmp_path: Path, case: str) -> None:
     """Each receiver gets its sender's state, in both directions at once; a state
     that cannot travel fails on every rank, the receivers with the sender's reason
     (nobody waits for it)."""
-    outputs = _three_ranks(tmp_path, _PEERS, case)
+    outputs = run_ranks(tmp_path, _PEERS, 3, case)
     if case == "good":
         assert [o.split()[0] for o in outputs] == ["same"] * 3, outputs
         assert int(outputs[1].split()[1]) > 300_000 * 4, outputs
@@ -351,5 +324,5 @@ dist.destroy_process_group()
 
 @pytest.mark.integration
 def test_a_rank_receives_from_several_senders_in_one_exchange(tmp_path: Path) -> None:
-    outputs = _three_ranks(tmp_path, _WARDS)
+    outputs = run_ranks(tmp_path, _WARDS, 3)
     assert [o.split() for o in outputs] == [["1:1", "2:2"], [], ["0:0"]], outputs

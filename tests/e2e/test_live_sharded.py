@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from helpers.cluster import Cluster, free_port, read_jsonl
@@ -34,6 +34,8 @@ STEP_TIME = 0.1
 FAST = "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60,last_call_timeout=0.5"
 #: plain FSDP over the whole world, a snapshot every 10 steps
 FSDP = {"LIVE_SHARDED_MESH": "fsdp", "LIVE_SHARDED_SNAPSHOT_EVERY": "10"}
+#: every record carries the whole state's digest (comparable across meshes)
+WHOLE = {"LIVE_SHARDED_WHOLE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +43,42 @@ def digests(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], s
     """(step, shard) -> digest, from the job run once without an agent (HSDP, 2 x 2).
     A world of one replica commits the same bits (its gradients are averages of
     identical batches), so the scenarios that shrink or grow compare with it too."""
-    return _undisturbed(tmp_path_factory.mktemp("undisturbed"), 4, 2, {})
+    steps = _undisturbed(tmp_path_factory.mktemp("undisturbed"), 4, 2, {})
+    return _by_shard(steps, "digest")
 
 
 @pytest.fixture(scope="module")
 def fsdp_digests(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], str]:
     """The same for plain FSDP over 4 ranks (a shard per rank, no replica)."""
-    return _undisturbed(tmp_path_factory.mktemp("undisturbed-fsdp"), 4, 2, FSDP)
+    return _by_shard(
+        _undisturbed(tmp_path_factory.mktemp("undisturbed-fsdp"), 4, 2, FSDP), "digest"
+    )
+
+
+@pytest.fixture(scope="module")
+def fsdp_wholes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """step -> the whole state's digest, from plain FSDP over 4 ranks run once without
+    an agent. FSDP over 2 ranks commits the same bits at every step (every rank
+    trains on the same batch, and the averages of 2 and of 4 identical gradients
+    are the same floats: checked on this torch, 60 steps), so a job whose mesh
+    shrinks or grows must match it too."""
+    steps = _undisturbed(tmp_path_factory.mktemp("undisturbed-whole"), 4, 2, FSDP | WHOLE)
+    return {step: digest for (step, _), digest in _by_shard(steps, "whole").items()}
+
+
+def _by_shard(steps: list[dict[str, Any]], field: str) -> dict[tuple[int, int], str]:
+    """(step, shard) -> the records' ``field``; every rank of a shard agrees."""
+    found: dict[tuple[int, int], str] = {}
+    for r in steps:
+        key = (r["step"], 0 if field == "whole" else r["shard"])
+        assert found.setdefault(key, r[field]) == r[field], r
+    return found
 
 
 def _undisturbed(
     out: Path, world: int, local: int, extra_env: dict[str, str]
-) -> dict[tuple[int, int], str]:
-    """(step, shard) -> digest, from the same job run once without an agent."""
+) -> list[dict[str, Any]]:
+    """The step records of the same job run once without an agent."""
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -77,11 +102,7 @@ def _undisturbed(
             p.kill()
             p.wait()
     assert all(p.returncode == 0 for p in procs), outputs
-    digests = {}
-    for r in read_jsonl(out / "records.jsonl"):
-        if r["event"] == "step":
-            assert digests.setdefault((r["step"], r["shard"]), r["digest"]) == r["digest"]
-    return digests
+    return [r for r in read_jsonl(out / "records.jsonl") if r["event"] == "step"]
 
 
 def _agent_args(endpoint: str, run_id: str, nnodes: str, nproc: int, host: bool) -> list[str]:
@@ -110,12 +131,19 @@ def _stepping(cluster: Cluster, world: int, after_round: int = -1) -> dict[int, 
     return by_round[max(full)] if full else None
 
 
-def _check_training(cluster: Cluster, digests: dict[tuple[int, int], str]) -> None:
-    """The training invariant (module docstring)."""
+def _check_training(cluster: Cluster, digests: dict[tuple[int, int], str] | dict[int, str]) -> None:
+    """The training invariant (module docstring): with (step, shard) digests, each
+    rank's shards; with step digests, the whole state's (a mesh that changed)."""
     records = _records(cluster)
     steps = [r for r in records if r["event"] == "step"]
     assert {r["step"] for r in steps} == set(range(1, STEPS + 1)), "a step was never committed"
-    wrong = [r for r in steps if digests[(r["step"], r["shard"])] != r["digest"]]
+    expected = cast(dict[Any, str], digests)
+    whole = all(isinstance(key, int) for key in expected)
+    wrong = [
+        r for r in steps
+        if (expected[r["step"]] != r["whole"] if whole
+            else expected[(r["step"], r["shard"])] != r["digest"])
+    ]  # fmt: skip
     assert not wrong, f"{len(wrong)} steps differ from the undisturbed run, first {wrong[0]}"
     done = [r for r in records if r["event"] == "done"]
     assert done and all(r["step"] == STEPS for r in done)
@@ -136,7 +164,9 @@ def _start(
     )
 
 
-def _finish(cluster: Cluster, names: list[str], digests: dict[tuple[int, int], str]) -> None:
+def _finish(
+    cluster: Cluster, names: list[str], digests: dict[tuple[int, int], str] | dict[int, str]
+) -> None:
     """Let the job run to its last step at full speed, and check it (module docstring)."""
     (cluster.dir / "sprint").touch()
     for name in names:
@@ -309,3 +339,66 @@ def test_a_lost_fsdp_node_comes_back_from_the_snapshots_its_buddies_keep(
         e for e in read_jsonl(cluster.dir / "events-b2.jsonl") if e["kind"] == "live_regroup"
     ]
     assert all(e["state_from_disk"] is False for e in regroups), regroups
+
+
+def test_a_lost_fsdp_node_is_resharded_in_memory_onto_the_nodes_left(
+    cluster: Cluster, fsdp_wholes: dict[int, str]
+) -> None:
+    """Plain FSDP, --nnodes 1:2, 2 agents x 2 workers, a snapshot every 10 steps:
+    SIGKILL agent b and its workers, for good. a's two workers keep their processes
+    and go on in a mesh of 2: the 4 shards of the newest whole snapshot (their own,
+    and b's, whose copies they keep) are resharded into 2 in memory, no checkpoint
+    is read, the whole state they start from is bit for bit the one of that step,
+    and every step (in the old mesh and the new) matches the undisturbed run."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = FSDP | WHOLE
+    _start(cluster, "a", _agent_args(endpoint, "fsdp-shrink", "1:2", 2, host=True), env)
+    _start(cluster, "b", _agent_args(endpoint, "fsdp-shrink", "1:2", 2, host=False), env)
+    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
+    cluster.wait_for(
+        lambda: any(r["event"] == "step" and r["step"] >= 25 for r in _records(cluster)),
+        "two snapshots taken",
+        WAIT,
+    )
+    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
+    survivors = {p.pid for p in cluster.tree("a")} & set(before.values())
+    cluster.kill("b", machine=True)
+    after = cluster.wait_for(
+        lambda: _stepping(cluster, 2, round_), "2 ranks stepping after the loss", WAIT
+    )
+    assert set(after.values()) == survivors, "a survivor was restarted"
+    _finish(cluster, ["a"], fsdp_wholes)
+    records = _records(cluster)
+    assert {r["pid"] for r in records if r["event"] == "restore"} == set(before.values())
+    resumed = [r for r in records if r["event"] == "round" and r["world"] == 2]
+    assert resumed and all(r["step"] > 0 and r["step"] % 10 == 0 for r in resumed), resumed
+    assert all(r["whole"] == fsdp_wholes[r["step"]] for r in resumed), resumed
+    regroups = [
+        e for e in read_jsonl(cluster.dir / "events-a.jsonl")
+        if e["kind"] == "live_regroup" and e["round"] > round_
+    ]  # fmt: skip
+    assert regroups and regroups[0]["state_from_disk"] is False, regroups
+
+
+def test_a_node_joining_an_fsdp_job_takes_its_shards_resharded_from_the_running_ones(
+    cluster: Cluster, fsdp_wholes: dict[int, str]
+) -> None:
+    """Plain FSDP, --nnodes 1:2: a trains alone (2 shards); b joins. The 2 shards
+    are resharded into 4 in memory at the step a's workers are at (nothing rolls
+    back): a's workers keep their processes, b's read no checkpoint, and every step
+    matches the undisturbed run."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {"LIVE_SHARDED_MESH": "fsdp"} | WHOLE
+    join = _agent_args(endpoint, "fsdp-join", "1:2", 2, host=True)
+    _start(cluster, "a", join, env, step_time=0.5)
+    alone = cluster.wait_for(lambda: _stepping(cluster, 2), "a alone stepping", WAIT)
+    _start(cluster, "b", _agent_args(endpoint, "fsdp-join", "1:2", 2, host=False), env)
+    after = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
+    assert {after[0], after[1]} == set(alone.values()), "a's workers were restarted"
+    _finish(cluster, ["a", "b"], fsdp_wholes)
+    records = _records(cluster)
+    assert {r["pid"] for r in records if r["event"] == "restore"} == set(alone.values())
+    grown = [r for r in records if r["event"] == "round" and r["world"] == 4]
+    last_alone = max(r["step"] for r in records if r["event"] == "step" and r["world"] == 2)
+    assert grown and all(r["step"] == last_alone for r in grown), (grown, last_alone)
+    assert all(r["whole"] == fsdp_wholes[r["step"]] for r in grown), grown

@@ -50,6 +50,31 @@ def c10d_agent_args(port: int, run_id: str, nnodes: str, *extra: str) -> list[st
     ]  # fmt: skip
 
 
+def run_ranks(tmp_path: Path, source: str, count: int, *args: str) -> list[str]:
+    """Run the Python ``source`` as ranks 0..count-1 (argv: ``RANK PORT *args``; rank 0
+    hosts a store on PORT), each of which must exit 0: their outputs, by rank."""
+    script = tmp_path / "ranks.py"
+    script.write_text(source)
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(count)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert all(p.returncode == 0 for p in procs), outputs
+    return outputs
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines of ``path`` (a line being written is skipped)."""
     if not path.exists():

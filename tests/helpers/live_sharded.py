@@ -16,7 +16,9 @@ the job asks it to load its checkpoint (a whole-job start: there is none), ``rou
 when a round is ready, and ``step`` for each committed step with ``digest``, a
 SHA-256 of this rank's shards of the parameters and of the optimizer state, and
 ``shard`` (which part of the state this rank holds: ranks of one shard hold the
-same bits).
+same bits). With ``LIVE_SHARDED_WHOLE=1`` each ``step`` and ``round`` record also
+has ``whole``, a SHA-256 of the whole parameters and optimizer state (gathered
+from every shard): the same in any mesh that holds the same values.
 ``done`` when it finished. Each step sleeps STEP_TIME until ``OUT/sprint`` exists.
 Without a live agent (plain ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables) it runs
 one round: the undisturbed run the tests compare with.
@@ -90,6 +92,18 @@ def main() -> None:
         may_shrink=True,
         snapshot_every=int(os.environ.get("LIVE_SHARDED_SNAPSHOT_EVERY", "0")),
     )
+
+    def whole_digest(train: live.Sharded) -> str | None:
+        if os.environ.get("LIVE_SHARDED_WHOLE") != "1":
+            return None
+        digest = hashlib.sha256()
+        tensors = [*train.model.parameters()]
+        tensors += [v for state in train.optimizer.state.values() for v in state.values()]
+        for value in tensors:
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            digest.update(full.detach().cpu().numpy().tobytes())
+        return digest.hexdigest()
+
     sprint = os.path.join(out, "sprint")
     for rnd in job.rounds():
         train = job.state["train"]
@@ -98,7 +112,7 @@ def main() -> None:
         shard = shard_of(train.state_dict()).index
         record(
             "round", round=rnd.number, rank=rnd.rank, world=rnd.world_size, step=job.step,
-            shard=shard,
+            shard=shard, whole=whole_digest(train),
         )  # fmt: skip
         with rnd:
             for step in rnd.steps(steps):
@@ -122,6 +136,7 @@ def main() -> None:
                 record(
                     "step", round=rnd.number, rank=rnd.rank, world=rnd.world_size,
                     step=step + 1, shard=shard, digest=digest.hexdigest(),
+                    whole=whole_digest(train),
                 )  # fmt: skip
     record("done", step=job.step)
     dist.barrier()
