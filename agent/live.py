@@ -258,7 +258,13 @@ class Job:
             another node (sent in the background while training goes on), so that a
             shard no live rank holds any more (FSDP, tensor parallel) comes back
             from memory: every rank rolls back to the newest step whose copies are
-            whole, instead of restoring the checkpoint. 0: off.
+            whole, instead of restoring the checkpoint. 0: off. When ``build``
+            returns :class:`Sharded` objects only, the copy itself is made in the
+            background too, while the next step's forward and backward run (CUDA
+            tensors on a stream of their own), and the optimizers' next ``step()``
+            waits for it: change the parameters and the optimizer state only
+            through ``step()`` then (anything else: register it in an object of
+            its own, and the copy is made at the step, before training goes on).
         may_shrink: the job may train on without this worker for a while: when it
             is lost, the other nodes regroup without its node and go on stepping
             while its replacement starts, and take the replacement in once it is
@@ -294,6 +300,7 @@ class Job:
             )
         self.snapshot_every = snapshot_every
         self.snapshots = Snapshots()
+        self._copy_in_background = False
         # The round's copies: the group they travel on, this rank's buddy and wards
         # (rank -> the shard it holds), and the shard this rank holds.
         self._copies: tuple[Any, int | None, dict[int, int]] | None = None
@@ -439,6 +446,19 @@ class Job:
         layout = self._shard.layout
         return [replace(p, holds=p.holds and p.layout == layout) for p in positions]
 
+    def _guard_optimizers(self) -> bool:
+        """Whether a snapshot's copy may be made in the background while training
+        goes on: only optimizers change the registered state (every object is a
+        :class:`Sharded`), and each one's next step waits for the copy (a step
+        pre-hook on the objects this round built)."""
+        if not self.snapshot_every or not all(isinstance(o, Sharded) for o in self.state.values()):
+            return False
+        for obj in self.state.values():
+            assert isinstance(obj, Sharded)
+            for optimizer in obj.optimizers:
+                optimizer.register_step_pre_hook(lambda *_: self.snapshots.wait_copied())
+        return True
+
     def _rebuild(self) -> tuple[Any, Any]:
         """The state this rank holds from before (None: nothing) and the objects'
         state for this round: with ``build``, the objects built for this round's
@@ -446,6 +466,7 @@ class Job:
         held: Any = self._tree() if self._holds_state or self.build is None else None
         if self.build is not None:
             self.state = dict(self.build())
+            self._copy_in_background = self._guard_optimizers()
             return held, self._tree()
         if shard_of(held).layout != shard_of(None).layout:
             raise LiveError(
@@ -639,7 +660,13 @@ class Job:
             return
         group, buddy, wards = self._copies
         self.snapshots.take(
-            self._tree(), self._shard, self.step, buddy=buddy, wards=wards, group=group
+            self._tree(),
+            self._shard,
+            self.step,
+            buddy=buddy,
+            wards=wards,
+            group=group,
+            in_background=self._copy_in_background,
         )
 
     def _restore_checkpoint(self, why: str | None) -> None:

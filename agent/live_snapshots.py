@@ -56,6 +56,8 @@ class Snapshots:
         self._kept: dict[tuple[int, int, int], Taken] = {}  # (layout, shard, step)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
 
     def take(
         self,
@@ -66,31 +68,72 @@ class Snapshots:
         buddy: int | None,
         wards: Mapping[int, int],
         group: Any,
+        in_background: bool = False,
     ) -> None:
         """Keep ``tree`` (the state at ``step``, which ``shard`` names) and start
         sending it to ``buddy`` and receiving the copies of the ``wards`` (rank ->
         the shard it holds) over ``group``. Every rank of ``group`` calls it at the
         same step. Waits for the previous exchange first, so that every rank runs
-        them in the same order."""
+        them in the same order.
+
+        ``in_background``: the copy itself is made by the background thread too,
+        while training goes on; the caller then calls :meth:`wait_copied` before
+        anything changes the state (the optimizers' next step). CUDA tensors are
+        copied on a stream of their own, after the work queued so far."""
         self.wait()
-        own = pack_state(tree, direct_devices=frozenset({"cpu"}), copy=True)  # host memory
-        self._keep(Taken(shard, step, own))
-        if buddy is None and not wards:
+        ready = None
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        if in_background and cuda:
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record()  # the step that made this state, on the training's stream
+        copied = threading.Event()
+        self._copied = copied
+
+        def copy() -> Packed:
+            try:
+                if ready is None:
+                    own = pack_state(tree, direct_devices=frozenset({"cpu"}), copy=True)
+                else:
+                    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+                    stream.wait_event(ready)
+                    with torch.cuda.stream(stream):
+                        own = pack_state(tree, direct_devices=frozenset({"cpu"}), copy=True)
+                    stream.synchronize()
+                self._keep(Taken(shard, step, own))
+                return own
+            finally:
+                copied.set()
+
+        own = None if in_background else copy()  # host memory
+        if own is not None and buddy is None and not wards:
             return
-        sends: dict[int, Packed | StateTransferError | None] = {} if buddy is None else {buddy: own}
         sources = sorted(wards)
 
         def exchange() -> None:
+            mine: Packed | StateTransferError
             try:
+                mine = own if own is not None else copy()
+            except Exception as exc:  # the peers still take part, and learn it failed
+                logger.warning("the snapshot of step %d could not be taken: %s", step, exc)
+                mine = StateTransferError(f"the snapshot of step {step} could not be taken: {exc}")
+            if buddy is None and not wards:
+                return
+            try:
+                sends = {} if buddy is None else {buddy: mine}
                 received = exchange_packed(sends, sources, group=group)
             except Exception as exc:  # a peer lost mid-way: this snapshot is not whole
                 logger.info("the snapshot of step %d did not reach its buddy: %s", step, exc)
                 return
-            for ward, copy in zip(sources, received, strict=True):
-                self._keep(Taken(Shard(wards[ward], shard.layout), step, copy))
+            for ward, copy_ in zip(sources, received, strict=True):
+                self._keep(Taken(Shard(wards[ward], shard.layout), step, copy_))
 
         self._thread = threading.Thread(target=exchange, name="rallypoint-snapshot", daemon=True)
         self._thread.start()
+
+    def wait_copied(self) -> None:
+        """Wait until the newest snapshot's own copy is made (it is made in the
+        background: the state must not change before)."""
+        self._copied.wait()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the exchange in flight, if any; False when it still runs."""

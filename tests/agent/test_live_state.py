@@ -303,6 +303,29 @@ def test_a_snapshot_is_a_copy_and_only_the_two_newest_steps_are_kept() -> None:
     assert snapshots.copies(7, holder=5) == [Copy(1, 20, 5)]
 
 
+def test_a_snapshot_copied_in_the_background_holds_the_state_of_its_step() -> None:
+    """The copy is made by the snapshot's thread; once :meth:`wait_copied` returned,
+    the state may change (the optimizer's next step) without reaching the copy."""
+    from rallypoint.agent.live_snapshots import Snapshots
+    from rallypoint.agent.live_state import Shard
+
+    weights = torch.full((300_000,), 3.0)
+    snapshots = Snapshots()
+    shard = Shard(index=0, layout=7, count=1)
+    snapshots.take({"w": weights}, shard, 10, buddy=None, wards={}, group=None, in_background=True)
+    snapshots.wait_copied()
+    weights.fill_(-1)
+    assert snapshots.wait(60)
+    packed = snapshots.get(7, 0, 10)
+    assert packed is not None
+    tree = unpack_state(read_layout(packed.layout), packed.transfers)
+    assert torch.equal(tree["w"], torch.full((300_000,), 3.0))
+    # What cannot be copied is not kept, and nobody waits for it.
+    snapshots.take({"w": object()}, shard, 20, buddy=None, wards={}, group=None, in_background=True)
+    snapshots.wait_copied()
+    assert snapshots.wait(60) and snapshots.get(7, 0, 20) is None
+
+
 #: Three ranks: rank 0 receives from ranks 1 and 2 at once (a rank that keeps the
 #: snapshots of two wards), and sends its own to rank 2 in the same exchange.
 _WARDS = """
