@@ -33,22 +33,13 @@ import time
 def worker(steps: int, every: int, width: int) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from rallypoint.agent import live
 
     torch.set_num_threads(1)
 
     def build() -> dict[str, live.Sharded]:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return {"train": live.Sharded(model, torch.optim.Adam(model.parameters(), lr=1e-4))}
+        return {"train": _sharded(width, (dist.get_world_size(),))}
 
     job = live.Job(build=build, backend="gloo", snapshot_every=every)
     for rnd in job.rounds():
@@ -65,7 +56,7 @@ def worker(steps: int, every: int, width: int) -> None:
                 train.optimizer.zero_grad()
             took = time.perf_counter() - started
     job.snapshots.wait()
-    recovery = _recovery_figures(job, train) if every else {}
+    recovery = _recovery_figures(job, train, width) if every else {}
     own = sum(
         t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else 0
         for t in train.model.state_dict().values()
@@ -77,14 +68,43 @@ def worker(steps: int, every: int, width: int) -> None:
     dist.destroy_process_group()
 
 
-def _recovery_figures(job: object, train: object) -> dict[str, float]:
+def _sharded(width: int, mesh_shape: tuple[int, ...]) -> object:
+    """The bench's model, FSDP2 on a CPU mesh of ``mesh_shape`` (2-D: replicas x
+    shards), with Adam, as a :class:`live.Sharded`."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rallypoint.agent import live
+
+    names = ("shard",) if len(mesh_shape) == 1 else ("dp", "shard")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return live.Sharded(model, torch.optim.Adam(model.parameters(), lr=1e-4))
+
+
+def _recovery_figures(job: object, train: object, width: int) -> dict[str, float]:
     """Seconds for rank 1's shard to come back from its buddy's snapshot, and for a
-    DCP checkpoint of the state to be saved and loaded (both ranks, timed on 1)."""
+    DCP checkpoint of the state to be saved and loaded (both ranks, timed on 1);
+    then for the state to be resharded into another mesh (2 replicas of 1 shard:
+    each rank needs the whole state) in memory, and for DCP to load the checkpoint
+    into that mesh."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from rallypoint.agent import live
-    from rallypoint.agent.live_state import exchange_packed, read_layout, unpack_state
+    from rallypoint.agent.live_reshard import reshard
+    from rallypoint.agent.live_state import (
+        exchange_packed,
+        local_shards,
+        read_layout,
+        unpack_state,
+    )
 
     assert isinstance(job, live.Job) and isinstance(train, live.Sharded)
     me = dist.get_rank()
@@ -109,7 +129,26 @@ def _recovery_figures(job: object, train: object) -> dict[str, float]:
     dcp.load({"train": train}, checkpoint_id=folder)
     loaded = time.perf_counter() - started
     dist.barrier()
-    return {"from_buddy": from_buddy, "dcp_save": saved, "dcp_load": loaded}
+    whole = _sharded(width, (2, 1))
+    assert isinstance(whole, live.Sharded)
+    held = local_shards(train.state_dict())
+    dist.barrier()
+    started = time.perf_counter()
+    tree, _, _ = reshard([held], whole.state_dict(), reference=0, group=dist.group.WORLD)
+    whole.load_state_dict(tree)
+    resharded = time.perf_counter() - started
+    dist.barrier()
+    started = time.perf_counter()
+    dcp.load({"train": whole}, checkpoint_id=folder)
+    dcp_resharded = time.perf_counter() - started
+    dist.barrier()
+    return {
+        "from_buddy": from_buddy,
+        "dcp_save": saved,
+        "dcp_load": loaded,
+        "resharded": resharded,
+        "dcp_resharded": dcp_resharded,
+    }
 
 
 def _free_port() -> int:
@@ -174,13 +213,20 @@ def main(argv: list[str] | None = None) -> int:
         f"snapshot every {args.every} steps: {per_step['on'] / per_step['off'] - 1:+.1%} per step; "
         f"host memory held {kept:.0f} MB per rank ({kept / state_mb:.1f}x its state)"
     )
-    figures = {k: statistics.median(r[k] for r in runs["on"]) for k in ("from_buddy", "dcp_save")}
-    figures["dcp_load"] = statistics.median(r["dcp_load"] for r in runs["on"])
+    keys = ("from_buddy", "dcp_save", "dcp_load", "resharded", "dcp_resharded")
+    figures = {k: statistics.median(r[k] for r in runs["on"]) for k in keys}
     disk = figures["dcp_save"] + figures["dcp_load"]
     print(
         f"a lost shard back: from its buddy's snapshot {figures['from_buddy'] * 1e3:.0f} ms; "
         f"a DCP checkpoint saved {figures['dcp_save'] * 1e3:.0f} ms + loaded "
         f"{figures['dcp_load'] * 1e3:.0f} ms (local disk); {disk / figures['from_buddy']:.1f}x"
+    )
+    disk = figures["dcp_save"] + figures["dcp_resharded"]
+    print(
+        f"a new mesh (2 shards -> each rank whole): resharded in memory "
+        f"{figures['resharded'] * 1e3:.0f} ms; a DCP checkpoint saved "
+        f"{figures['dcp_save'] * 1e3:.0f} ms + loaded into the new mesh "
+        f"{figures['dcp_resharded'] * 1e3:.0f} ms; {disk / figures['resharded']:.1f}x"
     )
     return 0
 
