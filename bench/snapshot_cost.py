@@ -4,15 +4,20 @@ Two ranks over gloo on 127.0.0.1, each its own node (so each keeps its buddy's
 copy), train an FSDP2 model (``fully_shard`` on a CPU mesh, Adam) through
 ``live.Job(build=...)`` with plain ``RANK``/``WORLD_SIZE`` variables (the live
 API's single round). Each repeat runs the same steps with snapshots off and with
-``snapshot_every=K``, interleaved, and compares the loop's time per step; it also
-prints the host memory the snapshots hold (``job.snapshots.bytes_kept``) against
-the rank's own state.
+``snapshot_every=K``, interleaved, and compares the loop's time per step; as that
+moves with the machine's load between runs by more than a snapshot costs, it also
+prints the time the steps around each snapshot take beyond the run's median step,
+spread over every step (the snapshot's own cost, measured within one run). And the
+host memory the snapshots hold (``job.snapshots.bytes_kept``) against the rank's
+own state.
 
 Then, in the run with snapshots, the state's way back after rank 1 loses its shard:
 from its buddy's copy (rank 0 sends it over the side group, rank 1 builds and loads
 it: what a live regroup does) against a DCP checkpoint of the same state written
 and read back (``torch.distributed.checkpoint`` save and load on local disk, what a
-restart needs besides its start-up), timed on rank 1. Usage::
+restart needs besides its start-up), timed on rank 1; and the state resharded into
+another mesh (2 replicas of 1 shard: each rank needs the whole) in memory against
+DCP's load of that checkpoint into that mesh. Usage::
 
     python bench/snapshot_cost.py [--steps 200] [--every 50] [--width 1024] [--repeats 3]
 """
@@ -20,6 +25,7 @@ restart needs besides its start-up), timed on rank 1. Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -47,14 +53,15 @@ def worker(steps: int, every: int, width: int) -> None:
         assert isinstance(train, live.Sharded)
         x = torch.randn(64, width)
         with rnd:
-            started = 0.0
-            for step in rnd.steps(steps):
-                if step == 5:  # warmed up
-                    started = time.perf_counter()
+            marks = []  # when each step's body began (a step's time includes its commit)
+            for _ in rnd.steps(steps):
+                marks.append(time.perf_counter())
                 train.model(x).pow(2).mean().backward()
                 train.optimizer.step()
                 train.optimizer.zero_grad()
-            took = time.perf_counter() - started
+            marks.append(time.perf_counter())
+    durations = [b - a for a, b in itertools.pairwise(marks)]
+    took = marks[-1] - marks[5]  # warmed up after 5 steps
     job.snapshots.wait()
     recovery = _recovery_figures(job, train, width) if every else {}
     own = sum(
@@ -63,9 +70,33 @@ def worker(steps: int, every: int, width: int) -> None:
     )
     if dist.get_rank() == 0:
         line = {"s_per_step": took / (steps - 5), "kept": job.snapshots.bytes_kept, "params": own}
+        line["excess"] = _snapshot_excess(durations[5:], every, 5) if every else 0.0
         print(json.dumps({**line, **recovery}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+#: How many times the state is resharded into the new mesh, and loaded there by
+#: DCP, interleaved (after one of each that warms up): the medians are printed.
+_RESHARDS = 3
+#: Steps after a snapshot's that its background work may slow (and the next step's
+#: optimizer wait for its copy).
+_AFTER = 3
+
+
+def _snapshot_excess(durations: list[float], every: int, first: int) -> float:
+    """The time a snapshot adds, per step of the run, as a fraction of the median
+    step: the steps around each snapshot (the one that took it and the
+    :data:`_AFTER` after it) less as many median steps, summed over the snapshots
+    and spread over every step. Unlike the runs' mean step time, drifts in the
+    machine's load between runs do not enter it."""
+    median = statistics.median(durations)
+    excess = 0.0
+    for index in range(len(durations)):
+        if (first + index + 1) % every == 0:  # this step's commit took the snapshot
+            window = durations[index : index + 1 + _AFTER]
+            excess += sum(window) - len(window) * median
+    return excess / len(durations) / median
 
 
 def _sharded(width: int, mesh_shape: tuple[int, ...]) -> object:
@@ -132,16 +163,23 @@ def _recovery_figures(job: object, train: object, width: int) -> dict[str, float
     whole = _sharded(width, (2, 1))
     assert isinstance(whole, live.Sharded)
     held = local_shards(train.state_dict())
+    taken: dict[str, list[float]] = {"resharded": [], "dcp_resharded": []}
+    for attempt in range(1 + _RESHARDS):  # the first of each warms up (imports, caches)
+        dist.barrier()
+        started = time.perf_counter()
+        tree, _, _ = reshard([held], whole.state_dict(), reference=0, group=dist.group.WORLD)
+        whole.load_state_dict(tree)
+        resharded = time.perf_counter() - started
+        dist.barrier()
+        started = time.perf_counter()
+        dcp.load({"train": whole}, checkpoint_id=folder)
+        dcp_resharded = time.perf_counter() - started
+        if attempt:
+            taken["resharded"].append(resharded)
+            taken["dcp_resharded"].append(dcp_resharded)
     dist.barrier()
-    started = time.perf_counter()
-    tree, _, _ = reshard([held], whole.state_dict(), reference=0, group=dist.group.WORLD)
-    whole.load_state_dict(tree)
-    resharded = time.perf_counter() - started
-    dist.barrier()
-    started = time.perf_counter()
-    dcp.load({"train": whole}, checkpoint_id=folder)
-    dcp_resharded = time.perf_counter() - started
-    dist.barrier()
+    resharded = statistics.median(taken["resharded"])
+    dcp_resharded = statistics.median(taken["dcp_resharded"])
     return {
         "from_buddy": from_buddy,
         "dcp_save": saved,
@@ -209,9 +247,13 @@ def main(argv: list[str] | None = None) -> int:
             f"per rank), snapshots {mode}: {per_step[mode] * 1e3:.2f} ms/step [runs: {spread}]"
         )
     kept = runs["on"][0]["kept"] / 1e6
+    excess = [r["excess"] for r in runs["on"]]
+    spread = ", ".join(f"{e:+.1%}" for e in excess)
     print(
-        f"snapshot every {args.every} steps: {per_step['on'] / per_step['off'] - 1:+.1%} per step; "
-        f"host memory held {kept:.0f} MB per rank ({kept / state_mb:.1f}x its state)"
+        f"snapshot every {args.every} steps: {per_step['on'] / per_step['off'] - 1:+.1%} per step "
+        f"(runs' means); {statistics.median(excess):+.1%} per step (the steps around each "
+        f"snapshot against the run's median step) [runs: {spread}]; host memory held "
+        f"{kept:.0f} MB per rank ({kept / state_mb:.1f}x its state)"
     )
     keys = ("from_buddy", "dcp_save", "dcp_load", "resharded", "dcp_resharded")
     figures = {k: statistics.median(r[k] for r in runs["on"]) for k in keys}
