@@ -63,6 +63,7 @@ from ..core import (
 )
 from ..core import errors as core_errors
 from ..core.codec import encode_shared_settings, shared_settings_differences
+from ..core.driver import MemberResponse, Verdict, member_response
 from .backend import RendezvousBackend
 from .c10d.store import StoreBindError, host_tcp_store
 from .errors import (
@@ -381,6 +382,15 @@ class RallypointHandler(RendezvousHandler):
         self._stop_heartbeats()
         self._joined = None
         return self._run_briefly(op, what)
+
+    def member_response(self) -> tuple[MemberResponse, Verdict]:
+        """What this node, whose workers run, does about its group now: the core's
+        checked rule (:func:`rallypoint.core.driver.member_response`, the one the
+        node's own member lifecycle and the simulator's agent follow) over the
+        verdict of a look at the round (:meth:`StateSync.watch`) and the view it
+        came from. Reads the backend at most every ``cache_duration`` seconds."""
+        verdict = self._sync.watch(self._joined, self.cache_duration)
+        return member_response(verdict, self._sync.state), verdict
 
     def num_nodes_waiting(self) -> int:
         """Nodes in the wait list (after removing the ones this node sees dead).

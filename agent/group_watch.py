@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+from ..core.driver import MemberResponse
 from .charging import Charge, FailureCase, evidence_window, judge
 from .config import LaunchConfig
 from .errors import ProcessFailure
@@ -23,6 +24,15 @@ from .rendezvous import HandlerView
 from .workers import WorkerGroup
 
 __all__ = ["GroupWatch", "RoundOutcome"]
+
+
+def _why(waiting: int, lost: frozenset[object]) -> str:
+    """A regroup's reason, for the log."""
+    if waiting > 0:
+        return f"{waiting} node(s) waiting to join"
+    names = ", ".join(sorted(map(str, lost)))
+    return f"peer(s) left the round or stopped heartbeating: {names}"
+
 
 logger = logging.getLogger("rallypoint.agent")
 
@@ -77,11 +87,11 @@ class GroupWatch:
             if all(code == 0 for code in exits.values()):
                 logger.debug("[%s] all local workers succeeded", self._role)
                 return RoundOutcome.SUCCEEDED, []
-            reason = self.membership_change()
-            if reason:
+            response, reason = self.look_at_group()
+            if response is MemberResponse.REGROUP:
                 logger.info("[%s] %s; starting a new round", self._role, reason)
                 return RoundOutcome.MEMBERSHIP, []
-            if self.closed_elsewhere():
+            if response is MemberResponse.CLOSED:
                 return RoundOutcome.CLOSED, []
             self.view.wait(self.interval)
 
@@ -95,10 +105,12 @@ class GroupWatch:
         what = failures[0].message if failures else "?"
         announced = False
         while True:
-            reason = self.membership_change()
-            charge = judge(
-                case, now=time.monotonic(), membership_changed=bool(reason), remaining=remaining
-            )
+            response, reason = self.look_at_group()
+            if response is MemberResponse.CLOSED:
+                return None
+            changed = response is MemberResponse.REGROUP
+            now = time.monotonic()
+            charge = judge(case, now=now, membership_changed=changed, remaining=remaining)
             if charge is Charge.FREE:
                 logger.warning(
                     "[%s] worker group failed (%s) as the round changed (%s); "
@@ -118,8 +130,6 @@ class GroupWatch:
                     case.deadline - time.monotonic(),
                 )
                 announced = True
-            if self.closed_elsewhere():
-                return None
             left = case.deadline - time.monotonic()
             self.view.wait(max(0.0, min(self.interval, left)))
 
@@ -142,16 +152,24 @@ class GroupWatch:
             return None
         return frozenset(str(node) for node in participants)
 
-    def membership_change(self) -> str:
-        """Why the round's membership changed ('': it did not)."""
+    def look_at_group(self) -> tuple[MemberResponse, str]:
+        """What this node does about its group now, and why (for REGROUP). With
+        rallypoint's handlers it is the core's checked rule
+        (:func:`rallypoint.core.driver.member_response`), the one the node's member
+        lifecycle and the simulator's agent follow; torch's handlers are asked
+        torch's questions (nodes waiting, dead peers where told, closed, at most
+        every second), in the same order of precedence."""
+        if self.view.follows_core:
+            response, verdict = self.view.member_response()
+            regroup = response is MemberResponse.REGROUP
+            return response, _why(verdict.waiting, verdict.lost) if regroup else ""
         waiting = self.handler.num_nodes_waiting()
-        if waiting > 0:
-            return f"{waiting} node(s) waiting to join"
         dead = self.view.dead_participants()
-        if dead:
-            names = ", ".join(sorted(map(str, dead)))
-            return f"peer(s) left the round or stopped heartbeating: {names}"
-        return ""
+        if self.closed_elsewhere():
+            return MemberResponse.CLOSED, ""
+        if waiting > 0 or dead:
+            return MemberResponse.REGROUP, _why(waiting, dead)
+        return MemberResponse.CARRY_ON, ""
 
     def peers_gone(self, where: str) -> bool:
         """Whether a peer of the round is gone for good (dead, left, or the

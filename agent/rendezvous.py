@@ -28,6 +28,7 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from ..core.driver import MemberResponse, Verdict
 from .config import (
     BACKEND_IMPLEMENTATIONS,
     TORCH_BACKENDS,
@@ -99,6 +100,7 @@ class HandlerView:
         self._fence = getattr(handler, "must_fence", None)
         self._charge = getattr(handler, "charge_restart", None)
         self._exclude = getattr(handler, "exclude", None)
+        self._respond = getattr(handler, "member_response", None)
 
     @property
     def node_name(self) -> str:
@@ -168,6 +170,19 @@ class HandlerView:
         long that its peers may declare it dead, so its workers must stop now
         (docs/design.md, decision 7). Asks no backend; False if unsupported."""
         return self._fence is not None and bool(self._fence())
+
+    @property
+    def follows_core(self) -> bool:
+        """Whether the handler answers :meth:`member_response` (rallypoint's: the
+        core's rule), rather than only torch's questions."""
+        return self._respond is not None
+
+    def member_response(self) -> tuple[MemberResponse, Verdict]:
+        """The core's response to the group now, and the verdict it was decided on
+        (only where :attr:`follows_core`)."""
+        assert self._respond is not None
+        response, verdict = self._respond()
+        return response, verdict
 
     def dead_participants(self) -> frozenset[Any]:
         """Participants of the current round presumed dead (empty if unsupported)."""
