@@ -37,13 +37,13 @@ from .live_state import (
     LocalShard,
     Packed,
     StateTransferError,
-    _as_dtensor,
-    _is_dtensor,
-    _local,
-    _place_of,
+    as_dtensor,
     exchange_packed,
+    is_dtensor,
+    local_device,
     map_leaves,
     pack_state,
+    place_of,
     read_layout,
     unpack_state,
 )
@@ -127,7 +127,7 @@ def reshard(
     received = exchange_packed(sends, senders, group=group, device_groups=device_groups)
     came: dict[int, Any] = {}
     for rank, packed in zip(senders, received, strict=True):
-        came[rank] = unpack_state(read_layout(packed.layout), packed.transfers, _local)
+        came[rank] = unpack_state(read_layout(packed.layout), packed.transfers, local_device)
     if me != reference:
         skeleton = came[reference]["skeleton"]
     # Each sender's pieces come in the plan's order: take them in the same order.
@@ -144,7 +144,7 @@ def reshard(
         assembled[piece.tensor][region].copy_(data)
     tree = map_leaves(
         skeleton,
-        lambda path, v: _as_dtensor(assembled[path], needs[path][1], path) if path in needs else v,
+        lambda path, v: as_dtensor(assembled[path], needs[path][1], path) if path in needs else v,
     )
     return tree, sum(p.nbytes for p in received), frozenset(senders)
 
@@ -164,8 +164,8 @@ def _collect(held: dict[str, list[LocalShard]], path: str, value: Any) -> Any:
 
 
 def _collect_need(needs: dict[str, tuple[LocalShard, Any]], path: str, value: Any) -> Any:
-    if _is_dtensor(value):
-        shape, box = _place_of(value)
+    if is_dtensor(value):
+        shape, box = place_of(value)
         needs[path] = (LocalShard(value.to_local(), shape, box), value)
     return value
 

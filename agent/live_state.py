@@ -46,11 +46,15 @@ __all__ = [
     "LocalShard",
     "Shard",
     "StateTransferError",
+    "as_dtensor",
     "exchange_packed",
     "exchange_state",
+    "is_dtensor",
+    "local_device",
     "local_shards",
     "map_leaves",
     "pack_state",
+    "place_of",
     "read_layout",
     "regraft",
     "shard_of",
@@ -105,8 +109,8 @@ def pack_state(
     tensors: list[tuple[torch.Tensor, list[list[int]] | bool]] = []
 
     def encode(value: Any, path: str) -> Any:
-        if _is_dtensor(value):
-            shape, box = _place_of(value)
+        if is_dtensor(value):
+            shape, box = place_of(value)
             value = value.to_local()
             _check_plain(value, path)
             tensors.append((value, [list(shape), list(box.offsets)]))
@@ -208,7 +212,7 @@ def _dtensor_class() -> Any:
     return getattr(module, "DTensor", None)
 
 
-def _is_dtensor(value: Any) -> bool:
+def is_dtensor(value: Any) -> bool:
     dtensor = _dtensor_class()
     return dtensor is not None and isinstance(value, dtensor)
 
@@ -362,7 +366,7 @@ def unpack_state(
             if sharded and local_shards:
                 whole, offsets = sharded
                 return LocalShard(tensor, tuple(whole), Box(tuple(offsets), tuple(tensor.shape)))
-            return _as_dtensor(tensor, like, path) if sharded else tensor
+            return as_dtensor(tensor, like, path) if sharded else tensor
         if kind == "f" and item in ("inf", "-inf", "nan", "-nan"):
             return float(item)
         if kind == "S" and isinstance(item, list) and all(_is_count(n) for n in item):
@@ -396,9 +400,9 @@ def unpack_state(
         raise _fail("the tree is nested too deeply") from None
 
 
-def _as_dtensor(local: torch.Tensor, like: Any, path: str) -> Any:
+def as_dtensor(local: torch.Tensor, like: Any, path: str) -> Any:
     """``local`` as this worker's shard of the DTensor ``like`` stands for."""
-    if not _is_dtensor(like):
+    if not is_dtensor(like):
         raise StateTransferError(
             f"{path}: a peer sent a shard of a sharded tensor where this worker's state has "
             f"{type(like).__name__}: build the same model and wrapping on every rank"
@@ -424,7 +428,7 @@ def regraft(tree: Any, like: Any) -> Any:
     the one at the same place in ``like`` (a rank that kept its shard moves it into
     the objects it rebuilt for a new mesh). Large tensors are not copied."""
     packed = pack_state(tree, direct_devices=frozenset(_KINDS))
-    return unpack_state(read_layout(packed.layout), packed.transfers, _local, like)
+    return unpack_state(read_layout(packed.layout), packed.transfers, local_device, like)
 
 
 @dataclass(frozen=True)
@@ -437,7 +441,7 @@ class LocalShard:
     box: Box
 
 
-def _place_of(value: Any) -> tuple[tuple[int, ...], Box]:
+def place_of(value: Any) -> tuple[tuple[int, ...], Box]:
     """A ``DTensor``'s global shape and the box its local shard holds."""
     (chunk,) = value.__create_chunk_list__()  # one box per rank for a DTensor
     return tuple(value.shape), Box(tuple(chunk.offsets), tuple(chunk.sizes))
@@ -447,9 +451,9 @@ def local_shards(tree: Any) -> Any:
     """``tree`` with each ``DTensor`` as its :class:`LocalShard` (no copy)."""
 
     def apart(_: str, value: Any) -> Any:
-        if not _is_dtensor(value):
+        if not is_dtensor(value):
             return value
-        shape, box = _place_of(value)
+        shape, box = place_of(value)
         return LocalShard(value.to_local(), shape, box)
 
     return map_leaves(tree, apart)
@@ -501,7 +505,7 @@ def shard_of(tree: Any) -> Shard:
     dims: dict[tuple[str, int, int], tuple[int, int]] = {}  # mesh dim -> (size, coordinate)
 
     def visit(value: Any) -> None:
-        if _is_dtensor(value):
+        if is_dtensor(value):
             mesh = value.device_mesh
             coordinate = list(mesh.get_coordinate() or ())
             for dim, placement in enumerate(value.placements):
@@ -565,7 +569,8 @@ def exchange_state(
     if not received:
         return None, 0
     (packed,) = received
-    return unpack_state(read_layout(packed.layout), packed.transfers, _local, like), packed.nbytes
+    tree = unpack_state(read_layout(packed.layout), packed.transfers, local_device, like)
+    return tree, packed.nbytes
 
 
 def exchange_packed(
@@ -628,7 +633,7 @@ def exchange_packed(
     }
     received = {
         src: [
-            torch.empty(max(n, 0), dtype=torch.uint8, device=_local(kind))
+            torch.empty(max(n, 0), dtype=torch.uint8, device=local_device(kind))
             for (_, n), kind in zip(codes[src], kinds_in[src], strict=True)
         ]
         for src in sources
@@ -696,7 +701,7 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
     )
 
 
-def _local(device_type: str) -> Any:
+def local_device(device_type: str) -> Any:
     """Where this worker keeps a tensor of ``device_type``: its current device."""
     if device_type == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
