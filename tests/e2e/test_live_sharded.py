@@ -197,6 +197,22 @@ def _kill_rank_3(
     return before, after, round_
 
 
+def _kill_node_b_after_two_snapshots(cluster: Cluster) -> tuple[dict[int, int], int, set[int]]:
+    """Once 4 ranks step and two snapshots (every 10 steps) were taken, SIGKILL agent
+    b and its workers. Returns (rank -> pid before, the round they died in, a's
+    workers' pids)."""
+    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
+    cluster.wait_for(
+        lambda: any(r["event"] == "step" and r["step"] >= 25 for r in _records(cluster)),
+        "two snapshots taken",
+        WAIT,
+    )
+    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
+    survivors = {p.pid for p in cluster.tree("a")} & set(before.values())
+    cluster.kill("b", machine=True)
+    return before, round_, survivors
+
+
 def test_a_killed_hsdp_worker_takes_its_shard_from_the_other_replica(
     cluster: Cluster, digests: dict[tuple[int, int], str]
 ) -> None:
@@ -311,15 +327,7 @@ def test_a_lost_fsdp_node_comes_back_from_the_snapshots_its_buddies_keep(
     endpoint = f"127.0.0.1:{free_port()}"
     for name in ("a", "b"):
         _start(cluster, name, _agent_args(endpoint, "fsdp-node", "2", 2, name == "a"), FSDP)
-    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
-    cluster.wait_for(
-        lambda: any(r["event"] == "step" and r["step"] >= 25 for r in _records(cluster)),
-        "two snapshots taken",
-        WAIT,
-    )
-    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
-    survivors = {p.pid for p in cluster.tree("a")} & set(before.values())
-    cluster.kill("b", machine=True)
+    before, round_, survivors = _kill_node_b_after_two_snapshots(cluster)
     _start(cluster, "b2", _agent_args(endpoint, "fsdp-node", "2", 2, host=False), FSDP)
     after = cluster.wait_for(
         lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the loss", WAIT
@@ -354,15 +362,7 @@ def test_a_lost_fsdp_node_is_resharded_in_memory_onto_the_nodes_left(
     env = FSDP | WHOLE
     _start(cluster, "a", _agent_args(endpoint, "fsdp-shrink", "1:2", 2, host=True), env)
     _start(cluster, "b", _agent_args(endpoint, "fsdp-shrink", "1:2", 2, host=False), env)
-    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", WAIT)
-    cluster.wait_for(
-        lambda: any(r["event"] == "step" and r["step"] >= 25 for r in _records(cluster)),
-        "two snapshots taken",
-        WAIT,
-    )
-    round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
-    survivors = {p.pid for p in cluster.tree("a")} & set(before.values())
-    cluster.kill("b", machine=True)
+    before, round_, survivors = _kill_node_b_after_two_snapshots(cluster)
     after = cluster.wait_for(
         lambda: _stepping(cluster, 2, round_), "2 ranks stepping after the loss", WAIT
     )
