@@ -3,6 +3,9 @@
 * ``rallypoint spec diagram [--output PATH] [--source]`` writes the lifecycle diagram
   (PNG via graphviz's ``dot``) and its ``.dot`` and mermaid sources.
 * ``rallypoint spec check --nodes 3`` runs the model checker (nodes run by the core's driver).
+* ``rallypoint spec check --live [--nodes 3] [--max-crashes 1] [--live-backend both]``
+  checks the live round switch's model instead (ranks, faults; gloo and/or NCCL
+  collectives).
 * ``rallypoint simulate --nodes 1000 --crash-rate 0.01 --seed 7 [--plot out.png]``
   runs the simulator and prints a summary table.
 
@@ -132,6 +135,19 @@ def _spec_parser() -> tuple[argparse.ArgumentParser, list[str]]:
         action="store_true",
         help="no progress display (it shows only on a terminal anyway)",
     )
+    check.add_argument(
+        "--live",
+        action="store_true",
+        help="check the live round switch's model instead: --nodes ranks, --max-crashes "
+        "faults, --max-states (see docs/spec.md)",
+    )
+    check.add_argument(
+        "--live-backend",
+        choices=("gloo", "nccl", "both"),
+        default="both",
+        help="with --live: how a collective meets a lost peer: it fails (gloo) or waits "
+        "until aborted (nccl); default both, one search each",
+    )
     return parser, list(sub.choices)
 
 
@@ -146,6 +162,8 @@ def spec_main(argv: list[str]) -> int:
         )
     if args.command == "diagram":
         return _diagram(Path(args.output), source_only=args.source)
+    if args.live:
+        return _check_live(args)
     from .check import CheckConfig, CheckerWorkerError, check
 
     changes = {
@@ -174,6 +192,29 @@ def spec_main(argv: list[str]) -> int:
         return 1
     print(result.summary())
     return 0 if result.ok else 1
+
+
+def _check_live(args: argparse.Namespace) -> int:
+    """``rallypoint spec check --live``: one search of the live switch's model per
+    backend, a summary of each (violations with their traces)."""
+    from .check.live_switch import LiveSwitchConfig, check_live_switch
+
+    prog = "rallypoint spec check --live"
+    backends = ("gloo", "nccl") if args.live_backend == "both" else (args.live_backend,)
+    bounds: dict[str, Any] = {"ranks": args.nodes, "max_faults": args.max_crashes}
+    if args.max_states is not None:
+        bounds["max_states"] = args.max_states
+    try:
+        configs = [LiveSwitchConfig(backend=backend, **bounds) for backend in backends]
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    ok = True
+    for config in configs:
+        result = check_live_switch(config)
+        print(result.summary())
+        ok = ok and result.ok
+    return 0 if ok else 1
 
 
 _Config = TypeVar("_Config")
