@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..core.live_switch import holds_state, takeover_timeout
 from .config import Std
 from .events import EventKind, EventRecorder
 from .live_channel import (
@@ -100,9 +101,6 @@ class _Spare:
     piped: Std
 
 
-#: seconds a worker that has formed no group yet (it holds no state) has to take a
-#: newer round before it is started again
-_EMPTY_GRACE = 3.0
 #: beat periods without a beat after which a worker counts as frozen
 _FROZEN_BEATS = 5
 
@@ -362,8 +360,12 @@ class LiveWorkers:
             # One still forming its first group holds nothing: if its forming does
             # not break at once, starting it again is cheaper than waiting.
             status = self._channels[rank].status.read()
-            empty = status.phase is Phase.JOINING and status.step == 0 and status.group_at == 0
-            wait = min(self.live_timeout, _EMPTY_GRACE) if empty else self.live_timeout
+            holds = holds_state(
+                step=status.step,
+                group_formed=status.group_at > 0,
+                outside_a_round=status.phase is Phase.JOINING,
+            )
+            wait = takeover_timeout(self.live_timeout, holds_state=holds)
             if self._channels[rank].send(LiveMessage(round_, variables(launch), lost)):
                 self._handed[rank] = (launch, now + wait, wait)
             else:

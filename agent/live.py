@@ -71,6 +71,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from ..core.live_switch import (
+    Act,
+    Agreement,
+    Cause,
+    Place,
+    at_check,
+    check_due,
+    check_interval,
+    offered,
+    react,
+)
 from ..core.state_sources import (
     Position,
     RestoreFrom,
@@ -321,6 +332,9 @@ class Job:
         # round can break the forming (a peer of the old one may never come).
         self._forming: dict[int, str] | None = None
         self._forming_lock = threading.Lock()
+        # While the ranks compare positions and move the state (a new round is then
+        # acted on as the core's switch rule says for a sync).
+        self._syncing = False
         # A newcomer started outside the group: its first round comes from the agent.
         self._standby = False
         status_path, fd = os.environ.get(STATUS_ENV), os.environ.get(FD_ENV)
@@ -415,9 +429,13 @@ class Job:
         if self._status is not None:
             self._status.write_group_ready(time.monotonic())
         self._report(Phase.SYNCING)
-        source, size = self._sync_state(side, held, wanted)
-        if copies_group is not None:
-            self._place_copies(side, copies_group)
+        self._syncing = True
+        try:
+            source, size = self._sync_state(side, held, wanted)
+            if copies_group is not None:
+                self._place_copies(side, copies_group)
+        finally:
+            self._syncing = False
         if self._status is not None:
             self._status.write_state(time.monotonic(), source, size)
         self._report(Phase.STEPPING)
@@ -772,22 +790,38 @@ class Job:
     # -------------------------------------------------------------- failures
 
     def _on_message(self, message: LiveMessage) -> None:
-        """On the inbox thread: a new round. A collective waiting for a lost peer may
-        never return by itself (NCCL; gloo across a cut network), so break the round
-        (:meth:`abort`) at once when the agent says a member is lost, else when the
-        loop has not left the round well after the ranks' agreement was due."""
+        """On the inbox thread: a new round, acted on as the core's switch rule says
+        for where this worker is (:func:`rallypoint.core.live_switch.react`). A
+        collective waiting for a lost peer may never return by itself (NCCL; gloo
+        across a cut network), so the round (or the sync) is broken at once when the
+        agent says a member is lost, else when the loop has not left the round well
+        after the ranks' agreement was due. A worker outside a round (a newcomer,
+        one between rounds) takes the message where it waits for it."""
         rnd = self._current
-        if rnd is None:
+        with self._forming_lock:
+            forming = self._forming is not None
+        if rnd is not None:
+            place = Place.TRAINING
+        elif forming:
+            place = Place.FORMING
+        elif self._syncing:
+            place = Place.SYNCING
+        else:
+            return
+        act, _ = react(place, Cause.NEWER_ROUND_LOST if message.lost else Cause.NEWER_ROUND)
+        if act is Act.BREAK_AND_TAKE:
             self._break_forming()
-            return
-        if message.lost:
-            rnd.abort()
-            return
-        # The agreement needs up to two check periods and a step or two: well past
-        # that, the loop is stuck in a collective that only an abort ends.
-        timer = threading.Timer(4 * CHECK_PERIOD + 4 * rnd.step_seconds, rnd.abort)
-        timer.daemon = True
-        timer.start()
+        elif act is Act.ABORT:
+            if rnd is not None:
+                rnd.abort()
+            else:
+                self.abort()
+        elif act is Act.OFFER and rnd is not None:
+            # The agreement needs up to two check periods and a step or two: well
+            # past that, the loop is stuck in a collective that only an abort ends.
+            timer = threading.Timer(4 * CHECK_PERIOD + 4 * rnd.step_seconds, rnd.abort)
+            timer.daemon = True
+            timer.start()
 
     def _wait_for_master(self) -> None:
         """Wait until the round's store answers, unless a newer round comes first.
@@ -825,7 +859,7 @@ class Job:
         instead of running out its timeout for a peer that may never come (the
         store is waited for before, in :meth:`_wait_for_master`; a gloo connect that
         retries a vanished peer is not broken this way: the agent starts a worker
-        that holds nothing again, see ``handover._EMPTY_GRACE``)."""
+        that holds nothing again, see :data:`rallypoint.core.live_switch.EMPTY_GRACE`)."""
         with self._forming_lock:
             if self._forming is not None:
                 _shut_down(_opened_since(self._forming))
@@ -965,7 +999,7 @@ class Round:
             if self._first:
                 self._first = False
                 job._first_step()
-            if job.live and job.step >= self._check_at and self._switch_now():
+            if job.live and check_due(job.step, self._check_at) and self._switch_now():
                 self.interrupted = True
                 return
 
@@ -974,13 +1008,14 @@ class Round:
         and start the next one in the background."""
         self._check.wait()
         pending, interval = (int(v) for v in self._flag.tolist())
-        if pending:
+        outcome = at_check(Agreement(bool(pending), interval), self.job.step)
+        if outcome.switch:
             return True
-        self._check_at = self.job.step + interval
+        self._check_at = outcome.next_check
         inbox = self.job._inbox
-        mine = inbox is not None and inbox.newer_than(self.number) is not None
-        wanted = max(1, min(10_000, round(CHECK_PERIOD / max(self.step_seconds, 1e-6))))
-        self._agree(pending=mine, interval=wanted)
+        newest = inbox.newer_than(self.number) if inbox is not None else None
+        mine = offered(None if newest is None else newest.round, self.number)
+        self._agree(pending=mine, interval=check_interval(self.step_seconds, CHECK_PERIOD))
         return False
 
     def _agree(self, *, pending: bool, interval: int) -> None:
