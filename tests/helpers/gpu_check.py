@@ -18,6 +18,11 @@ with what it saw, and the exit status is the number of failures:
   snapshot (the lost shard's copy kept by its buddy on the other agent, sent over
   the new round's groups), the steps trained again carry the same bits as the first
   time, and the job finishes;
+* ``resharded``: with two or more devices, the same job on two agents with
+  ``--nnodes 1:2``; the second agent and its worker SIGKILLed for good: the
+  survivor keeps its process and trains alone from the newest whole snapshot,
+  resharded in memory from 2 shards (its own and its buddy's copy) into 1, whose
+  whole state is bit for bit the one recorded at that step, and the job finishes;
 * ``health``: the pre-flight health check (matmul on the device, NCCL all-reduce).
 """
 
@@ -130,51 +135,73 @@ def check_live(devices: int) -> tuple[bool, str]:
         return ok, detail + " | " + text[-300:].replace("\n", " / ")
 
 
-def check_sharded(devices: int) -> tuple[bool, str]:
-    if devices < 2:
-        return True, "skipped: needs two devices (NCCL refuses two ranks on one)"
+def _sharded_agents(out_dir: Path, nnodes: str, run_id: str, **env: str) -> list[Any]:
+    """Two agents of one device each on 127.0.0.1 training live_sharded.py (FSDP2 on
+    CUDA, NCCL, a snapshot every 10 steps), 300 steps of 0.01 s."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    script = str(ROOT / "tests" / "helpers" / "live_sharded.py")
+    agents = []
+    for node in (0, 1):
+        variables = dict(
+            os.environ, CUDA_VISIBLE_DEVICES=str(node), LIVE_SHARDED_BACKEND="nccl",
+            LIVE_SHARDED_MESH="fsdp", LIVE_SHARDED_SNAPSHOT_EVERY="10", **env,
+        )  # fmt: skip
+        host = "true" if node == 0 else "false"
+        conf = f"keep_alive_interval=1,keep_alive_max_attempt=2,is_host={host}"
+        command = [
+            sys.executable, "-m", "rallypoint.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", run_id, "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
+            "--live", "--max-restarts", "2", "--monitor-interval", "0.05",
+            script, str(out_dir), "300", "0.01",
+        ]  # fmt: skip
+        agents.append(
+            subprocess.Popen(
+                command,
+                env=variables,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    return agents
+
+
+def _trained_past(out_dir: Path, agents: list[Any], step: int) -> str:
+    """Wait until a step after ``step`` was committed: '' then, else what went wrong."""
+    deadline = time.monotonic() + 180
+    while not any(r["event"] == "step" and r["step"] > step for r in _records(out_dir)):
+        if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+            return "no training: " + " / ".join(
+                (a.stdout.read() if a.stdout and a.poll() is not None else "")[-400:]
+                for a in agents
+            )
+        time.sleep(0.1)
+    return ""
+
+
+def _stop(agents: list[Any]) -> None:
+    for agent in agents:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+
+
+def check_sharded(devices: int) -> tuple[bool, str]:
+    if devices < 2:
+        return True, "skipped: needs two devices (NCCL refuses two ranks on one)"
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(tmp)
-        script = str(ROOT / "tests" / "helpers" / "live_sharded.py")
-        agents = []
-        for node in (0, 1):
-            env = dict(
-                os.environ, CUDA_VISIBLE_DEVICES=str(node), LIVE_SHARDED_BACKEND="nccl",
-                LIVE_SHARDED_MESH="fsdp", LIVE_SHARDED_SNAPSHOT_EVERY="10",
-            )  # fmt: skip
-            host = "true" if node == 0 else "false"
-            conf = f"keep_alive_interval=1,keep_alive_max_attempt=2,is_host={host}"
-            command = [
-                sys.executable, "-m", "rallypoint.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                "--rdzv-id", "gpu-sharded", "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
-                "--live", "--max-restarts", "2", "--monitor-interval", "0.05",
-                script, str(out_dir), "300", "0.01",
-            ]  # fmt: skip
-            agents.append(
-                subprocess.Popen(
-                    command,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
+        agents = _sharded_agents(out_dir, "2", "gpu-sharded")
         try:
-            deadline = time.monotonic() + 180
-            while not any(r["event"] == "step" and r["step"] > 35 for r in _records(out_dir)):
-                if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
-                    return False, "no training: " + " / ".join(
-                        (a.stdout.read() if a.stdout and a.poll() is not None else "")[-400:]
-                        for a in agents
-                    )
-                time.sleep(0.1)
+            trouble = _trained_past(out_dir, agents, 35)
+            if trouble:
+                return False, trouble
             steps = [r for r in _records(out_dir) if r["event"] == "step"]
             pids = {r["rank"]: r["pid"] for r in steps}
             last = max(r["step"] for r in steps)
@@ -188,10 +215,7 @@ def check_sharded(devices: int) -> tuple[bool, str]:
             codes = [a.wait(timeout=240) for a in agents]
             text = " / ".join((a.stdout.read() if a.stdout else "")[-300:] for a in agents)
         finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                    agent.wait()
+            _stop(agents)
         recs = _records(out_dir)
         digests: dict[tuple[int, int], set[str]] = {}
         for r in recs:
@@ -211,6 +235,51 @@ def check_sharded(devices: int) -> tuple[bool, str]:
         }
         failed = [what for what, held in checks.items() if not held]
         detail = f"exits {codes}; killed after step {last}, rolled back to {resumed}"
+        detail += f"; failed: {', '.join(failed)}" if failed else ""
+        return not failed, detail + " | " + text.replace("\n", " / ")
+
+
+def check_resharded(devices: int) -> tuple[bool, str]:
+    if devices < 2:
+        return True, "skipped: needs two devices (NCCL refuses two ranks on one)"
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp)
+        agents = _sharded_agents(out_dir, "1:2", "gpu-resharded", LIVE_SHARDED_WHOLE="1")
+        try:
+            trouble = _trained_past(out_dir, agents, 35)
+            if trouble:
+                return False, trouble
+            steps = [r for r in _records(out_dir) if r["event"] == "step"]
+            survivor = next(r["pid"] for r in steps if r["rank"] == 0)
+            os.killpg(agents[1].pid, signal.SIGKILL)  # the second node, for good
+            agents[1].wait()
+            deadline = time.monotonic() + 120
+            while not any(
+                r["event"] == "round" and r["world"] == 1 for r in _records(out_dir)
+            ):  # fmt: skip
+                if time.monotonic() > deadline:
+                    return False, "no round of one rank after the node's loss"
+                time.sleep(0.1)
+            (out_dir / "sprint").touch()
+            code = agents[0].wait(timeout=240)
+            text = (agents[0].stdout.read() if agents[0].stdout else "")[-300:]
+        finally:
+            _stop(agents)
+        recs = _records(out_dir)
+        wholes = {r["step"]: r["whole"] for r in recs if r["event"] == "step" and r["world"] == 2}
+        alone = [r for r in recs if r["event"] == "round" and r["world"] == 1]
+        resumed = alone[0]["step"] if alone else -1
+        checks = {
+            "the agent left exits 0": code == 0,
+            "the survivor kept its process": bool(alone) and alone[0]["pid"] == survivor,
+            "rolled back to a snapshot": resumed > 0 and resumed % 10 == 0,
+            "the resharded state is the snapshot's, bit for bit": bool(alone)
+            and alone[0]["whole"] == wholes.get(resumed),
+            "every step committed": {r["step"] for r in recs if r["event"] == "step"}
+            == set(range(1, 301)),
+        }
+        failed = [what for what, held in checks.items() if not held]
+        detail = f"exit {code}; resumed alone at step {resumed}"
         detail += f"; failed: {', '.join(failed)}" if failed else ""
         return not failed, detail + " | " + text.replace("\n", " / ")
 
@@ -240,6 +309,7 @@ def main() -> int:
         ("abort", check_abort),
         ("live", lambda: check_live(devices)),
         ("sharded", lambda: check_sharded(devices)),
+        ("resharded", lambda: check_resharded(devices)),
         ("health", check_health),
     ):
         started = time.monotonic()
