@@ -40,6 +40,23 @@ def free_port() -> Callable[[], int]:
     return _free_port
 
 
+#: Tries to start an etcd server or cluster on fresh ports: a port found free can
+#: be taken by another process before etcd binds it (only that failure is retried).
+_PORT_TRIES = 3
+
+
+def _on_free_ports(start: Callable[[], Any]) -> Any:
+    """``start()``, tried again on fresh ports when a port it picked was taken
+    meanwhile."""
+    for attempt in range(_PORT_TRIES):
+        try:
+            return start()
+        except EtcdServerError as exc:
+            if "address already in use" not in str(exc) or attempt == _PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _require_etcd() -> None:
     try:
         find_etcd_binary()
@@ -50,12 +67,18 @@ def _require_etcd() -> None:
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     _require_etcd()
-    server = EtcdServer(tmp_path_factory.mktemp("etcd-session") / "data")
-    server.start()
+    servers: list[EtcdServer] = []
+
+    def once() -> EtcdServer:
+        server = EtcdServer(tmp_path_factory.mktemp("etcd-session") / "data")
+        servers.append(server)
+        return server.start()
+
     try:
-        yield server
+        yield _on_free_ports(once)
     finally:
-        server.cleanup()
+        for server in servers:
+            server.cleanup()
 
 
 @pytest.fixture
@@ -66,9 +89,12 @@ def etcd_server_factory(
     servers: list[EtcdServer] = []
 
     def start() -> EtcdServer:
-        server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
-        servers.append(server)
-        return server.start()
+        def once() -> EtcdServer:
+            server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+            servers.append(server)
+            return server.start()
+
+        return _on_free_ports(once)  # type: ignore[no-any-return]
 
     try:
         yield start
@@ -85,9 +111,12 @@ def etcd_cluster_factory(
     clusters: list[EtcdCluster] = []
 
     def start(size: int = 3) -> EtcdCluster:
-        cluster = EtcdCluster(size, tmp_path_factory.mktemp("etcd-cluster"))
-        clusters.append(cluster)
-        return cluster.start()
+        def once() -> EtcdCluster:
+            cluster = EtcdCluster(size, tmp_path_factory.mktemp("etcd-cluster"))
+            clusters.append(cluster)
+            return cluster.start()
+
+        return _on_free_ports(once)  # type: ignore[no-any-return]
 
     try:
         yield start
