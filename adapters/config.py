@@ -10,34 +10,44 @@ check, and one error type (:class:`ConfigError`). The messages differ only in ho
 they name the option: ``--rdzv-endpoint`` for the launcher, "rendezvous endpoint"
 for the parameters. Nothing here imports torch.
 
-``--rdzv-conf`` values arrive as strings (``"true"``, ``"5"``) or typed values;
-both are accepted, as in torch. Defaults are those of the core's
-:class:`~rallypoint.core.Settings` (torch's c10d rendezvous).
-
-Options are sorted by :func:`check_options`, one rule for every backend, torch's
-included: a key the backend reads is used; a key that some other backend reads
-(any key torch 2.13's handlers read, :data:`TORCH_OPTIONS`, or one of rallypoint's,
-:data:`OPTIONS`) is accepted with a one-line warning that it is ignored here, since
-torchrun hands every key to every backend and its handlers skip what they do not
-read; any other key is an error naming the closest known one (a misspelt
-``join_timout=5`` would silently leave the join timeout at 600 s), and so is a
-TLS or credential option the backend would ignore (the connection would not be
-protected as asked).
+The rendezvous options (``--rdzv-conf`` keys) are described once, in the typed
+table of :mod:`rallypoint.adapters.options`: their types and coercions (values
+arrive as strings, ``"true"``, ``"5"``, or typed values; both are accepted, as in
+torch), their defaults (the settings': the core's :class:`~rallypoint.core.Settings`),
+and the rule that sorts them, :func:`check_options`: a key the backend reads is
+used; a key that some other backend reads (torch 2.13's, :data:`TORCH_OPTIONS`, or
+rallypoint's, :data:`OPTIONS`) is accepted with a one-line warning that it is
+ignored here, since torchrun hands every key to every backend and its handlers
+skip what they do not read; any other key is an error naming the closest known
+one (a misspelt ``join_timout=5`` would silently leave the join timeout at 600 s),
+and so is a TLS or credential option the backend would ignore (the connection
+would not be protected as asked). This module exports those names as before.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import ipaddress
 import logging
 import os
 import re
 import socket
 import tempfile
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from . import options as _options
+from .options import (
+    MAX_SECONDS,
+    OPTIONS,
+    TORCH_OPTIONS,
+    ConfigError,
+    check_options,
+    check_seconds,
+    coerce,
+    settings_values,
+    torch_options,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -103,26 +113,16 @@ DEFAULT_PORT_BY_KIND: dict[str, int] = {"c10d": 29400, "etcd": 2379}
 #: cluster (:func:`parse_endpoints`) and name TLS by a scheme (:func:`split_scheme`).
 ETCD_BACKENDS = frozenset(name for name, kind in BACKEND_KINDS.items() if kind == "etcd")
 
-#: Longest duration a seconds option takes (a week): the store clients' timeouts
-#: overflow long before infinity, and nobody means them.
-MAX_SECONDS = 7 * 24 * 3600.0
-
 #: Longest run id: it prefixes every store key, so a pasted blob would make every
 #: key as large.
 MAX_RUN_ID_LENGTH = 255
 
-#: The read timeout (seconds) when ``read_timeout`` is not given.
-_READ_TIMEOUT = 60.0
-
 #: torch's etcd-v2 backend names for the TLS options -> the names used here.
-_ETCD_ALIASES = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
+_ETCD_ALIASES = {o.name: o.alias_of for o in _options.TABLE if o.alias_of}
 
 #: Keys torch's launcher adds to every backend's parameters, whatever the user
 #: wrote: under torchrun a warning about them would say nothing about the user's input.
 _LAUNCHER_KEYS = frozenset({"timeout"})
-
-_TRUE = {"1", "true", "t", "yes", "y", "on"}
-_FALSE = {"0", "false", "f", "no", "n", "off"}
 
 # A DNS name or an IPv4 address: dot-separated labels of letters, digits, '-' and
 # '_' (underscores appear in container and cluster host names).
@@ -132,12 +132,6 @@ _PORT = re.compile(r"[0-9]{1,5}")
 #: How messages name an endpoint given in torch's parameters (the launcher's
 #: checks pass ``--rdzv-endpoint``).
 _ENDPOINT = "rendezvous endpoint"
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid: a launch flag, or a rendezvous backend,
-    endpoint, run id or option. The message is one line that names it and says
-    what is accepted."""
 
 
 #: The adapters' name for :class:`ConfigError`: what :func:`parse_params` and
@@ -199,23 +193,6 @@ def check_run_id(run_id: str, option: str = "rendezvous run id") -> None:
         )
     if "/" in run_id or not run_id.isprintable():
         raise ConfigError(f"{option} {run_id!r}: must not contain '/' or control characters")
-
-
-def check_seconds(value: float, option: str, *, allow_zero: bool = False) -> float:
-    """Return ``value`` if it is a duration up to :data:`MAX_SECONDS` (more than 0,
-    or at least 0 with ``allow_zero``).
-
-    Raises:
-        ConfigError: NaN, infinite or out of range.
-    """
-    if allow_zero:
-        ok, accepted = value >= 0, f"between 0 and {MAX_SECONDS:.0f} seconds"
-    else:
-        ok, accepted = value > 0, f"more than 0 and at most {MAX_SECONDS:.0f} seconds"
-    # NaN fails every comparison, infinity the upper bound.
-    if not (ok and value <= MAX_SECONDS):
-        raise ConfigError(f"{option} must be {accepted}, got {value}")
-    return value
 
 
 # --- endpoints ---------------------------------------------------------------------------
@@ -361,9 +338,7 @@ def check_protocol(
     """
     if given is None:
         return None
-    protocol = str(given).strip().lower()
-    if protocol not in ("http", "https"):
-        raise ConfigError(f"{option} protocol={given!r}: use http or https")
+    protocol: str = coerce("protocol", {"protocol": given}, option)
     if scheme is not None and scheme != protocol:
         raise ConfigError(
             f"{option} protocol={given} contradicts the {scheme}:// of {endpoint_option}; "
@@ -495,225 +470,17 @@ class RendezvousConfig:
     embedded: EmbeddedEtcd | None = None
 
 
-def _bool(value: object, key: str, default: bool | None = None) -> bool | None:
-    if value is None or isinstance(value, bool):
-        return default if value is None else value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"rendezvous option {key}={value!r} is not a boolean (use true or false)")
-
-
-def _flag(value: object, key: str, default: bool) -> bool:
-    return bool(_bool(value, key, default))
-
-
-def _seconds(value: object, key: str, default: float) -> float:
-    if value is None:
-        return default
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ConfigError(f"rendezvous option {key}={value!r} is not a number of seconds") from None
-    return check_seconds(seconds, f"rendezvous option {key}")
-
-
-def _int(value: object, key: str, default: int) -> int:
-    if value is None:
-        return default
-    try:
-        return int(str(value))
-    except ValueError:
-        raise ConfigError(f"rendezvous option {key}={value!r} is not an integer") from None
-
-
-def _budget(value: object, key: str, default: int | None) -> int | None:
-    """A job-wide restart budget: an integer, or none/empty for no shared budget."""
-    if value is None or str(value).strip().lower() in ("", "none"):
-        return default if value is None else None
-    return _int(value, key, 0)
-
-
-#: The options that set a field of the core's :class:`Settings`, each with its
-#: parser; an option not given keeps the field's default.
-_SETTINGS_OPTIONS: dict[str, Callable[[object, str, Any], Any]] = {
-    "join_timeout": _seconds,
-    "last_call_timeout": _seconds,
-    "close_timeout": _seconds,
-    "heartbeat_timeout": _seconds,
-    "keep_alive_interval": _seconds,
-    "keep_alive_max_attempt": _int,
-    "stable_ranks": _flag,
-    "restart_budget": _budget,
-    "exclusion_rounds": _int,
-}
-
-#: The options each kind of backend reads (``--rdzv-conf`` keys); any other key is
-#: rejected, so a new option must be added here.
-_COMMON_OPTIONS = frozenset(_SETTINGS_OPTIONS) | {"local_addr", "read_timeout"}
-OPTIONS: dict[str, frozenset[str]] = {
-    "c10d": _COMMON_OPTIONS | {"is_host", "store_type"},
-    "etcd": _COMMON_OPTIONS
-    | {
-        "ttl",
-        # TLS: the names of torch's etcd rendezvous (etcd_rendezvous.py), and of its
-        # etcd-v2 backend (ssl_cert, ssl_cert_key, ca_cert) as aliases.
-        "protocol",
-        "cacert",
-        "cert",
-        "key",
-        *_ETCD_ALIASES,
-        # etcd's own authentication (torch has none).
-        "user",
-        "password",
-        "password_file",
-    },
-}
-#: The embedded etcd's options on top of the etcd backend's: which member this
-#: node runs (``member``: its index in the list, its ``host:port``, or ``none``)
-#: and where members keep their data (``data_dir``).
-#: It has no users (``user``, ``password``: the cluster has no authentication).
-OPTIONS["etcd-embedded"] = (OPTIONS["etcd"] - {"user", "password", "password_file"}) | {
-    "member",
-    "data_dir",
-}
-
-
 def backend_options(backend: str) -> frozenset[str]:
     """The ``--rdzv-conf`` keys rallypoint's ``backend`` (a name of
     :data:`BACKEND_KINDS`) reads."""
     return OPTIONS["etcd-embedded" if backend in EMBEDDED_BACKENDS else BACKEND_KINDS[backend]]
 
 
-#: Every rendezvous option torch 2.13's handlers read -> the torch backends that
-#: read it (``c10d`` and ``etcd-v2``: its dynamic rendezvous; ``etcd``: its etcd-v1
-#: rendezvous; ``static``). A test reads the keys from torch's own source.
-TORCH_OPTIONS: dict[str, tuple[str, ...]] = {
-    "join_timeout": ("c10d", "etcd-v2"),
-    "last_call_timeout": ("c10d", "etcd", "etcd-v2"),
-    "close_timeout": ("c10d", "etcd-v2"),
-    "heartbeat_timeout": ("c10d", "etcd-v2"),
-    "keep_alive_interval": ("c10d", "etcd-v2"),
-    "keep_alive_max_attempt": ("c10d", "etcd-v2"),
-    "read_timeout": ("c10d", "etcd-v2"),
-    "is_host": ("c10d",),
-    "store_type": ("c10d",),
-    "protocol": ("etcd", "etcd-v2"),
-    "cacert": ("etcd",),
-    "cert": ("etcd",),
-    "key": ("etcd",),
-    "ca_cert": ("etcd-v2",),
-    "ssl_cert": ("etcd-v2",),
-    "ssl_cert_key": ("etcd-v2",),
-    "etcd_prefix": ("etcd",),
-    "timeout": ("etcd", "static"),
-    "rank": ("static",),
-}
-
-#: Every option some backend reads, torch's or rallypoint's.
-_KNOWN_OPTIONS = frozenset(TORCH_OPTIONS).union(*OPTIONS.values())
-
-#: Options that ask for a protected connection to the store (with ``protocol=https``).
-_PROTECTION_OPTIONS = frozenset(
-    {"cacert", "cert", "key", *_ETCD_ALIASES, "user", "password", "password_file"}
-)
-
-#: What the warning about an ignored key says, where "read by <backends>" is not
-#: enough to act on.
-_IGNORED_MEANINGS = {
-    "timeout": "torch's etcd-v1 rendezvous reads it as the join timeout, its static one as "
-    "the store's timeout; the join timeout is join_timeout",
-    "rank": "torch's static rendezvous reads it; the node rank is --node-rank",
-    "etcd_prefix": "torch's etcd-v1 rendezvous keeps its keys under it; rallypoint's etcd "
-    "backend keeps them under /rallypoint/<run id>/",
-}
-
-
-def torch_options(backend: str) -> frozenset[str]:
-    """The rendezvous options torch's ``backend`` handler (``c10d``, ``etcd``,
-    ``etcd-v2``, ``static``) reads."""
-    return frozenset(key for key, readers in TORCH_OPTIONS.items() if backend in readers)
-
-
-def _ignored_meaning(key: str) -> str:
-    if key in _IGNORED_MEANINGS:
-        return _IGNORED_MEANINGS[key]
-    readers = []
-    if key in TORCH_OPTIONS:
-        readers.append(f"torch's {'/'.join(TORCH_OPTIONS[key])}")
-    ours = sorted(kind for kind, known in OPTIONS.items() if key in known)
-    if ours:
-        readers.append(f"rallypoint's {'/'.join(ours)}")
-    return f"read by {' and '.join(readers)} backends"
-
-
-def _asks_for_protection(key: str, value: object) -> bool:
-    if key == "protocol":
-        return str(value).strip().lower() == "https"
-    return key in _PROTECTION_OPTIONS
-
-
-def check_options(
-    config: Mapping[str, object],
-    read: Collection[str],
-    backend: str,
-    option: str = "rendezvous option",
-) -> dict[str, str]:
-    """Sort the options ``config`` against what ``backend`` reads.
-
-    A key in ``read`` is the backend's. A key another backend reads (torch's,
-    :data:`TORCH_OPTIONS`, or rallypoint's, :data:`OPTIONS`) is accepted, as
-    torchrun accepts it, and gets a warning: torchrun hands every key to every
-    backend, and job scripts carry keys of the backend they were written for.
-    Two kinds of key are refused: one no backend reads (a misspelling), and one
-    that asks for a protected connection (``protocol=https``, TLS files, etcd
-    credentials) where ``backend`` does not read it, since the job would run
-    unprotected while its user believes otherwise (torch ignores them).
-
-    Returns:
-        {key: the one-line warning for it}, for each accepted key ``backend``
-        does not read (it must then be ignored).
-
-    Raises:
-        ConfigError: a key no backend reads, naming the closest known key; a
-            protection ``backend`` cannot give, naming the backends that read it.
-    """
-    notes: dict[str, str] = {}
-    for key, value in sorted(config.items()):
-        if key in read:
-            continue
-        if _asks_for_protection(key, value):
-            raise ConfigError(
-                f"{option} {key}: the {backend} backend does not read it, so its connection "
-                f"would not be protected as asked ({_ignored_meaning(key)})"
-            )
-        if key in _KNOWN_OPTIONS:
-            notes[key] = (
-                f"{option} {key} is ignored by the {backend} backend ({_ignored_meaning(key)})"
-            )
-            continue
-        close = difflib.get_close_matches(key, _KNOWN_OPTIONS, n=1)
-        did_you_mean = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(
-            f"{option} {key!r} is unknown to the {backend} backend; "
-            f"{did_you_mean}known options: {', '.join(sorted(read))}"
-        )
-    return notes
-
-
 def _settings(params: RendezvousParameters) -> Settings:
     """The core's settings: each option given, else the field's default."""
-    # Loaded here: the launcher's checks, and the workers importing rallypoint.agent,
-    # need none of the core.
-    from ..core import Settings
+    from ..core import Settings  # loaded here: the launcher's checks need none of the core
 
-    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
-    values = {
-        key: parse(params.config.get(key), key, defaults[key])
-        for key, parse in _SETTINGS_OPTIONS.items()
-    }
+    values = settings_values(params.config)
     try:
         return Settings(
             run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes, **values
@@ -727,15 +494,6 @@ def _local_addr(params: RendezvousParameters) -> str:
     if given:
         check_local_addr(str(given))
     return str(given or socket.getfqdn())
-
-
-def _readable_file(value: object, key: str) -> str:
-    path = os.path.expanduser(str(value).strip())
-    if not path or not os.path.isfile(path) or not os.access(path, os.R_OK):
-        raise ConfigError(
-            f"rendezvous option {key}={value!r}: not a readable file (a PEM file on every node)"
-        )
-    return path
 
 
 def _etcd_tls(conf: Mapping[str, object], scheme: str | None) -> EtcdTLS | None:
@@ -757,10 +515,7 @@ def _etcd_tls(conf: Mapping[str, object], scheme: str | None) -> EtcdTLS | None:
             "rendezvous options cert and key go together: the client certificate and "
             "its private key (PEM files)"
         )
-    paths = {
-        name: None if value is None else _readable_file(value, name)
-        for name, value in files.items()
-    }
+    paths = {name: None if value is None else coerce(name, conf) for name, value in files.items()}
     return EtcdTLS(cacert=paths["cacert"], cert=paths["cert"], key=paths["key"])
 
 
@@ -773,7 +528,7 @@ def _etcd_auth(conf: Mapping[str, object]) -> EtcdAuth | None:
     if password is not None and password_file is not None:
         raise ConfigError("rendezvous options password and password_file: give one of them")
     if password_file is not None:
-        path = _readable_file(password_file, "password_file")
+        path = coerce("password_file", conf)
         try:
             with open(path, encoding="utf-8") as file:
                 password = file.read().rstrip("\r\n")
@@ -848,17 +603,13 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     check_run_id(params.run_id)
     settings = _settings(params)
     local_addr = _local_addr(params)
-    get = params.config.get
-    store_type = str(get("store_type", "tcp")).strip().lower()
-    if store_type not in ("tcp", "file"):
-        raise ConfigError(f"rendezvous option store_type={store_type!r}: use tcp or file")
+    store_type = coerce("store_type", params.config)
     endpoint, tls, auth = params.endpoint, None, None
     if kind == "etcd":
         endpoint, tls, auth = _etcd_access(params)
     elif store_type == "tcp":
         host, _ = parse_endpoint(endpoint, DEFAULT_PORT_BY_KIND["c10d"], backend=params.backend)
         check_resolves([host], f"{_ENDPOINT} host")
-    ttl = get("ttl")
     embedded = _embedded(params, endpoint, local_addr) if embedded_mode else None
     return RendezvousConfig(
         kind=kind,
@@ -866,10 +617,10 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
         endpoint=endpoint,
         settings=settings,
         local_addr=local_addr,
-        is_host=_bool(get("is_host"), "is_host"),
+        is_host=coerce("is_host", params.config),
         store_type=store_type,
-        read_timeout=_seconds(get("read_timeout"), "read_timeout", _READ_TIMEOUT),
-        etcd_ttl=None if ttl is None else _seconds(ttl, "ttl", 1.0),
+        read_timeout=coerce("read_timeout", params.config),
+        etcd_ttl=coerce("ttl", params.config),
         etcd_tls=tls,
         etcd_auth=auth,
         embedded=embedded,
