@@ -79,6 +79,7 @@ __all__ = [
     "check_run_id",
     "check_seconds",
     "format_endpoint",
+    "parse_backend_endpoint",
     "parse_endpoint",
     "parse_endpoints",
     "parse_params",
@@ -289,6 +290,22 @@ def parse_endpoints(
             "give each etcd member once"
         )
     return members
+
+
+def parse_backend_endpoint(
+    endpoint: str, backend: str, default_port: int | None, *, option: str = _ENDPOINT
+) -> list[tuple[str, int]]:
+    """The store endpoint of ``backend`` -> its members [(host, port), ...]: the
+    members of one etcd cluster for rallypoint's etcd backends (:data:`ETCD_BACKENDS`,
+    :func:`parse_endpoints`), one endpoint for every other (:func:`parse_endpoint`).
+    The one endpoint parser of the launcher (``--rdzv-endpoint``) and the handler.
+
+    Raises:
+        ConfigError: as :func:`parse_endpoints` or :func:`parse_endpoint`.
+    """
+    if backend in ETCD_BACKENDS:
+        return parse_endpoints(endpoint, default_port, option=option)
+    return [parse_endpoint(endpoint, default_port, option=option, backend=backend)]
 
 
 def split_scheme(endpoint: str, option: str = _ENDPOINT) -> tuple[str | None, str]:
@@ -563,16 +580,18 @@ def _etcd_conf(config: Mapping[str, object]) -> dict[str, object]:
     return conf
 
 
-def _etcd_access(params: RendezvousParameters) -> tuple[str, EtcdTLS | None, EtcdAuth | None]:
-    """The member list (without scheme), TLS and authentication of an etcd backend;
-    a malformed list, or one whose members' names all do not exist, fails here,
-    before anything starts."""
+def _etcd_access(
+    params: RendezvousParameters,
+) -> tuple[str, list[tuple[str, int]], EtcdTLS | None, EtcdAuth | None]:
+    """The member list (without scheme), its members, TLS and authentication of an
+    etcd backend; a malformed list, or one whose members' names all do not exist,
+    fails here, before anything starts."""
     scheme, endpoint = split_scheme(params.endpoint)
-    members = parse_endpoints(endpoint, DEFAULT_PORT_BY_KIND["etcd"])
+    members = parse_backend_endpoint(endpoint, params.backend, DEFAULT_PORT_BY_KIND["etcd"])
     conf = _etcd_conf(params.config)
     tls, auth = _etcd_tls(conf, scheme), _etcd_auth(conf)
     check_resolves([host for host, _ in members], f"{_ENDPOINT} host")
-    return endpoint, tls, auth
+    return endpoint, members, tls, auth
 
 
 def _check_options(params: RendezvousParameters) -> None:
@@ -604,13 +623,14 @@ def parse_params(params: RendezvousParameters) -> RendezvousConfig:
     settings = _settings(params)
     local_addr = _local_addr(params)
     store_type = coerce("store_type", params.config)
+    members: list[tuple[str, int]] = []
     endpoint, tls, auth = params.endpoint, None, None
     if kind == "etcd":
-        endpoint, tls, auth = _etcd_access(params)
+        endpoint, members, tls, auth = _etcd_access(params)
     elif store_type == "tcp":
-        host, _ = parse_endpoint(endpoint, DEFAULT_PORT_BY_KIND["c10d"], backend=params.backend)
-        check_resolves([host], f"{_ENDPOINT} host")
-    embedded = _embedded(params, endpoint, local_addr) if embedded_mode else None
+        members = parse_backend_endpoint(endpoint, params.backend, DEFAULT_PORT_BY_KIND["c10d"])
+        check_resolves([host for host, _ in members], f"{_ENDPOINT} host")
+    embedded = _embedded(params, endpoint, members, local_addr) if embedded_mode else None
     return RendezvousConfig(
         kind=kind,
         backend_name=params.backend,
@@ -636,7 +656,12 @@ def _host_is_here(host: str) -> bool:
     return True
 
 
-def _embedded(params: RendezvousParameters, endpoint: str, local_addr: str) -> EmbeddedEtcd:
+def _embedded(
+    params: RendezvousParameters,
+    endpoint: str,
+    listed: Sequence[tuple[str, int]],
+    local_addr: str,
+) -> EmbeddedEtcd:
     """The members of an embedded etcd and which of them this node runs.
 
     Without ``member``, this node runs the member whose host is ``local_addr``,
@@ -647,7 +672,7 @@ def _embedded(params: RendezvousParameters, endpoint: str, local_addr: str) -> E
     Raises:
         ConfigError: ``member`` names no member of the list, or it is needed.
     """
-    members = tuple(parse_endpoints(endpoint, DEFAULT_PORT_BY_KIND["etcd"]))
+    members = tuple(listed)
     names = [format_endpoint(*m) for m in members]
     taken = {(host, port + 1) for host, port in members}
     for name, (host, port) in zip(names, members, strict=True):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..adapters import config as rdzv_config
+from ..adapters import options as rdzv_options
 from ..adapters.config import (
     MAX_RUN_ID_LENGTH,
     MAX_SECONDS,
@@ -148,25 +149,26 @@ DEFAULT_PORT_BY_BACKEND: dict[str, int | None] = {
 
 _CONF_FLAG = "--rdzv-conf"
 
-#: rallypoint's rendezvous options that the launcher sets from its own flags: in
-#: ``--rdzv-conf`` they would be overridden (torchrun has no such keys).
-_FLAG_OPTIONS = {
-    "local_addr": "--local-addr",
-    "restart_budget": "--restart-scope job (with --max-restarts)",
-    "exclusion_rounds": "--exclusion-rounds",
-}
+#: The rendezvous options the launcher sets from its own flags
+#: (:attr:`rallypoint.adapters.options.Option.flag`): never handed on from
+#: ``--rdzv-conf``.
+_SET_BY_FLAGS = frozenset(o.name for o in rdzv_options.TABLE if o.flag)
+
+#: Those of them ``--rdzv-conf`` refuses, naming the flag: rallypoint's, which it
+#: would override (torchrun has no such keys) -> the flag.
+_FLAG_OPTIONS = {o.name: o.flag for o in rdzv_options.TABLE if o.flag and o.flag_refuses}
 
 
 def rdzv_options_read(backend: str) -> frozenset[str]:
     """The ``--rdzv-conf`` keys the handler of ``backend`` reads: rallypoint's
     (:data:`rallypoint.adapters.config.OPTIONS`) or torch's
     (:func:`rallypoint.adapters.config.torch_options`), less those the launcher
-    sets from its flags (``rank``: ``--node-rank``)."""
+    sets from its flags (``local_addr``: ``--local-addr``, ``rank``: ``--node-rank``...)."""
     if BACKEND_IMPLEMENTATIONS[backend] == "rallypoint":
         read = rdzv_config.backend_options(backend)
     else:
         read = rdzv_config.torch_options(TORCH_BACKENDS[backend])
-    return read - _FLAG_OPTIONS.keys() - {"rank"}
+    return read - _SET_BY_FLAGS
 
 
 def parse_rdzv_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
@@ -177,7 +179,7 @@ def parse_rdzv_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
     members of one etcd cluster, comma-separated (``h1:2379,h2:2379,h3:2379``):
     each member is checked and the first is returned; the backend gets the list
     as given and fails over along it. Every other backend takes one endpoint.
-    The rules are :func:`rallypoint.adapters.config.parse_endpoint`'s.
+    The rules are :func:`rallypoint.adapters.config.parse_backend_endpoint`'s.
 
     Raises:
         ConfigError: empty or malformed host, missing port where the backend has no
@@ -185,10 +187,14 @@ def parse_rdzv_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
             for a backend that takes one endpoint, an empty list entry, or a
             member named twice.
     """
-    port = DEFAULT_PORT_BY_BACKEND.get(backend)
-    if backend in rdzv_config.ETCD_BACKENDS:
-        return rdzv_config.parse_endpoints(endpoint, port, option=_ENDPOINT_FLAG)[0]
-    return rdzv_config.parse_endpoint(endpoint, port, option=_ENDPOINT_FLAG, backend=backend)
+    return _rdzv_members(endpoint, backend)[0]
+
+
+def _rdzv_members(endpoint: str, backend: str) -> list[tuple[str, int]]:
+    """``--rdzv-endpoint``'s members (one, but for an etcd cluster's list)."""
+    return rdzv_config.parse_backend_endpoint(
+        endpoint, backend, DEFAULT_PORT_BY_BACKEND.get(backend), option=_ENDPOINT_FLAG
+    )
 
 
 def check_rdzv_id(run_id: str) -> None:
@@ -627,20 +633,26 @@ class LaunchConfig:
         Raises:
             ConfigError: no ``--rdzv-endpoint`` where the backend needs one.
         """
+        return self._store()[0]
+
+    def _store(self) -> tuple[str, list[tuple[str, int]], str]:
+        """The store the handler reaches: (its endpoint, as :meth:`rendezvous_endpoint`
+        says; its members (host, port); the option that names their hosts)."""
         given = self.rdzv_endpoint.strip()
         if self.is_static and not given:
-            return format_endpoint(self.master_addr, self.master_port)
+            member = (self.master_addr, self.master_port)
+            return format_endpoint(*member), [member], "--master-addr"
         if self.standalone and not self.is_static:
-            return "127.0.0.1:0"
+            return "127.0.0.1:0", [("127.0.0.1", 0)], "--standalone"
         if not given:
             raise ConfigError(
                 f"{_ENDPOINT_FLAG} is required for the {self.rdzv_backend} backend "
                 "(or use --standalone for a single node)"
             )
-        if "," in given:  # etcd cluster members, each checked on construction
-            return self.rdzv_endpoint
-        host, port = parse_rdzv_endpoint(self.rdzv_endpoint, self.rdzv_backend)
-        return format_endpoint(host, port)
+        members = _rdzv_members(self.rdzv_endpoint, self.rdzv_backend)
+        # An etcd cluster's members go as given (each was checked on construction).
+        endpoint = self.rdzv_endpoint if "," in given else format_endpoint(*members[0])
+        return endpoint, members, f"{_ENDPOINT_FLAG} host"
 
     def check_endpoint_resolves(self) -> None:
         """Refuse a store host name the resolver says does not exist: the
@@ -653,19 +665,8 @@ class LaunchConfig:
         """
         if self.standalone or str(self.rdzv_configs.get("store_type", "")).strip() == "file":
             return
-        endpoint = self.rendezvous_endpoint()
-        if self.is_static and not self.rdzv_endpoint.strip():
-            option = "--master-addr"
-        else:
-            option = f"{_ENDPOINT_FLAG} host"
-        if self.rdzv_backend in rdzv_config.ETCD_BACKENDS:
-            members = rdzv_config.parse_endpoints(
-                endpoint, DEFAULT_PORT_BY_BACKEND[self.rdzv_backend]
-            )
-            hosts = [host for host, _ in members]
-        else:
-            hosts = [parse_rdzv_endpoint(endpoint, self.rdzv_backend)[0]]
-        rdzv_config.check_resolves(hosts, option)
+        _, members, option = self._store()
+        rdzv_config.check_resolves([host for host, _ in members], option)
 
     def _resolve_shutdown_timeout(self) -> None:
         check_seconds(self.stop_grace, "--stop-grace", allow_zero=True)
