@@ -44,6 +44,7 @@ __all__ = [
     "coerce",
     "option",
     "render_docs_table",
+    "replace_docs_table",
     "settings_values",
     "torch_options",
 ]
@@ -433,6 +434,10 @@ def check_options(
 # --- the docs ------------------------------------------------------------------------------
 
 
+#: The header of the docs' table (the rendered table's first line).
+_DOCS_HEADER = "| key | default | meaning |"
+
+
 def _shown_default(opt: Option, settings_defaults: Mapping[str, Any]) -> str:
     if opt.doc_default:
         return opt.doc_default
@@ -462,9 +467,25 @@ def render_docs_table() -> str:
             rows[-1][1].append(shown)
         else:
             rows.append(([opt.name], [shown], opt.doc))
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    lines = [_DOCS_HEADER, "| --- | --- | --- |"]
     for names, defaults, doc in rows:
         keys = ", ".join(f"`{name}`" for name in names)
         shown = defaults[0] if len(set(defaults)) == 1 else ", ".join(defaults)
         lines.append(f"| {keys} | {shown} | {doc} |")
     return "\n".join(lines) + "\n"
+
+
+def replace_docs_table(markdown: str) -> str:
+    """``markdown`` (docs/adapters.md) with its table of options rendered anew
+    from :data:`TABLE` (``RALLYPOINT_UPDATE_DOCS=1 pytest tests/adapters/test_options.py``
+    rewrites the file).
+
+    Raises:
+        ValueError: ``markdown`` has no such table.
+    """
+    lines = markdown.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith(_DOCS_HEADER)), None)
+    if start is None:
+        raise ValueError(f"no table of options (a line {_DOCS_HEADER!r}) in the text")
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "".join(lines[:start]) + render_docs_table() + "".join(lines[end:])
