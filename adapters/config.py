@@ -123,7 +123,7 @@ _ETCD_ALIASES = {o.name: o.alias_of for o in _options.TABLE if o.alias_of}
 
 #: Keys torch's launcher adds to every backend's parameters, whatever the user
 #: wrote: under torchrun a warning about them would say nothing about the user's input.
-_LAUNCHER_KEYS = frozenset({"timeout"})
+_LAUNCHER_KEYS = frozenset(o.name for o in _options.TABLE if o.torchrun_adds)
 
 # A DNS name or an IPv4 address: dot-separated labels of letters, digits, '-' and
 # '_' (underscores appear in container and cluster host names).

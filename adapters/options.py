@@ -44,7 +44,7 @@ __all__ = [
     "coerce",
     "option",
     "render_docs_table",
-    "replace_docs_table",
+    "replace_table",
     "settings_values",
     "torch_options",
 ]
@@ -121,6 +121,8 @@ class Option:
         alias_of: the key is torch's other name for this one.
         ignored: what the warning about the key on a backend that ignores it says
             (default: which backends read it).
+        torchrun_adds: torch's launcher adds the key to every backend's parameters,
+            whatever the user wrote (the handler then notes it ignored quietly).
         doc: its meaning in docs/adapters.md's table (rallypoint's keys; keys in a
             row with the same text share a row).
         doc_default: the default as the docs show it, where the value does not say
@@ -139,6 +141,7 @@ class Option:
     protects: bool | frozenset[str] = False
     alias_of: str | None = None
     ignored: str = ""
+    torchrun_adds: bool = False
     doc: str = ""
     doc_default: str = ""
 
@@ -233,7 +236,7 @@ TABLE: tuple[Option, ...] = (
            "backend keeps them under /rallypoint/<run id>/"),
     Option("timeout", "torch", torch=("etcd", "static"),
            ignored="torch's etcd-v1 rendezvous reads it as the join timeout, its static one as "
-           "the store's timeout; the join timeout is join_timeout"),
+           "the store's timeout; the join timeout is join_timeout", torchrun_adds=True),
     Option("rank", "torch", torch=("static",), flag="--node-rank", flag_refuses=False,
            ignored="torch's static rendezvous reads it; the node rank is --node-rank"),
 )  # fmt: skip
@@ -475,17 +478,18 @@ def render_docs_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_docs_table(markdown: str) -> str:
-    """``markdown`` (docs/adapters.md) with its table of options rendered anew
-    from :data:`TABLE` (``RALLYPOINT_UPDATE_DOCS=1 pytest tests/adapters/test_options.py``
-    rewrites the file).
+def replace_table(markdown: str, table: str) -> str:
+    """``markdown`` with the table whose header is ``table``'s replaced by ``table``
+    (a rendered docs table: ``RALLYPOINT_UPDATE_DOCS=1 pytest
+    tests/adapters/test_options.py`` rewrites the docs).
 
     Raises:
         ValueError: ``markdown`` has no such table.
     """
+    header = table.splitlines()[0]
     lines = markdown.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.startswith(_DOCS_HEADER)), None)
+    start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == header), None)
     if start is None:
-        raise ValueError(f"no table of options (a line {_DOCS_HEADER!r}) in the text")
+        raise ValueError(f"no table of options (a line {header!r}) in the text")
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    return "".join(lines[:start]) + render_docs_table() + "".join(lines[end:])
+    return "".join(lines[:start]) + table + "".join(lines[end:])

@@ -64,6 +64,8 @@ __all__ = [
     "parse_signals",
     "parse_std",
     "rdzv_options_read",
+    "render_rdzv_conf_table",
+    "sort_rdzv_conf",
 ]
 
 logger = logging.getLogger("rallypoint.agent")
@@ -169,6 +171,73 @@ def rdzv_options_read(backend: str) -> frozenset[str]:
     else:
         read = rdzv_config.torch_options(TORCH_BACKENDS[backend])
     return read - _SET_BY_FLAGS
+
+
+def sort_rdzv_conf(configs: Mapping[str, object], backend: str) -> dict[str, str]:
+    """Sort ``--rdzv-conf``'s keys for ``backend``: the rule of
+    :func:`rallypoint.adapters.options.check_options`, and a key the launcher sets
+    from a flag is refused naming the flag.
+
+    Returns:
+        {key: the one-line warning}, for each key ``backend`` ignores.
+
+    Raises:
+        ConfigError: a key set from a flag, unknown, or asking for a protection
+            ``backend`` cannot give.
+    """
+    for key, flag in _FLAG_OPTIONS.items():
+        if key in configs:
+            raise ConfigError(f"{_CONF_FLAG} {key}: give it as {flag}")
+    return rdzv_options.check_options(configs, rdzv_options_read(backend), backend, _CONF_FLAG)
+
+
+#: docs/agent.md's table of ``--rdzv-conf`` keys: the launcher's backends it shows.
+_DOCS_BACKENDS = ("c10d", "etcd", "etcd-embedded", "torch-c10d", "torch-etcd", "static")
+
+
+def _rdzv_conf_outcome(backend: str, key: str, value: str) -> str:
+    try:
+        return "warning" if sort_rdzv_conf({key: value}, backend) else "read"
+    except ConfigError:
+        return "refused"
+
+
+def render_rdzv_conf_table() -> str:
+    """docs/agent.md's table of ``--rdzv-conf`` keys, rendered from the options
+    table (:data:`rallypoint.adapters.options.TABLE`) by the rule the launcher
+    runs (:func:`sort_rdzv_conf`): what each backend does with each key (read, a
+    warning, refused) and what the warning says; consecutive keys alike share a row."""
+    rows: list[tuple[list[str], list[str], str]] = []
+    for opt in rdzv_options.TABLE:
+        cells = []
+        for backend in _DOCS_BACKENDS:
+            cell = _rdzv_conf_outcome(backend, opt.name, "5")
+            values = () if isinstance(opt.protects, bool) else sorted(opt.protects)
+            refused = [v for v in values if _rdzv_conf_outcome(backend, opt.name, v) == "refused"]
+            if refused and cell != "refused":
+                cell += ", " + ", ".join(f"refused for `{v}`" for v in refused)
+            cells.append(cell)
+        # What the warning says (its '<run id>' escaped for markdown).
+        readers = rdzv_options.ignored_meaning(opt.name).replace("<", "&lt;")
+        if opt.name in _FLAG_OPTIONS:
+            readers += f"; give {_FLAG_OPTIONS[opt.name]}"
+        if rows and rows[-1][1:] == (cells, readers):
+            rows[-1][0].append(opt.name)
+        else:
+            rows.append(([opt.name], cells, readers))
+    misspelt = [_rdzv_conf_outcome(backend, "join_timout", "5") for backend in _DOCS_BACKENDS]
+    lines = [
+        f"| key | {' | '.join(f'`{b}`' for b in _DOCS_BACKENDS)} | who reads it (what a warning "
+        "says) |",
+        "|---" * (len(_DOCS_BACKENDS) + 2) + "|",
+        *(
+            f"| {', '.join(f'`{n}`' for n in names)} | {' | '.join(cells)} | {readers} |"
+            for names, cells, readers in rows
+        ),
+        f"| any other key | {' | '.join(misspelt)} | none (a misspelling: the error names "
+        "the closest key) |",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def parse_rdzv_endpoint(endpoint: str, backend: str) -> tuple[str, int]:
@@ -598,14 +667,8 @@ class LaunchConfig:
     def _check_rdzv_configs(self) -> None:
         """``--rdzv-conf``'s keys (their values: when the handler is built). One
         torchrun accepts but this backend does not read is dropped with a warning
-        (:func:`rallypoint.adapters.config.check_options`)."""
-        for key, flag in _FLAG_OPTIONS.items():
-            if key in self.rdzv_configs:
-                raise ConfigError(f"--rdzv-conf {key}: give it as {flag}")
-        notes = rdzv_config.check_options(
-            self.rdzv_configs, rdzv_options_read(self.rdzv_backend), self.rdzv_backend, _CONF_FLAG
-        )
-        for note in notes.values():
+        (:func:`sort_rdzv_conf`)."""
+        for note in sort_rdzv_conf(self.rdzv_configs, self.rdzv_backend).values():
             logger.warning("%s", note)
 
     def _check_devices(self) -> None:

@@ -1,7 +1,8 @@
 """The typed table of rendezvous options is the one description of them.
 
-* docs/adapters.md's table of options is the one rendered from the table
-  (``RALLYPOINT_UPDATE_DOCS=1`` rewrites it);
+* docs/adapters.md's table of options, and docs/agent.md's of what each backend does
+  with each key, are the ones rendered from the table (``RALLYPOINT_UPDATE_DOCS=1``
+  rewrites them);
 * the options that set the core's settings are its fields, and their defaults
   are its defaults;
 * each type has one coercion, and a bad value gets that type's message;
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,24 +24,34 @@ from rallypoint.agent import config as agent_config
 from rallypoint.agent.config import LaunchConfig
 from rallypoint.core import Settings
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "adapters.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-def test_the_docs_table_of_options_is_the_one_rendered_from_the_table() -> None:
-    text = DOCS.read_text()
-    rendered = options.replace_docs_table(text)
+@pytest.mark.parametrize(
+    ("page", "render"),
+    [
+        ("adapters.md", options.render_docs_table),
+        ("agent.md", agent_config.render_rdzv_conf_table),
+    ],
+)
+def test_the_docs_tables_of_options_are_rendered_from_the_table(
+    page: str, render: Callable[[], str]
+) -> None:
+    path = DOCS / page
+    text = path.read_text()
+    rendered = options.replace_table(text, render())
     if os.environ.get("RALLYPOINT_UPDATE_DOCS") and rendered != text:
-        DOCS.write_text(rendered)
+        path.write_text(rendered)
         text = rendered
     assert text == rendered, (
-        "docs/adapters.md's table of options is not the table's: rerun this test with "
+        f"docs/{page}'s table of options is not the table's: rerun this test with "
         "RALLYPOINT_UPDATE_DOCS=1"
     )
 
 
 def test_a_text_without_the_table_is_refused() -> None:
     with pytest.raises(ValueError, match="no table of options"):
-        options.replace_docs_table("# nothing here\n")
+        options.replace_table("# nothing here\n", options.render_docs_table())
 
 
 def test_the_settings_options_are_the_core_settings_fields_with_their_defaults() -> None:
