@@ -22,6 +22,7 @@ from rallypoint.adapters import options
 from rallypoint.adapters.options import COERCE, SETTING, TABLE, ConfigError, coerce, option
 from rallypoint.agent import config as agent_config
 from rallypoint.agent.config import LaunchConfig
+from rallypoint.agent.launcher import build_parser
 from rallypoint.core import Settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -62,8 +63,12 @@ def test_the_settings_options_are_the_core_settings_fields_with_their_defaults()
     assert all(option(name).default is SETTING for name in settings)
     assert all(o.setting for o in TABLE if o.default is SETTING)
     assert options.settings_values({}) == {name: fields[name].default for name in settings}
-    # The launcher's flag for a setting starts from the same default.
-    assert LaunchConfig(1, 1, 1).exclusion_rounds == fields["exclusion_rounds"].default
+    # The launcher's flag for a setting starts from the same default (the launcher
+    # does not load the core to read it: its checks run before anything else loads).
+    default = fields["exclusion_rounds"].default
+    assert LaunchConfig(1, 1, 1).exclusion_rounds == default
+    if "PET_EXCLUSION_ROUNDS" not in os.environ:
+        assert build_parser().get_default("exclusion_rounds") == default
 
 
 def test_every_option_is_well_formed() -> None:
