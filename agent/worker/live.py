@@ -3,7 +3,7 @@
 A training script opts in by registering what must survive a regroup and running its
 loop inside :meth:`Job.rounds`; the agent opts in with ``rallypoint run --live``::
 
-    from rallypoint.agent import live
+    from rallypoint.agent.worker import live
 
     model = nn.Linear(16, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -19,7 +19,7 @@ What happens on a membership change (a peer crashed, a node left or joined):
 
 1. The agent joins the next round as it always does, then hands each of its live
    workers the new round's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...)
-   over a local pipe (:mod:`rallypoint.agent.live_channel`). Only workers that are
+   over a local pipe (:mod:`rallypoint.agent.worker.live_channel`). Only workers that are
    really gone are started again. With ``Job(may_shrink=True)`` nobody waits for
    them: their node is out of the rendezvous while they start (the others regroup
    without it and train on), they report ready at ``job.rounds()``, and the node
@@ -35,7 +35,7 @@ What happens on a membership change (a peer crashed, a node left or joined):
 3. The new process group forms (``init_process_group``, ``env://``). The ranks compare
    their step counters; if they differ (a newcomer, or a rank that lost its last
    step), the lowest rank with the highest count sends the registered state to the
-   others as tensors (:mod:`rallypoint.agent.live_state`: a JSON layout and the
+   others as tensors (:mod:`rallypoint.agent.worker.live_state`: a JSON layout and the
    tensors' bytes, over the side group, and CUDA tensors over the round's NCCL
    group; no pickle, so no code can travel). A newcomer never reads a checkpoint on
    this path: ``restore`` runs only when no rank holds the state (the whole job
@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ..core.live_switch import (
+from ...core.live_switch import (
     Act,
     Agreement,
     Cause,
@@ -82,7 +82,7 @@ from ..core.live_switch import (
     offered,
     react,
 )
-from ..core.state_sources import (
+from ...core.state_sources import (
     Position,
     RestoreFrom,
     place_copies,
@@ -610,7 +610,7 @@ class Job:
         """The mesh changed: reshard the state in memory from the newest step of which
         the ranks hold every old shard (live, or in snapshots), as the core plans it
         (:func:`plan_restore` over the old layout, then
-        :mod:`~rallypoint.agent.live_reshard`); (source, bytes in) as
+        :mod:`~rallypoint.agent.worker.live_reshard`); (source, bytes in) as
         :meth:`_sync_state`, or None when no step is whole."""
         me = dist.get_rank()
         front = next(p for p in old if p.holds)

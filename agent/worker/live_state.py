@@ -1,6 +1,6 @@
 """Moving a worker's registered state to its peers as tensors, never through pickle.
 
-Runs in the worker's process (:mod:`rallypoint.agent.live`). A state tree (the
+Runs in the worker's process (:mod:`rallypoint.agent.worker.live`). A state tree (the
 nested dicts, lists and tuples that ``state_dict()`` returns, with tensors and
 plain values at the leaves) is split in two:
 
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.reshard import Box
+from ...core.reshard import Box
 
 __all__ = [
     "LocalShard",

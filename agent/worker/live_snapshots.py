@@ -1,6 +1,6 @@
 """Snapshots of a worker's shard in host memory, and its buddy's copy (live regroup).
 
-Runs in the worker's process (:mod:`rallypoint.agent.live`). A sharded job whose
+Runs in the worker's process (:mod:`rallypoint.agent.worker.live`). A sharded job whose
 lost shard no replica holds (FSDP, tensor parallel) recovers from memory when each
 rank keeps, every few steps, a copy of its state in its own host memory and one in
 the host memory of a *buddy* rank on another node (docs/design.md, decision 14).
@@ -10,7 +10,7 @@ Where the copies go and which step a round restores are the core's decisions
 and moves them.
 
 A snapshot is taken at a committed step on every rank alike: the rank copies its
-state (packed for the wire, :func:`~rallypoint.agent.live_state.pack_state`) into
+state (packed for the wire, :func:`~rallypoint.agent.worker.live_state.pack_state`) into
 its own memory at once, then a background thread sends the copy to its buddy and
 receives its wards' copies over a group of the round kept for this, so that the
 training loop goes on meanwhile. A copy counts once it is whole: the rank's own at
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.state_sources import Copy
+from ...core.state_sources import Copy
 from .live_state import Packed, Shard, StateTransferError, exchange_packed, pack_state
 
 __all__ = ["Snapshots", "Taken", "gather_copies"]

@@ -15,8 +15,10 @@ Two one-way paths per worker, both private to the node:
   word, written whole.
 
 This module is a leaf: it imports nothing of the package, so the worker side
-(:mod:`rallypoint.agent.live`) and the agent side (:mod:`rallypoint.agent.handover`)
-share it without importing each other.
+(:mod:`rallypoint.agent.worker.live`) and the agent side (:mod:`rallypoint.agent.handover`)
+share it without importing each other. It lives with the worker's code, whose
+process writes the status and reads the pipe, and the agent's handover imports it
+to speak the same format (the import rule allows it that, tests/test_import_graph.py).
 """
 
 from __future__ import annotations

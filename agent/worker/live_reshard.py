@@ -1,6 +1,6 @@
 """Resharding a live job's state in memory when its mesh changes (live regroup).
 
-Runs in the worker's process (:mod:`rallypoint.agent.live`). When a sharded job
+Runs in the worker's process (:mod:`rallypoint.agent.worker.live`). When a sharded job
 (FSDP2, HSDP, tensor parallel) regroups into a world of another size, every rank's
 rebuilt objects hold other boxes of every ``DTensor`` than the ones trained. The
 old boxes are still in memory: live on the ranks that kept them, and in the
@@ -14,7 +14,7 @@ them:
    (:func:`rallypoint.core.reshard.plan_reshard`): the pieces to move, a piece
    that a rank holds itself coming from its own memory;
 3. the pieces travel point to point as tensors
-   (:func:`~rallypoint.agent.live_state.exchange_packed`), with the plain values
+   (:func:`~rallypoint.agent.worker.live_state.exchange_packed`), with the plain values
    of the state (an optimizer's step counts, its hyperparameters) from one rank;
 4. each rank assembles its new boxes and wraps them in ``DTensor`` s of its new
    mesh.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.reshard import Box, Piece, ReshardError, plan_reshard
+from ...core.reshard import Box, Piece, ReshardError, plan_reshard
 from .live_state import (
     LocalShard,
     Packed,
@@ -65,7 +65,7 @@ def reshard(
 
     Args:
         sources: the old shards this rank sends: state trees whose sharded tensors
-            are :class:`~rallypoint.agent.live_state.LocalShard` s (its own
+            are :class:`~rallypoint.agent.worker.live_state.LocalShard` s (its own
             state's, a snapshot's).
         wanted: this rank's new objects' state (their ``DTensor`` s say which box
             of each tensor it needs, and on which mesh).
