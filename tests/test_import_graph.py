@@ -31,7 +31,7 @@ LEAVES = (
     "rallypoint.adapters.errors",
     "rallypoint.agent.errors",
     "rallypoint.agent._reaper",
-    "rallypoint.agent.live_channel",
+    "rallypoint.agent.worker.live_channel",
     "rallypoint.spec.model.lifecycle",
 )
 
