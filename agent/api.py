@@ -4,7 +4,7 @@ Like torch's ``torch.distributed.launcher.api.elastic_launch``::
 
     results = elastic_launch(config, train)(epochs, lr=0.1)  # {global rank: return value}
 
-Each worker is a fresh interpreter (``python -m rallypoint.agent._function_worker``)
+Each worker is a fresh interpreter (``python -m rallypoint.agent.worker.function``)
 that imports the function by name and calls it. Arguments and return values must
 be JSON-serialisable: they travel as JSON, never pickle. The function must be
 importable: defined at module top level, in a module or in a script file.
@@ -25,12 +25,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure as TorchFailure
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from ._function_worker import ARGS_ENV, FUNCTION_ENV
 from .agent import AgentState, ElasticAgent, RunResult
 from .config import ConfigError, LaunchConfig
 from .errors import AgentError, ProcessFailure
 from .logs import EventStatus
 from .rendezvous import build_handler
+from .worker.function import ARGS_ENV, FUNCTION_ENV
 
 __all__ = ["WorkerFailedError", "elastic_launch", "function_spec", "record_end"]
 
@@ -128,7 +128,7 @@ def elastic_launch(
                 raise ConfigError(f"arguments must be JSON-serialisable: {exc}") from None
             config.env[FUNCTION_ENV] = function_spec(entrypoint)
             config.env[ARGS_ENV] = payload
-            argv = [sys.executable, "-u", "-m", "rallypoint.agent._function_worker"]
+            argv = [sys.executable, "-u", "-m", "rallypoint.agent.worker.function"]
         else:
             if kwargs:
                 raise ConfigError("a program entry point takes positional arguments only")

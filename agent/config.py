@@ -510,7 +510,7 @@ class LaunchConfig:
         events_file: where rallypoint's structured events go, as JSON lines
             (``--events-file``; None: logging only).
         live: live regroup (``--live``): on a membership change, workers that use
-            :mod:`rallypoint.agent.live` keep running and are handed the new round;
+            :mod:`rallypoint.agent.worker.live` keep running and are handed the new round;
             only workers that are gone are started again.
         live_timeout: seconds a live worker has to take a new round before it is
             stopped and started again (``--live-timeout``).

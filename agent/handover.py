@@ -2,7 +2,7 @@
 
 The agent decides nothing about the group here: the round, the ranks and the master
 come from the rendezvous and the rank agreement as for any round. This module only
-carries a round to the node's workers (:mod:`rallypoint.agent.live_channel`) and
+carries a round to the node's workers (:mod:`rallypoint.agent.worker.live_channel`) and
 watches that they take it:
 
 * a worker that runs the live API (its status file says so) and is alive is *handed*
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from ..core.live_switch import holds_state, takeover_timeout
 from .config import Std
 from .events import EventKind, EventRecorder
-from .live_channel import (
+from .worker.live_channel import (
     BEAT_PERIOD,
     FD_ENV,
     SOURCE_DISK,
@@ -162,7 +162,7 @@ class LiveWorkers:
         #: local ranks killed for making no progress (their exit is a failure)
         self.stalled: set[int] = set()
         self._regroup: _Regroup | None = None
-        #: keep a warm spare worker ready (see :mod:`rallypoint.agent._warm_worker`)
+        #: keep a warm spare worker ready (see :mod:`rallypoint.agent.worker.warm`)
         self.spares = spares
         self._spares: list[_Spare] = []
         self._spares_started = 0
@@ -248,7 +248,7 @@ class LiveWorkers:
         python = os.environ.get("PYTHON_EXEC") or sys.executable
         if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
             return None
-        return [python, "-u", "-m", "rallypoint.agent._warm_worker"]
+        return [python, "-u", "-m", "rallypoint.agent.worker.warm"]
 
     def prepare_spares(self, group: WorkerGroup, template: WorkerLaunch, count: int = 1) -> None:
         """Keep ``count`` warm spares for workers like ``template`` (fewer when they

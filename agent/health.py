@@ -16,7 +16,7 @@ Before its workers start in a round, a node can check itself (``--health-check``
    an all-reduce of ones through a fresh process group (NCCL on CUDA, gloo
    otherwise) whose sum must be the world size.
 
-Steps 2-4 run in a fresh Python process (:mod:`rallypoint.agent._health_worker`)
+Steps 2-4 run in a fresh Python process (:mod:`rallypoint.agent.worker.health`)
 and step 1 in a shell, each in a session of its own: a hung driver call, a
 segfault in a CUDA library or a user check that never returns cannot take the
 agent down or wedge it. At the deadline the process group and every descendant
@@ -70,8 +70,8 @@ from typing import Literal
 import psutil
 
 from . import _reaper
-from ._health_worker import GROUP_STAGES, LOCAL_STAGES, SPEC_ENV
 from .errors import describe_exit
+from .worker.health import GROUP_STAGES, LOCAL_STAGES, SPEC_ENV
 
 __all__ = [
     "LOCAL_SHARE",
@@ -384,7 +384,7 @@ class _Check:
         return None
 
     def _spec(self, local_failure: dict[str, str] | None) -> dict[str, object]:
-        """The check process's instructions (see :mod:`._health_worker`). Its deadlines
+        """The check process's instructions (see :mod:`.worker.health`). Its deadlines
         are wall-clock times as if the import took no time; the process moves them on
         by the time it took, as the watch here does with its own."""
         wall, timeout = self.wall, self.timeout
@@ -423,7 +423,7 @@ class _Check:
 
     def _run_worker(self, local_failure: dict[str, str] | None) -> _Run:
         """Run the check process until it exits or the watch stops it."""
-        argv = [sys.executable, "-m", "rallypoint.agent._health_worker"]
+        argv = [sys.executable, "-m", "rallypoint.agent.worker.health"]
         spec = json.dumps(self._spec(local_failure))
         worker_env = {**self.env, SPEC_ENV: spec, "PYTHONUNBUFFERED": "1"}
         self.spawned = time.monotonic()

@@ -431,7 +431,7 @@ def _add_recovery_flags(opt: _AddFlag) -> None:
     opt(
         "--live",
         action=flag,
-        help="live regroup: workers that use rallypoint.agent.live keep running across "
+        help="live regroup: workers that use rallypoint.agent.worker.live keep running across "
         "rounds and are handed the new one; only workers that are gone start again.",
     )
     opt(
@@ -645,9 +645,9 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         return [python, "-u", "-m", script, *rest]
     if args.run_path:
         # In this interpreter, as torchrun runs it (a function; PYTHON_EXEC is not
-        # used), and ended as function workers end (see agent/_function_worker.py).
+        # used), and ended as function workers end (see agent/worker/function.py).
         code = (
-            "import sys; from rallypoint.agent._function_worker import run_path; "
+            "import sys; from rallypoint.agent.worker.function import run_path; "
             "run_path(sys.argv[1], sys.argv[2:])"
         )
         return [sys.executable, "-u", "-c", code, os.path.abspath(script), *rest]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from ._function_worker import RETURN_ENV
 from .config import LaunchConfig, numa_command_prefix
 from .logs import WorkerLogs, console_prefix, worker_logs
 from .ranks import Assignment
+from .worker.function import RETURN_ENV
 from .workers import WorkerLaunch
 
 __all__ = ["ROUND_ENV", "return_files", "round_variables", "worker_env", "worker_launches"]

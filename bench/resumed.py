@@ -2,7 +2,7 @@
 
 Used by ``bench/recovery.py`` for its ``live-*`` figures (``--figures live-crash,...``).
 3 agents x 1 gloo worker on c10d, all on this machine. The worker
-(:data:`WORKER`) trains with :mod:`rallypoint.agent.live` (so the same script runs
+(:data:`WORKER`) trains with :mod:`rallypoint.agent.worker.live` (so the same script runs
 under the three launchers: without ``--live`` it runs one round per process) and
 appends ``pid round rank world step time`` for every committed step; rank 0 also
 writes the step counter to a checkpoint file every ``BENCH_CHECKPOINT_EVERY`` steps
@@ -55,7 +55,7 @@ out = sys.argv[1]
 every = int(os.environ.get("BENCH_CHECKPOINT_EVERY", "1"))
 import torch, torch.distributed as dist
 from torch import nn
-from rallypoint.agent import live
+from rallypoint.agent.worker import live
 param = nn.Parameter(torch.zeros(1, dtype=torch.float64))
 holder = nn.Module(); holder.register_parameter("value", param)
 ckpt = os.path.join(out, "ckpt")

@@ -40,7 +40,7 @@ def worker(steps: int, every: int, width: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from rallypoint.agent import live
+    from rallypoint.agent.worker import live
 
     torch.set_num_threads(1)
 
@@ -107,7 +107,7 @@ def _sharded(width: int, mesh_shape: tuple[int, ...]) -> object:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rallypoint.agent import live
+    from rallypoint.agent.worker import live
 
     names = ("shard",) if len(mesh_shape) == 1 else ("dp", "shard")
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -128,9 +128,9 @@ def _recovery_figures(job: object, train: object, width: int) -> dict[str, float
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from rallypoint.agent import live
-    from rallypoint.agent.live_reshard import reshard
-    from rallypoint.agent.live_state import (
+    from rallypoint.agent.worker import live
+    from rallypoint.agent.worker.live_reshard import reshard
+    from rallypoint.agent.worker.live_state import (
         exchange_packed,
         local_shards,
         read_layout,

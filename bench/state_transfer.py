@@ -5,7 +5,7 @@ each state size, interleaved in every repeat:
 
 * ``memory copy``: the sender copies the state's tensors in its own memory (the
   limit: no transfer can beat it);
-* ``tensors``: :func:`rallypoint.agent.live_state.exchange_state` (a JSON layout,
+* ``tensors``: :func:`rallypoint.agent.worker.live_state.exchange_state` (a JSON layout,
   then the tensors' bytes, point to point; what live regroup uses);
 * ``torch.save``: the path before it: ``torch.save`` into memory, the bytes
   broadcast, ``torch.load(weights_only=True)`` on the receiver.
@@ -71,7 +71,7 @@ def _via_torch_save(state: dict[str, torch.Tensor] | None, rank: int) -> object:
 
 
 def worker(rank: int, port: int, sizes: list[int], repeats: int) -> None:
-    from rallypoint.agent.live_state import exchange_state
+    from rallypoint.agent.worker.live_state import exchange_state
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["moved_names", "renamed_method"]
+__all__ = ["moved_module", "moved_names", "renamed_method"]
 
 
 def _warn(old: str, new: str) -> None:
@@ -39,6 +39,29 @@ def moved_names(module: str, moves: Mapping[str, str]) -> Callable[[str], Any]:
         where, _, new = target.partition(":")
         _warn(f"{module}.{name}", f"{where}.{new}")
         return getattr(importlib.import_module(where), new)
+
+    return __getattr__
+
+
+def moved_module(module: str, new: str) -> Callable[[str], Any]:
+    """A module-level ``__getattr__`` (PEP 562) for ``module``, a module whose
+    contents moved whole to the module ``new``: each name ``new`` defines is served
+    from there with a warning naming its new spelling. The alias module keeps only
+    its docstring and this; ``new`` is imported on the first name asked for.
+
+    ``from old import *`` works too, warning for each name (``__all__`` itself is
+    served without a warning); other dunder names are not forwarded.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__") and name != "__all__":
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        target = importlib.import_module(new)
+        if not hasattr(target, name):
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        if name != "__all__":
+            _warn(f"{module}.{name}", f"{new}.{name}")
+        return getattr(target, name)
 
     return __getattr__
 

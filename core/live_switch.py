@@ -11,7 +11,7 @@ round too, and a worker that does not take the new round in time is stopped and
 started again by its agent, so that no path waits forever.
 
 Every decision of the switch is here, as small pure functions and one table; the
-worker (:mod:`rallypoint.agent.live`) and the agent (:mod:`rallypoint.agent.handover`)
+worker (:mod:`rallypoint.agent.worker.live`) and the agent (:mod:`rallypoint.agent.handover`)
 carry them out, and the model checker (:mod:`rallypoint.spec.check.live_switch`)
 explores every interleaving of them:
 

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rallypoint.agent import live, record
+from rallypoint.agent import record
+from rallypoint.agent.worker import live
 
 IN_FEATURES = 16
 

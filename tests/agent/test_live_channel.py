@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rallypoint.agent.config import Std
-from rallypoint.agent.live_channel import (
+from rallypoint.agent.worker.live_channel import (
     LiveMessage,
     Phase,
     StatusFile,

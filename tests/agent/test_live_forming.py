@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 from helpers.cluster import free_port
 
-from rallypoint.agent.live_channel import (
+from rallypoint.agent.worker.live_channel import (
     FD_ENV,
     STATUS_ENV,
     LiveMessage,
@@ -26,8 +26,8 @@ from rallypoint.agent.live_channel import (
 #: forming is under way, a newer round reaches the worker.
 _SCRIPT = """
 import threading, time
-from rallypoint.agent import live
-from rallypoint.agent.live_channel import LiveMessage
+from rallypoint.agent.worker import live
+from rallypoint.agent.worker.live_channel import LiveMessage
 
 job = live.Job(backend="gloo", timeout=120)
 
@@ -69,7 +69,7 @@ def test_a_newer_round_breaks_a_forming_group() -> None:
 #: rank 1 of 2 of round 0, whose store (rank 0's) never opens; a 120 s timeout.
 _NO_STORE_SCRIPT = """
 import time
-from rallypoint.agent import live
+from rallypoint.agent.worker import live
 
 job = live.Job(backend="gloo", timeout=120)
 started = time.monotonic()

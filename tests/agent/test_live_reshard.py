@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from rallypoint.agent.live import Sharded
-from rallypoint.agent.live_reshard import reshard
-from rallypoint.agent.live_state import StateTransferError, local_shards, map_leaves
+from rallypoint.agent.worker.live import Sharded
+from rallypoint.agent.worker.live_reshard import reshard
+from rallypoint.agent.worker.live_state import StateTransferError, local_shards, map_leaves
 rank, port, case, new_mesh = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 torch.set_num_threads(1)
 store = dist.TCPStore("127.0.0.1", int(port), 4, rank == 0,

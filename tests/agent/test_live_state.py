@@ -18,8 +18,8 @@ from helpers.examples import examples
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rallypoint.agent import live_state
-from rallypoint.agent.live_state import (
+from rallypoint.agent.worker import live_state
+from rallypoint.agent.worker.live_state import (
     StateTransferError,
     pack_state,
     read_layout,
@@ -229,7 +229,7 @@ def test_a_layout_that_points_past_its_transfer_is_refused() -> None:
 #: sends its own state to rank 0 in the same exchange; each prints what came.
 _PEERS = """
 import datetime, sys, torch, torch.distributed as dist
-from rallypoint.agent.live_state import exchange_state, StateTransferError
+from rallypoint.agent.worker.live_state import exchange_state, StateTransferError
 rank, port, case = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 timeout = datetime.timedelta(seconds=60)
 store = dist.TCPStore("127.0.0.1", int(port), 3, rank == 0, timeout=timeout)
@@ -277,8 +277,8 @@ def test_three_ranks_over_gloo(tmp_path: Path, case: str) -> None:
 def test_a_snapshot_is_a_copy_and_only_the_two_newest_steps_are_kept() -> None:
     """What a rank keeps of its own state: a copy (training on does not change it),
     listed per shard and step for the restore plan, the oldest dropped."""
-    from rallypoint.agent.live_snapshots import Snapshots
-    from rallypoint.agent.live_state import Shard
+    from rallypoint.agent.worker.live_snapshots import Snapshots
+    from rallypoint.agent.worker.live_state import Shard
     from rallypoint.core.state_sources import Copy
 
     weights = torch.zeros(300_000)  # above the size that shares a buffer
@@ -306,8 +306,8 @@ def test_a_snapshot_is_a_copy_and_only_the_two_newest_steps_are_kept() -> None:
 def test_a_snapshot_copied_in_the_background_holds_the_state_of_its_step() -> None:
     """The copy is made by the snapshot's thread; once :meth:`wait_copied` returned,
     the state may change (the optimizer's next step) without reaching the copy."""
-    from rallypoint.agent.live_snapshots import Snapshots
-    from rallypoint.agent.live_state import Shard
+    from rallypoint.agent.worker.live_snapshots import Snapshots
+    from rallypoint.agent.worker.live_state import Shard
 
     weights = torch.full((300_000,), 3.0)
     snapshots = Snapshots()
@@ -330,7 +330,8 @@ def test_a_snapshot_copied_in_the_background_holds_the_state_of_its_step() -> No
 #: snapshots of two wards), and sends its own to rank 2 in the same exchange.
 _WARDS = """
 import datetime, sys, torch, torch.distributed as dist
-from rallypoint.agent.live_state import exchange_packed, pack_state, read_layout, unpack_state
+from rallypoint.agent.worker.live_state import (
+    exchange_packed, pack_state, read_layout, unpack_state)
 rank, port = int(sys.argv[1]), sys.argv[2]
 store = dist.TCPStore("127.0.0.1", int(port), 3, rank == 0,
                       timeout=datetime.timedelta(seconds=60))

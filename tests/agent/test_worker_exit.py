@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rallypoint.agent import LaunchConfig, elastic_launch
-from rallypoint.agent._function_worker import ARGS_ENV, FUNCTION_ENV, RETURN_ENV
+from rallypoint.agent.worker.function import ARGS_ENV, FUNCTION_ENV, RETURN_ENV
 
 # Leaves a mark for each exit step it reaches: atexit handler, non-daemon thread, and
 # the finalizer of a module global (which must not run: no interpreter finalization).
@@ -69,7 +69,7 @@ if __name__ == "__main__":
 """
 
 RUN_PATH = (
-    "import sys; from rallypoint.agent._function_worker import run_path; "
+    "import sys; from rallypoint.agent.worker.function import run_path; "
     "run_path(sys.argv[1], sys.argv[2:])"
 )
 
@@ -125,7 +125,7 @@ def test_a_function_worker_ends_like_the_interpreter_but_unfinalized(
         ARGS_ENV: json.dumps({"args": [mode], "kwargs": {}}),
         RETURN_ENV: str(returned),
     }
-    done = _run(tmp_path, [sys.executable, "-m", "rallypoint.agent._function_worker"], env)
+    done = _run(tmp_path, [sys.executable, "-m", "rallypoint.agent.worker.function"], env)
     _check_end(tmp_path, done, mode)
     if mode == "ok":
         assert json.loads(returned.read_text()) == {"mode": "ok"}

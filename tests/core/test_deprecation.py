@@ -43,12 +43,50 @@ MOVED = [
     ),
 ]
 
+#: (old module, new module): a module moved whole; every name of the new one still
+#: answers from the old path, with a warning
+MOVED_MODULES = [
+    ("rallypoint.agent.live", "rallypoint.agent.worker.live"),
+    ("rallypoint.agent.live_state", "rallypoint.agent.worker.live_state"),
+    ("rallypoint.agent.live_snapshots", "rallypoint.agent.worker.live_snapshots"),
+    ("rallypoint.agent.live_reshard", "rallypoint.agent.worker.live_reshard"),
+    ("rallypoint.agent.live_channel", "rallypoint.agent.worker.live_channel"),
+]
+
 
 @pytest.mark.parametrize(("module", "old", "where", "new"), MOVED)
 def test_an_old_name_gives_the_new_object_and_warns(module, old, where, new):
     with pytest.warns(DeprecationWarning, match=re.escape(f"use {where}.{new}")):
         value = getattr(importlib.import_module(module), old)
     assert value is getattr(importlib.import_module(where), new)
+
+
+@pytest.mark.parametrize(("old", "new"), MOVED_MODULES)
+def test_a_moved_module_serves_every_name_of_the_new_one_and_warns(old, new):
+    moved = importlib.import_module(new)
+    alias = importlib.import_module(old)
+    assert alias is not moved
+    names = [*moved.__all__, *(n for n in vars(moved) if n.startswith("_") and n[:2] != "__")]
+    for name in names:
+        with pytest.warns(DeprecationWarning, match=re.escape(f"use {new}.{name}")):
+            value = getattr(alias, name)
+        assert value is getattr(moved, name), name
+    with pytest.raises(AttributeError, match=f"module '{re.escape(old)}' has no attribute 'nope'"):
+        alias.nope  # noqa: B018
+
+
+def test_the_old_spelling_of_the_live_api_works_as_scripts_wrote_it():
+    from rallypoint.agent import live
+    from rallypoint.agent.worker import live as moved
+    from rallypoint.agent.worker import live_channel
+
+    with pytest.warns(DeprecationWarning, match=r"rallypoint\.agent\.live\.Job is deprecated"):
+        job = live.Job
+    assert job is moved.Job
+    namespace: dict[str, object] = {}
+    with pytest.warns(DeprecationWarning):
+        exec("from rallypoint.agent.live_channel import *", namespace)
+    assert namespace["StatusFile"] is live_channel.StatusFile
 
 
 def test_a_name_that_never_existed_is_still_an_attribute_error():
@@ -77,3 +115,5 @@ def test_the_changelog_lists_every_alias_as_deprecated():
     for module, old, _where, _new in MOVED:
         assert f"`{module}.{old}`" in deprecated, (module, old)
     assert "`StateSync.monitor`" in deprecated
+    for old, _new in MOVED_MODULES:
+        assert f"`{old}`" in deprecated, old

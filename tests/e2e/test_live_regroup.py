@@ -27,7 +27,7 @@ import psutil
 import pytest
 from helpers.cluster import Cluster, free_port, read_jsonl
 
-from rallypoint.agent.live_channel import Phase, Status, StatusFile
+from rallypoint.agent.worker.live_channel import Phase, Status, StatusFile
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 
@@ -290,7 +290,7 @@ def _warm_spare(cluster: Cluster, name: str, workers: Collection[int] = ()) -> b
     started as one and is not among ``workers``: spares become workers)."""
     for process in cluster.tree(name):
         try:
-            if process.pid not in workers and "rallypoint.agent._warm_worker" in process.cmdline():
+            if process.pid not in workers and "rallypoint.agent.worker.warm" in process.cmdline():
                 return True
         except psutil.Error:
             continue
@@ -546,4 +546,4 @@ def test_function_workers_start_warm(tmp_path: Path) -> None:
     cmdlines = elastic_launch(config, subprocess.getoutput)("tr '\\0' ' ' < /proc/$PPID/cmdline")
     assert sorted(cmdlines) == [0, 1]
     for line in cmdlines.values():
-        assert "rallypoint.agent._warm_worker" in line, cmdlines
+        assert "rallypoint.agent.worker.warm" in line, cmdlines

@@ -52,8 +52,8 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from rallypoint.agent import live
-    from rallypoint.agent.live_state import shard_of
+    from rallypoint.agent.worker import live
+    from rallypoint.agent.worker.live_state import shard_of
 
     torch.set_num_threads(1)
     mode = os.environ.get("LIVE_SHARDED_MESH", "hsdp")

@@ -51,7 +51,7 @@ def main() -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from rallypoint.agent import live
+    from rallypoint.agent.worker import live
 
     backend = os.environ.get("LIVE_STEPS_BACKEND", "gloo")
     device = torch.device("cpu")

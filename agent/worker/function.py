@@ -1,6 +1,6 @@
 """The worker side of :func:`rallypoint.agent.elastic_launch` for Python functions.
 
-Run as ``python -m rallypoint.agent._function_worker``: imports the function named
+Run as ``python -m rallypoint.agent.worker.function``: imports the function named
 by ``RALLYPOINT_FUNCTION`` (``module:qualname``, or ``/path/file.py:qualname`` for
 a script's function), calls it with the JSON arguments in ``RALLYPOINT_ARGS``, and
 writes its JSON-encoded return value to ``RALLYPOINT_RETURN_FILE``. Arguments and
@@ -34,7 +34,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from .errors import record
+from ..errors import record
 
 FUNCTION_ENV = "RALLYPOINT_FUNCTION"
 ARGS_ENV = "RALLYPOINT_ARGS"

@@ -1,6 +1,6 @@
 """The process side of the pre-flight health check (:mod:`rallypoint.agent.health`).
 
-Run as ``python -m rallypoint.agent._health_worker`` by :func:`run_health_check`,
+Run as ``python -m rallypoint.agent.worker.health`` by :func:`run_health_check`,
 with the round's rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``) in its environment and its instructions, as JSON, in
 ``RALLYPOINT_HEALTH_SPEC``. It reports on a status file, one JSON object a line:
@@ -132,7 +132,7 @@ def _matmul(torch: Any, device: str) -> str:
 
 
 def _call_user(spec: str) -> str:
-    from ._function_worker import load_function
+    from .function import load_function
 
     try:
         fn = load_function(spec)

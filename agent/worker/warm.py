@@ -10,10 +10,10 @@ first line on the pipe is the adoption: the worker's whole environment, its comm
 line (``python -u SCRIPT ...``, ``-m MODULE ...`` or ``-c CODE ...``, as the agent
 would have started it) and where its output goes. The process then becomes that
 worker: same pid, its streams routed, the script run as ``__main__``. The rest of
-the pipe is the worker's live channel (:mod:`rallypoint.agent.live_channel`), read
-by its :class:`rallypoint.agent.live.Job`.
+the pipe is the worker's live channel (:mod:`rallypoint.agent.worker.live_channel`), read
+by its :class:`rallypoint.agent.worker.live.Job`.
 
-Started with ``python -u -m rallypoint.agent._warm_worker FD STATUS``, so ``sys.path[0]``
+Started with ``python -u -m rallypoint.agent.worker.warm FD STATUS``, so ``sys.path[0]``
 is the agent's working directory, as for the worker it replaces.
 """
 
