@@ -51,7 +51,7 @@ What each instruction obliges the caller to do, in this order:
     a little (jittered) before stepping after a loss: others are writing too
     (the bundled executors wait a uniform draw from 0 to ``min(0.05, 0.001 *
     2**losses)`` seconds, ``losses`` the losses in a row:
-    :func:`rallypoint.adapters.sync.backoff_delay`; a herd of joiners spreads
+    :func:`rallypoint.core.dispatch.backoff_delay`; a herd of joiners spreads
     out and a lone loser retries at once). A
     won write may move the operation's deadline (``Write.deadline``: a redundant
     node that became a joiner); the node keeps it in :attr:`RendezvousNode.deadline`.

@@ -37,6 +37,7 @@ from rallypoint.adapters import sync as sync_module
 from rallypoint.adapters.c10d import C10dBackend
 from rallypoint.adapters.etcd import EtcdBackend, EtcdServer
 from rallypoint.adapters.sync import StateSync
+from rallypoint.core import dispatch
 from rallypoint.core import (
     MAX_STATE_BYTES,
     JoinOp,
@@ -132,7 +133,7 @@ def test_a_long_run_of_cas_losses_backs_off_with_a_bounded_delay(
     done = sync.run(JoinOp(), time.monotonic() + 60)
     assert done.state.complete and node(0) in done.state.participants
     assert len(delays) >= 1_100
-    assert max(delays) <= sync_module._MAX_BACKOFF
+    assert max(delays) <= dispatch.MAX_BACKOFF
 
 
 @pytest.mark.integration
