@@ -143,6 +143,7 @@ from .backend import Backend, StateChange
 from .checks import Checks
 from .config import SimConfig, SimConfigError
 from .events import EventLoop
+from .executor import EXECUTOR_EVENTS
 from .faults import FaultInjector
 from .node import SimNode, Task
 from .report import JoinReturn, NodeStats, RoundStat, SimReport, SimViolation
@@ -199,7 +200,10 @@ class Simulator:
             for node in self.nodes
         ]
         for kind in AGENT_EVENTS:
-            self.loop.on(kind, self._to_agent(kind))
+            self.loop.on(kind, self._to_slot(kind, self.agents))
+        executors = [agent.executor for agent in self.agents]
+        for kind in EXECUTOR_EVENTS:
+            self.loop.on(kind, self._to_slot(kind, executors))
         self.faults = FaultInjector(self.loop, self.agents, self.settings)
         # The random numbers are drawn in one order (every slot's clock, then each
         # slot's arrival and first faults), so that a seed replays a run exactly.
@@ -220,9 +224,11 @@ class Simulator:
             for i in range(c.nodes)
         ]
 
-    def _to_agent(self, kind: str) -> Callable[[SimNode, Any], None]:
-        """The handler of an agent's event: the agent of the event's node slot."""
-        handlers = [getattr(agent, f"on_{kind}") for agent in self.agents]
+    @staticmethod
+    def _to_slot(kind: str, parts: list[Any]) -> Callable[[SimNode, Any], None]:
+        """The handler of an event of ``kind``: the method ``on_<kind>`` of the
+        part (agent or executor) of the event's node slot."""
+        handlers = [getattr(part, f"on_{kind}") for part in parts]
 
         def handle(node: SimNode, data: Any) -> None:
             handlers[node.slot](data)
