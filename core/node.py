@@ -21,7 +21,9 @@ for (a :class:`~rallypoint.core.driver.Beat`, a :class:`~rallypoint.core.driver.
 a :class:`~rallypoint.core.driver.Wait` until the next check), so the embedder
 needs to know neither their cadence nor the operators behind them.
 
-What each instruction obliges the caller to do, in this order:
+What each instruction obliges the caller to do, in this order (the store's part of
+it is :func:`rallypoint.core.dispatch.carry_out`, which an executor may drive
+instead of writing it again):
 
 ``Read(counters, intents, state)``
     1. Unless ``state`` is False, read the stored state and its token (decode it

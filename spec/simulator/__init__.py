@@ -12,7 +12,8 @@ What is simulated:
   production executor (:class:`rallypoint.adapters.sync.StateSync`, driven by the
   handler and the agent) does; the simulator decides nothing itself. It asks
   ``driver.decide`` (or ``driver.watch``) for the next instruction, carries it
-  out against the simulated backend, and feeds the result back with the
+  out against the simulated backend through the production executors' dispatch
+  (:mod:`rallypoint.core.dispatch`), and feeds the result back with the
   ``after_*`` functions (looked up on the module at every call, so that a test can
   plant a bug in them)::
 
@@ -123,7 +124,10 @@ collaborating parts, each a module of its own, not a chain of classes:
 * :class:`.backend.Backend` -- the stored state, the side counters, the
   intent logs, the phase watches, the requests it serves, and the injection;
 * :class:`.agent.SimAgent` -- one per node slot (:class:`.node.SimNode`):
-  what the handler and the agent do, and the executor of the node's core;
+  what the handler and the agent do, and the loop that steps the node's core;
+* :class:`.executor.SimExecutor` -- one per agent: carries the node's
+  instructions out through :mod:`rallypoint.core.dispatch`, as StateSync does,
+  each request an event the backend serves;
 * :class:`.faults.FaultInjector` -- the faults, at their rates or on call.
 
 :mod:`.config` holds the options and :mod:`.report` the report. Their
