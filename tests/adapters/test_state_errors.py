@@ -37,7 +37,6 @@ from rallypoint.adapters import sync as sync_module
 from rallypoint.adapters.c10d import C10dBackend
 from rallypoint.adapters.etcd import EtcdBackend, EtcdServer
 from rallypoint.adapters.sync import StateSync
-from rallypoint.core import dispatch
 from rallypoint.core import (
     MAX_STATE_BYTES,
     JoinOp,
@@ -45,6 +44,7 @@ from rallypoint.core import (
     RendezvousState,
     Settings,
     decode_state,
+    dispatch,
     encode_state,
 )
 from rallypoint.core import errors as core_errors
