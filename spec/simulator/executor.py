@@ -94,7 +94,7 @@ class SimExecutor:
         self.stats = loop.report.stats[node.slot]
         self._resume = resume
         #: StateSync's backoff after lost compare-and-sets, capped at max_backoff
-        self._retry = Retry(max_backoff=self.config.max_backoff)
+        self._backoff = Retry(max_backoff=self.config.max_backoff).backoff
         #: the steps of the Wait in progress (None: none)
         self._waiting: Steps | None = None
 
@@ -155,7 +155,7 @@ class SimExecutor:
         if type(result) is WriteResult:
             if not result.won:
                 node.losses += 1
-                delay = self._retry.backoff(node.losses, self.loop.rng)
+                delay = self._backoff(node.losses, self.loop.rng)
                 self.loop.at(self.loop.now + delay, "retry", node.slot, node.req)
                 return
             node.losses = 0
