@@ -32,29 +32,21 @@ from collections.abc import AsyncIterator, Callable, Collection
 from typing import Protocol, runtime_checkable
 
 from ..core import (
-    Announce,
-    AnnounceResult,
-    Beat,
-    BeatResult,
     Done,
     Joined,
     NodeInstruction,
     Outage,
-    Read,
-    ReadResult,
     Regroup,
     RendezvousNode,
     Result,
     Unreachable,
     Verdict,
-    Wait,
-    WaitResult,
-    Write,
     WriteResult,
 )
+from ..core.dispatch import Retry, WaitForPhase, carry_out, wait_timeout
 from ..core.errors import RendezvousConnectionError
 from .backend import BackendStats, RendezvousBackend, Token, check_intent_entry
-from .sync import Codec, backoff_delay, wait_timeout
+from .sync import Codec, call
 
 __all__ = [
     "AsyncBackend",
@@ -262,7 +254,7 @@ class AsyncRendezvous:
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         self._poll_interval = poll_interval
-        self._retry_pause = retry_pause
+        self._retry = Retry(pause=retry_pause)
         self._codec = Codec(backend, node.settings)
         self._outages_seen = getattr(backend, "outages", None)
         self._wake = asyncio.Event()
@@ -310,60 +302,48 @@ class AsyncRendezvous:
             try:
                 result = await self._carry_out(instruction)
             except RendezvousConnectionError as exc:
-                if self._clock() > node.deadline:
+                if self._retry.gives_up(self._clock(), node.deadline):
                     raise
                 log.warning("%s: backend unreachable, retrying: %s", node.desc, exc)
                 result = Unreachable()
-                await asyncio.sleep(self._retry_pause * (0.5 + self._rng.random()))
+                await asyncio.sleep(self._retry.unreachable_pause(self._rng))
                 continue
             if type(result) is WriteResult and not result.won:
                 losses += 1
-                await asyncio.sleep(backoff_delay(losses, self._rng))
+                await asyncio.sleep(self._retry.backoff(losses, self._rng))
             elif type(result) is WriteResult:
                 losses = 0
 
     # -- carrying out instructions ----------------------------------------------------
 
     async def _carry_out(self, instruction: NodeInstruction) -> Result:
-        """Carry ``instruction`` out; the result to step the node with."""
-        backend, codec, node = self.backend, self._codec, self.node
-        outages = getattr(backend, "outages", None)
+        """Carry ``instruction`` out (:func:`rallypoint.core.dispatch.carry_out`,
+        each operation awaited); the result to step the node with."""
+        outages = getattr(self.backend, "outages", None)
         if outages != self._outages_seen:
             # The store rode out an outage: time the peers afresh first.
             self._outages_seen = outages
             return Outage()
-        if type(instruction) is Read:
-            if instruction.state:
-                stored = await backend.get_state()
-                state = None if stored is None else codec.decode(stored[0])
-                token = None if stored is None else stored[1]
+        node = self.node
+        steps = carry_out(
+            instruction, self._codec, node=node.desc, state=node.state, token=node.token
+        )
+        answer = None
+        while True:
+            try:
+                op = steps.send(answer)
+            except StopIteration as end:
+                result: Result = end.value
+                return result
+            if type(op) is WaitForPhase:
+                answer = await self._wait(op)
             else:
-                state, token = node.state, node.token
-            side = None
-            if instruction.counters:
-                members = list(state.heartbeats) if state is not None else []
-                raw = await backend.get_heartbeats([str(n) for n in members]) if members else {}
-                side = {n: raw.get(str(n), 0) for n in members}
-            log_ = None
-            if instruction.intents:
-                round_ = 0 if state is None else state.round
-                log_ = codec.intents(round_, await backend.intents(round_))
-            return ReadResult(state, token, side, log_)
-        if type(instruction) is Write:
-            answer = await backend.set_state(
-                codec.encode(instruction.state), node.token, instruction.phase
-            )
-            if answer is None:
-                return WriteResult(False, None, None)
-            return WriteResult(answer[2], codec.decode(answer[0]), answer[1])
-        if type(instruction) is Beat:
-            return BeatResult(await backend.beat(str(node.desc)))
-        if type(instruction) is Announce:
-            await backend.announce(instruction.round, str(node.desc).encode("ascii"))
-            return AnnounceResult()
-        assert type(instruction) is Wait, instruction
-        timeout = wait_timeout(instruction.until, self._clock(), self._poll_interval)
-        waiting = asyncio.ensure_future(backend.wait_for_phase(instruction.phase, timeout))
+                answer = await call(self.backend, op)
+
+    async def _wait(self, op: WaitForPhase) -> bool:
+        """wait_for_phase, ended early by :meth:`_start` (a new operation)."""
+        timeout = wait_timeout(op.until, self._clock(), self._poll_interval)
+        waiting = asyncio.ensure_future(self.backend.wait_for_phase(op.phase, timeout))
         woken = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait({waiting, woken}, return_when=asyncio.FIRST_COMPLETED)
@@ -371,5 +351,4 @@ class AsyncRendezvous:
             woken.cancel()
             if not waiting.done():
                 waiting.cancel()
-        changed = waiting.done() and not waiting.cancelled() and waiting.result()
-        return WaitResult(bool(changed))
+        return waiting.done() and not waiting.cancelled() and waiting.result()

@@ -3,7 +3,10 @@
 Every decision is the core's (:class:`rallypoint.core.RendezvousNode`, which holds
 the view and the compare-and-set token); this module only executes its
 instructions, with IO, clocks, threads and backoff, and steps the node with what
-they did::
+they did. What each instruction asks of the store is written once, in
+:mod:`rallypoint.core.dispatch` (the executors here and in
+:mod:`rallypoint.adapters.aio`, and the simulator, all drive it); here each of
+its operations is a blocking call::
 
     Read(counters, intents) -> get_state() (+ get_heartbeats() of every member)
                       (+ intents(round)) -> ReadResult
@@ -33,17 +36,16 @@ could reach the backend. Its own sighting is kept, so it beats at once.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..core import (
     MAX_STATE_BYTES,
-    Announce,
-    AnnounceResult,
-    BeatResult,
+    Beat,
     Done,
     Membership,
     NodeDesc,
@@ -52,12 +54,12 @@ from ..core import (
     Operator,
     Outage,
     Read,
-    ReadResult,
     RendezvousNode,
     RendezvousState,
+    Result,
     Settings,
+    Unreachable,
     Verdict,
-    Wait,
     WaitResult,
     Write,
     WriteResult,
@@ -66,6 +68,21 @@ from ..core import (
 )
 from ..core import errors as core_errors
 from ..core.deprecation import renamed_method
+from ..core.dispatch import (
+    AppendIntent,
+    BumpHeartbeat,
+    GetHeartbeats,
+    GetIntents,
+    GetState,
+    Operation,
+    Retry,
+    SetState,
+    WaitForPhase,
+    backoff_delay,
+    carry_out,
+    run_steps,
+    wait_timeout,
+)
 from ..core.errors import describe
 from .backend import RendezvousBackend, StateSizeLimit, Token, state_error
 
@@ -76,35 +93,12 @@ __all__ = ["StateSync", "backoff_delay", "size_limit_of"]
 
 log = logging.getLogger(__name__)
 
-#: A decision flips strictly after Wait.until; wake just past it (timer resolution).
-_WAKE_EPSILON = 0.002
-#: The largest backoff after lost compare-and-sets, in seconds.
-_MAX_BACKOFF = 0.05
-#: Beyond this many losses in a row the backoff is at its cap anyway; the exponent
-#: stops growing there (2.0 ** 1024 overflows a float).
-_MAX_BACKOFF_EXPONENT = 16
 #: What every backend is held to: a larger state could be written but not read back.
 _DECODER_LIMIT = StateSizeLimit(
     MAX_STATE_BYTES,
     f"rallypoint reads states of at most {MAX_STATE_BYTES // (1024 * 1024)} MiB",
     "fewer nodes per run (max_nodes) or shorter node addresses",
 )
-
-
-def backoff_delay(losses: int, rng: random.Random) -> float:
-    """Seconds to wait after ``losses`` lost compare-and-sets in a row: spreads out
-    a herd of simultaneous joiners without delaying the first retry much (jittered,
-    exponential, capped; the exponent is capped too, so it never overflows)."""
-    exponent = min(losses, _MAX_BACKOFF_EXPONENT)
-    return rng.uniform(0, min(_MAX_BACKOFF, 0.001 * 2**exponent))
-
-
-def wait_timeout(until: float | None, now: float, poll_interval: float) -> float:
-    """How long a Wait(until) blocks at ``now``: just past ``until``, and never
-    longer than ``poll_interval`` (a notification lost with a crashed writer)."""
-    if until is None:
-        return poll_interval
-    return min(poll_interval, max(0.0, until - now) + _WAKE_EPSILON)
 
 
 def size_limit_of(backend: object) -> StateSizeLimit:
@@ -176,6 +170,41 @@ class Codec:
                 ) from exc
         return entries
 
+    def counter_keys(self, nodes: Collection[NodeDesc]) -> list[str]:
+        """The backend's keys of the side counters of ``nodes`` (``str(desc)``)."""
+        return [str(n) for n in nodes]
+
+    def counters(self, nodes: Collection[NodeDesc], raw: Mapping[str, int]) -> dict[NodeDesc, int]:
+        """Each of ``nodes``' side counter, from :meth:`counter_keys`' answer."""
+        return {n: raw.get(str(n), 0) for n in nodes}
+
+    def heartbeat_key(self, node: NodeDesc) -> str:
+        return str(node)
+
+    def intent_entry(self, node: NodeDesc) -> bytes:
+        return str(node).encode("ascii")
+
+
+def call(backend: Any, op: Operation) -> Any:
+    """The backend call that performs ``op`` (an operation of
+    :mod:`rallypoint.core.dispatch` other than a WaitForPhase, whose timeout is the
+    executor's), and its answer: a :class:`RendezvousBackend`'s answer, an
+    :class:`~rallypoint.adapters.aio.AsyncBackend`'s awaitable of it."""
+    match op:
+        case GetState():
+            return backend.get_state()
+        case SetState(state, token, phase):
+            return backend.set_state(state, token, phase=phase)
+        case GetHeartbeats(keys):
+            return backend.get_heartbeats(keys)
+        case GetIntents(round_):
+            return backend.intents(round_)
+        case AppendIntent(round_, entry):
+            return backend.announce(round_, entry)
+        case BumpHeartbeat(key):
+            return backend.beat(key)
+    raise TypeError(f"not an operation a backend call performs: {op!r}")
+
 
 class StateSync:
     """One node's :class:`RendezvousNode`, and the executor of its instructions.
@@ -217,7 +246,7 @@ class StateSync:
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
         self._poll_interval = poll_interval
-        self._retry_window = retry_window
+        self._retry = Retry(window=retry_window)
         self._on_instruction = on_instruction
         # The node (view, token) changes in place: every step of it is made under
         # this lock; _driving lets one operation drive it at a time.
@@ -259,7 +288,29 @@ class StateSync:
 
     # -- carrying out instructions ----------------------------------------------------
 
-    def _feed(self, result: ReadResult | WriteResult | BeatResult | AnnounceResult) -> None:
+    def _carry_out(
+        self, instruction: NodeInstruction, state: RendezvousState, token: Token | None
+    ) -> Result:
+        """Carry ``instruction`` out (:func:`rallypoint.core.dispatch.carry_out`,
+        each operation a blocking call) for the node that held ``state`` and
+        ``token`` when it returned it; the result to step the node with."""
+        steps = carry_out(instruction, self._codec, node=self.node, state=state, token=token)
+        return run_steps(steps, self._perform)
+
+    def _perform(self, op: Operation) -> Any:
+        if type(op) is WaitForPhase:
+            timeout = wait_timeout(op.until, self._clock(), self._poll_interval)
+            return self.backend.wait_for_phase(op.phase, timeout)
+        if type(op) is SetState:
+            self.cas_attempts += 1
+        return call(self.backend, op)
+
+    def _held(self) -> tuple[RendezvousState, Token | None]:
+        """The node's state and its token (what a Write is set over)."""
+        with self._lock:
+            return self._core.view.state, self._core.token
+
+    def _feed(self, result: Result) -> None:
         """Step the node with what an instruction did (an outage first, if the
         backend reports one since: before these counters are observed)."""
         self._after_outage()
@@ -267,48 +318,14 @@ class StateSync:
         with self._lock:
             self._core.feed(result, now)
 
-    def _read(self, counters: bool, intents: bool = False, state: bool = True) -> None:
-        if state:
-            result = self.backend.get_state()
-            blob = None if result is None else self._codec.decode(result[0])
-            token = None if result is None else result[1]
-        else:
-            # The state the lost compare-and-set returned stays, with its token.
-            with self._lock:
-                token, blob = self._core.token, self._core.view.state
-        side = None
-        if counters and blob is not None and blob.heartbeats:
-            raw = self.backend.get_heartbeats([str(n) for n in blob.heartbeats])
-            side = {n: raw.get(str(n), 0) for n in blob.heartbeats}
-        elif counters:
-            side = {}
-        log = None
-        if intents:
-            round_ = 0 if blob is None else blob.round
-            log = self._codec.intents(round_, self.backend.intents(round_))
-        self._feed(ReadResult(blob, token, side, log))
-
-    def _write(self, write: Write, token: Token | None) -> bool:
-        blob = self._codec.encode(write.state)
-        self.cas_attempts += 1
-        result = self.backend.set_state(blob, token, phase=write.phase)
-        won = result is not None and result[2]
-        stored = None if result is None else self._codec.decode(result[0])
-        self._feed(WriteResult(won, stored, None if result is None else result[1]))
-        if not won:
-            self.cas_losses += 1
-        return won
+    def _feed_now(self, result: Result) -> None:
+        """Step the node with ``result`` (no outage check: nothing was read)."""
+        with self._lock:
+            self._core.feed(result, self._clock())
 
     def beat(self) -> None:
         """Bump this node's heartbeat counter (O(1) bytes) and record it."""
-        self._feed(BeatResult(self.backend.beat(str(self.node))))
-
-    def _wait(self, until: float | None, phase: int) -> None:
-        changed = self.backend.wait_for_phase(
-            phase, wait_timeout(until, self._clock(), self._poll_interval)
-        )
-        with self._lock:
-            self._core.feed(WaitResult(changed), self._clock())
+        self._feed(self._carry_out(Beat(), *self._held()))
 
     def _after_outage(self) -> None:
         """Time the peers afresh if the backend was unreachable since the last
@@ -338,29 +355,26 @@ class StateSync:
         self._after_outage()
         with self._lock:
             instruction = self._core.next(self._clock())
-            token = self._core.token  # the token of the state a Write was made from
+            # the state and token a Write was made from
+            state, token = self._core.view.state, self._core.token
         if self._on_instruction is not None:
             self._on_instruction(instruction)
-        if isinstance(instruction, Read):
-            self._read(instruction.counters, instruction.intents, instruction.state)
-        elif isinstance(instruction, Write):
-            return instruction, self._write(instruction, token)
-        elif isinstance(instruction, Announce):
-            self.backend.announce(instruction.round, str(self.node).encode("ascii"))
-            self._feed(AnnounceResult())
-        elif isinstance(instruction, Wait):
-            self._wait(instruction.until, instruction.phase)
-        elif not isinstance(instruction, (Done, Verdict)):  # a Beat
-            self._feed(BeatResult(self.backend.beat(str(self.node))))
+        if isinstance(instruction, (Done, Verdict)):
+            return instruction, True
+        result = self._carry_out(instruction, state, token)
+        self._feed(result)
+        if type(result) is WriteResult and not result.won:
+            self.cas_losses += 1
+            return instruction, False
         return instruction, True
 
     def _drive(self, stop_at: float | None) -> Done | Verdict:
         """Carry out instructions until one is Done or a Verdict; return it.
 
-        Lost compare-and-sets back off (:func:`backoff_delay`); an unreachable
-        backend is retried for ``retry_window`` seconds (never past the
-        operation's deadline, when ``stop_at`` is given) before the connection
-        error is raised.
+        Lost compare-and-sets back off (:meth:`Retry.backoff
+        <rallypoint.core.dispatch.Retry.backoff>`); an unreachable backend is
+        retried for ``retry_window`` seconds (never past the operation's
+        deadline, when ``stop_at`` is given) before the connection error is raised.
         """
         losses = 0
         down_since: float | None = None
@@ -372,20 +386,18 @@ class StateSync:
                 now = self._clock()
                 down_since = now if down_since is None else down_since
                 with self._lock:
-                    deadline = self._core.deadline
-                if now - down_since >= self._retry_window or (
-                    stop_at is not None and now > deadline
-                ):
+                    deadline = self._core.deadline if stop_at is not None else math.inf
+                if self._retry.gives_up(now, deadline, now - down_since):
                     raise
                 log.warning("%s: backend unreachable, retrying: %s", self.node, exc)
-                self.invalidate()
-                time.sleep(min(0.5, 0.05 + self._rng.uniform(0, 0.1)))
+                self._feed_now(Unreachable())
+                time.sleep(self._retry.unreachable_pause(self._rng))
                 continue
             if isinstance(instruction, (Done, Verdict)):
                 return instruction
             if not took:
                 losses += 1
-                time.sleep(backoff_delay(losses, self._rng))
+                time.sleep(self._retry.backoff(losses, self._rng))
             elif isinstance(instruction, Write):
                 losses = 0
 
@@ -436,8 +448,7 @@ class StateSync:
 
     def invalidate(self) -> None:
         """Make the next decision read the state first."""
-        with self._lock:
-            self._core.feed(WaitResult(), self._clock())
+        self._feed_now(WaitResult())
 
     def refresh(self, max_age: float = 0.0, counters: bool = False) -> RendezvousState:
         """Re-read the state unless the view is at most ``max_age`` seconds old
@@ -449,7 +460,7 @@ class StateSync:
         fresh = not stale and read_at is not None and now - read_at <= max_age
         counters_fresh = counters_at is not None and now - counters_at <= max_age
         if not fresh or (counters and not counters_fresh):
-            self._read(counters)
+            self._feed(self._carry_out(Read(counters), *self._held()))
         return self.state
 
     def wait_for_change(self, timeout: float) -> bool:

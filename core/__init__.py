@@ -36,9 +36,10 @@ published, a ``Verdict`` the node turns into ``Regroup``; a lease run out answer
 ``Regroup(fenced=True)``) are instructions the node asks for while it is a member;
 ``Verdict`` reaches the caller only from :meth:`RendezvousNode.watch`, for an agent
 that monitors on its own schedule (``StateSync``). :mod:`rallypoint.core.node`
-documents what each instruction obliges the caller to do and in which order;
-:mod:`rallypoint.adapters.aio` and :class:`rallypoint.adapters.StateSync` are
-executors of it (asyncio, threads).
+documents what each instruction obliges the caller to do and in which order, and
+:mod:`rallypoint.core.dispatch` is the same as code: the store operations each
+instruction takes, for an executor to perform; :mod:`rallypoint.adapters.aio` and
+:class:`rallypoint.adapters.StateSync` are executors of it (asyncio, threads).
 
 Underneath, :mod:`rallypoint.core.driver` is the node's loop as pure functions
 (``decide``, ``watch``, ``after_*``) on a :class:`NodeView`; the decisions under

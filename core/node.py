@@ -21,7 +21,9 @@ for (a :class:`~rallypoint.core.driver.Beat`, a :class:`~rallypoint.core.driver.
 a :class:`~rallypoint.core.driver.Wait` until the next check), so the embedder
 needs to know neither their cadence nor the operators behind them.
 
-What each instruction obliges the caller to do, in this order:
+What each instruction obliges the caller to do, in this order (the store's part of
+it is :func:`rallypoint.core.dispatch.carry_out`, which an executor may drive
+instead of writing it again):
 
 ``Read(counters, intents, state)``
     1. Unless ``state`` is False, read the stored state and its token (decode it
@@ -51,7 +53,7 @@ What each instruction obliges the caller to do, in this order:
     a little (jittered) before stepping after a loss: others are writing too
     (the bundled executors wait a uniform draw from 0 to ``min(0.05, 0.001 *
     2**losses)`` seconds, ``losses`` the losses in a row:
-    :func:`rallypoint.adapters.sync.backoff_delay`; a herd of joiners spreads
+    :func:`rallypoint.core.dispatch.backoff_delay`; a herd of joiners spreads
     out and a lone loser retries at once). A
     won write may move the operation's deadline (``Write.deadline``: a redundant
     node that became a joiner); the node keeps it in :attr:`RendezvousNode.deadline`.

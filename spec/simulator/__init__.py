@@ -12,7 +12,8 @@ What is simulated:
   production executor (:class:`rallypoint.adapters.sync.StateSync`, driven by the
   handler and the agent) does; the simulator decides nothing itself. It asks
   ``driver.decide`` (or ``driver.watch``) for the next instruction, carries it
-  out against the simulated backend, and feeds the result back with the
+  out against the simulated backend through the production executors' dispatch
+  (:mod:`rallypoint.core.dispatch`), and feeds the result back with the
   ``after_*`` functions (looked up on the module at every call, so that a test can
   plant a bug in them)::
 
@@ -123,7 +124,10 @@ collaborating parts, each a module of its own, not a chain of classes:
 * :class:`.backend.Backend` -- the stored state, the side counters, the
   intent logs, the phase watches, the requests it serves, and the injection;
 * :class:`.agent.SimAgent` -- one per node slot (:class:`.node.SimNode`):
-  what the handler and the agent do, and the executor of the node's core;
+  what the handler and the agent do, and the loop that steps the node's core;
+* :class:`.executor.SimExecutor` -- one per agent: carries the node's
+  instructions out through :mod:`rallypoint.core.dispatch`, as StateSync does,
+  each request an event the backend serves;
 * :class:`.faults.FaultInjector` -- the faults, at their rates or on call.
 
 :mod:`.config` holds the options and :mod:`.report` the report. Their
@@ -143,6 +147,7 @@ from .backend import Backend, StateChange
 from .checks import Checks
 from .config import SimConfig, SimConfigError
 from .events import EventLoop
+from .executor import EXECUTOR_EVENTS
 from .faults import FaultInjector
 from .node import SimNode, Task
 from .report import JoinReturn, NodeStats, RoundStat, SimReport, SimViolation
@@ -199,7 +204,10 @@ class Simulator:
             for node in self.nodes
         ]
         for kind in AGENT_EVENTS:
-            self.loop.on(kind, self._to_agent(kind))
+            self.loop.on(kind, self._to_slot(kind, self.agents))
+        executors = [agent.executor for agent in self.agents]
+        for kind in EXECUTOR_EVENTS:
+            self.loop.on(kind, self._to_slot(kind, executors))
         self.faults = FaultInjector(self.loop, self.agents, self.settings)
         # The random numbers are drawn in one order (every slot's clock, then each
         # slot's arrival and first faults), so that a seed replays a run exactly.
@@ -220,9 +228,11 @@ class Simulator:
             for i in range(c.nodes)
         ]
 
-    def _to_agent(self, kind: str) -> Callable[[SimNode, Any], None]:
-        """The handler of an agent's event: the agent of the event's node slot."""
-        handlers = [getattr(agent, f"on_{kind}") for agent in self.agents]
+    @staticmethod
+    def _to_slot(kind: str, parts: list[Any]) -> Callable[[SimNode, Any], None]:
+        """The handler of an event of ``kind``: the method ``on_<kind>`` of the
+        part (agent or executor) of the event's node slot."""
+        handlers = [getattr(part, f"on_{kind}") for part in parts]
 
         def handle(node: SimNode, data: Any) -> None:
             handlers[node.slot](data)

@@ -1,10 +1,10 @@
 """A simulated agent (:class:`SimAgent`, one per node slot): what the handler and
 the agent do around the driver -- a node's process starting and stopping,
 starting operations, acting on an operation's end (Done) and on the monitor's
-Verdict, a training node's heartbeats and monitor passes -- and the executor of
-the node's :class:`~rallypoint.core.RendezvousNode`: it steps the node, carries
-each instruction out against the simulated backend as StateSync does, with the
-IO turned into events, and feeds the result back to the node."""
+Verdict, a training node's heartbeats and monitor passes -- and the loop that
+steps the node's :class:`~rallypoint.core.RendezvousNode`, handing each
+instruction for the store to its :class:`~.executor.SimExecutor` (the core's
+dispatch, as StateSync and AsyncRendezvous carry instructions out)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,6 @@ from typing import Any
 
 from ...core import (
     Action,
-    Announce,
-    AnnounceResult,
-    Beat,
-    BeatResult,
     ChargeRestartOp,
     CloseOp,
     Done,
@@ -30,17 +26,11 @@ from ...core import (
     NodeDesc,
     NodeInstruction,
     Operator,
-    Read,
-    ReadResult,
     RendezvousNode,
     RendezvousState,
     Settings,
-    Unreachable,
     Verdict,
-    Wait,
-    WaitResult,
     Write,
-    WriteResult,
     keep_alive_period,
 )
 from ...core.driver import MemberResponse, member_response
@@ -49,25 +39,24 @@ from ..model.lifecycle import Phase
 from .backend import Backend
 from .checks import Checks
 from .events import EventLoop
+from .executor import SimExecutor
 from .node import SimNode, Task
 
 __all__ = ["AGENT_EVENTS", "SimAgent"]
 
-#: The events a node's agent handles (each by its method ``on_<kind>``).
+#: The events a node's agent handles (each by its method ``on_<kind>``; its
+#: executor's are in :data:`~.executor.EXECUTOR_EVENTS`).
 AGENT_EVENTS = (
     "arrive",
     "tick",
     "notify",
-    "response",
-    "retry",
-    "wake",
     "request_timeout",
     "newcomers_ready",
 )
 
 
 class SimAgent:
-    """The agent and handler of one node slot, and the executor of its core.
+    """The agent and handler of one node slot, stepping its core.
 
     Args:
         node: the slot it drives (its clock, its core, its tokens).
@@ -101,6 +90,8 @@ class SimAgent:
         self.stats = loop.report.stats[node.slot]
         self._by_desc = by_desc
         self._on_instruction = on_instruction
+        #: carries the node's instructions out against the backend
+        self.executor = SimExecutor(node, loop, backend, self.drive)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -123,8 +114,7 @@ class SimAgent:
         """Forget the request, wait, watch or backoff in flight (their events are
         dropped)."""
         node = self.node
-        node.req += 1
-        node.waiting = False
+        self.executor.cancel()
         node.mwait = False
         self.backend.unwatch(node)
 
@@ -412,80 +402,38 @@ class SimAgent:
             return True
         return False
 
-    # -- carrying out instructions ---------------------------------------------------
+    # -- stepping the node ---------------------------------------------------------
 
     def drive(self) -> None:
         """Decide and carry out instructions until one needs the backend or time
-        (StateSync._drive, with the IO turned into events)."""
+        (StateSync._drive, with the IO turned into events by the executor)."""
         node = self.node
         report = self.report
         stats = self.stats
+        carry_out = self.executor.carry_out
         while node.task is not None:
             instruction = node.core.next(node.local(self.loop.now))
             report.node_steps += 1
             stats.steps += 1
             if self._on_instruction is not None:
                 self._on_instruction(node.slot, instruction)
-            if type(instruction) is Read:
-                data = (instruction.counters, instruction.intents, instruction.state)
-                self._request("backend_read", data)
-                return
-            if type(instruction) is Write:
-                if instruction.action is not None or instruction.dead:
-                    what = "publish" if instruction.action is None else instruction.action.name
-                    self.loop.log(node, f"{self._task_name()} -> {what}")
-                self._request("backend_cas", (node.core.token, instruction))
-                return
-            if type(instruction) is Beat:
-                self._request("backend_beat")
-                return
-            if type(instruction) is Announce:
-                self._request("backend_announce", instruction.round)
-                return
-            if type(instruction) is Wait:
-                self._wait(instruction.until, instruction.phase, node.local(self.loop.now))
-                return
             if type(instruction) is Done:
                 if not self._done(instruction):
                     return
                 continue
-            assert type(instruction) is Verdict
-            if not self._verdict(instruction):
+            if type(instruction) is Verdict:
+                if not self._verdict(instruction):
+                    return
+                continue
+            if type(instruction) is Write and (instruction.action is not None or instruction.dead):
+                what = "publish" if instruction.action is None else instruction.action.name
+                self.loop.log(node, f"{self._task_name()} -> {what}")
+            if not carry_out(instruction):
                 return
 
     def _task_name(self) -> str:
         node = self.node
         return "monitor" if node.task is Task.MONITOR else type(node.op).__name__
-
-    def _request(self, kind: str, data: Any = None) -> None:
-        node = self.node
-        node.req += 1
-        if node.partitioned:
-            self.loop.at(
-                self.loop.now + self.config.request_timeout, "request_timeout", node.slot, node.req
-            )
-            return
-        self.loop.at(self.loop.now + self.loop.delay(), kind, node.slot, node.req, data)
-
-    def _wait(self, until: float | None, phase: int, now: float) -> None:
-        """StateSync._wait: wait_for_phase(phase), with a wake at ``until`` (just
-        past it) or after poll_interval, whichever comes first."""
-        node = self.node
-        timeout = self.config.poll_interval
-        if until is not None:
-            timeout = min(timeout, max(0.0, until - now) + self.config.wake_epsilon)
-        node.req += 1
-        node.waiting = True
-        self.loop.at(node.global_time(now + timeout), "wake", node.slot, node.req)
-        self.backend.watch(node, phase)
-
-    def _end_wait(self) -> None:
-        node = self.node
-        node.waiting = False
-        node.req += 1  # drop the other of notification and wake
-        self.backend.unwatch(node)
-        self.stats.wakeups += 1
-        node.core.feed(WaitResult(), node.local(self.loop.now))
 
     def on_notify(self, data: Any) -> None:
         """A phase above the watched one was published: a Wait or the
@@ -494,54 +442,12 @@ class SimAgent:
         node.watch_q = None
         self.stats.notifications += 1
         if node.waiting:
-            self._end_wait()
+            self.executor.end_wait(True)
             self.drive()
         elif node.mwait:
             self._end_monitor_wait()
             if node.task is None and self._idle():
                 self.drive()
-
-    # -- results coming back -------------------------------------------------------------
-
-    def on_response(self, data: Any) -> None:
-        """The backend answered the request in flight: feed the result to the
-        core (a lost compare-and-set backs off first) and drive on."""
-        node = self.node
-        now = node.local(self.loop.now)
-        what = data[0]
-        if what == "read":
-            # (state None: Read(state=False), the node keeps its state and token)
-            _, state, version, side, log = data
-            node.core.feed(ReadResult(state, version, side, log), now)
-        elif what == "cas":
-            _, won, stored, version, _write = data
-            node.core.feed(WriteResult(won, stored, version), now)
-            if not won:
-                node.losses += 1
-                # StateSync's jittered, capped exponential backoff before deciding again.
-                cap = min(self.config.max_backoff, 0.001 * 2 ** min(node.losses, 16))
-                self.loop.at(
-                    self.loop.now + self.loop.rng.uniform(0, cap), "retry", node.slot, node.req
-                )
-                return
-            node.losses = 0
-        elif what == "announce":
-            node.core.feed(AnnounceResult(), now)
-        else:  # a beat
-            node.core.feed(BeatResult(data[1]), now)
-        self.drive()
-
-    def on_retry(self, data: Any) -> None:
-        """The backoff after a lost compare-and-set is over: decide again."""
-        self.drive()
-
-    def on_wake(self, data: Any) -> None:
-        """A Wait's timer ran out before any notification."""
-        node = self.node
-        if not node.waiting:
-            return
-        self._end_wait()
-        self.drive()
 
     def on_request_timeout(self, data: Any) -> None:
         """The request in flight was lost (the node is partitioned)."""
@@ -550,7 +456,7 @@ class SimAgent:
         self.loop.log(node, "request timed out")
         if node.task is Task.OP:
             # An operation retries (StateSync within its retry window): read again.
-            node.core.feed(Unreachable(), node.local(self.loop.now))
+            self.executor.unreachable()
             self.drive()
             return
         if node.task is Task.MONITOR:

@@ -1,8 +1,8 @@
 """The simulated backend (:class:`Backend`): the state in a compare-and-set
 register with a version, one side heartbeat counter per node, the highest
 published phase and its watches, and one intent log per round; the requests it
-serves, the commit of a won write, and the writes, beats and intents injected by
-tests."""
+serves (the operations of :mod:`rallypoint.core.dispatch`), the commit of a won
+write, and the writes, beats and intents injected by tests."""
 
 from __future__ import annotations
 
@@ -11,8 +11,18 @@ from typing import Any
 
 from immutables import Map
 
-from ...core import Action, NodeDesc, RendezvousState, Write, encode_state
+from ...core import Action, NodeDesc, NodeInstruction, RendezvousState, Write, encode_state
 from ...core.codec import EncodedSize
+from ...core.dispatch import (
+    AppendIntent,
+    BumpHeartbeat,
+    GetHeartbeats,
+    GetIntents,
+    GetState,
+    Operation,
+    SetState,
+    Steps,
+)
 from .checks import Checks
 from .events import EventLoop
 from .node import SimNode
@@ -21,6 +31,9 @@ __all__ = ["Backend", "StateChange"]
 
 #: An injected write: the stored state -> the state to store (None: write nothing).
 StateChange = Callable[[RendezvousState], RendezvousState | None]
+
+#: The operations that read: a request that starts with one is a read request.
+_READS = (GetState, GetHeartbeats, GetIntents)
 
 
 def _key_bytes(node: NodeDesc) -> int:
@@ -67,11 +80,17 @@ class Backend:
         self.size = EncodedSize(self.state)
         #: bytes of the side counters of the state's heartbeat members
         self.counter_bytes = 0
+        #: how each operation of a request is served
+        self._serving: dict[type, Callable[[SimNode, Any, NodeInstruction], Any]] = {
+            GetState: self._get_state,
+            GetHeartbeats: self._get_heartbeats,
+            GetIntents: self._get_intents,
+            SetState: self._set_state,
+            BumpHeartbeat: self._bump_heartbeat,
+            AppendIntent: self._append,
+        }
         loop.on("backend_watch", self._on_backend_watch)
-        loop.on("backend_read", self._on_backend_read)
-        loop.on("backend_cas", self._on_backend_cas)
-        loop.on("backend_beat", self._on_backend_beat)
-        loop.on("backend_announce", self._on_backend_announce)
+        loop.on("backend_request", self._on_backend_request)
         loop.on("inject", self._on_inject)
 
     def _reply(self, node: SimNode, data: Any) -> None:
@@ -135,86 +154,98 @@ class Backend:
 
     # -- the backend -------------------------------------------------------------------
 
-    def _on_backend_read(self, node: SimNode, data: tuple[bool, bool, bool]) -> None:
-        counters, intents, with_state = data
-        stats = self.report.stats[node.slot]
-        stats.reads += 1
-        if with_state:
-            state = self.state
-            size = self.size.value
-        else:
-            state = node.view.state  # StateSync keeps the view's state and token
-            size = 0
-        side = None
-        if counters:
-            # Every node's counter (an immutable snapshot, no copy); the driver
-            # looks up the members' only, which is what the bytes count.
-            side = self.side
-            if with_state:
-                size += self.counter_bytes
-            else:
-                size += sum(map(_key_bytes, state.heartbeats))
-        log = None
-        if intents:
-            stats.intent_reads += 1
-            entries = self.intents.get(state.round)
-            log = () if entries is None else tuple(entries)
-            size += self._intent_bytes.get(state.round, 0)
-        stats.bytes_read += size
-        reply = ("read", state if with_state else None, self.version, side, log)
-        self._reply(node, reply)
+    def _on_backend_request(
+        self, node: SimNode, data: tuple[Steps, Operation, NodeInstruction]
+    ) -> None:
+        """A node's request arrives: serve its operations now, all of them (one
+        round trip: a read's state, counters and intent log are read together),
+        and answer with the result to feed its node."""
+        steps, op, instruction = data
+        if type(op) in _READS:
+            self.report.stats[node.slot].reads += 1
+        serving = self._serving
+        answer = serving[type(op)](node, op, instruction)
+        try:
+            while True:  # (run_steps, inlined: every request of every node comes here)
+                op = steps.send(answer)
+                answer = serving[type(op)](node, op, instruction)
+        except StopIteration as end:
+            self._reply(node, end.value)
 
-    def _on_backend_cas(self, node: SimNode, data: tuple[int, Write]) -> None:
-        expected, write = data
+    def _get_state(self, node: SimNode, op: GetState, _: NodeInstruction) -> object:
+        self.report.stats[node.slot].bytes_read += self.size.value
+        return self.state, self.version
+
+    def _get_heartbeats(self, node: SimNode, op: GetHeartbeats, _: NodeInstruction) -> object:
+        # Every node's counter (an immutable snapshot, no copy); the driver looks
+        # up the members' only, which is what the bytes count (kept incrementally
+        # for the stored state's members).
+        keys = op.keys
+        stats = self.report.stats[node.slot]
+        if keys is self.state.heartbeats:
+            stats.bytes_read += self.counter_bytes
+        else:
+            stats.bytes_read += sum(map(_key_bytes, keys))
+        return self.side
+
+    def _get_intents(self, node: SimNode, op: GetIntents, _: NodeInstruction) -> object:
+        stats = self.report.stats[node.slot]
+        stats.intent_reads += 1
+        stats.bytes_read += self._intent_bytes.get(op.round, 0)
+        entries = self.intents.get(op.round)
+        return () if entries is None else tuple(entries)
+
+    def _set_state(self, node: SimNode, op: SetState, write: NodeInstruction) -> object:
+        assert type(write) is Write
         if self._races:
             # Injected writes that beat this compare-and-set.
             races, self._races = self._races, []
             for change in races:
                 self._inject_write(change)
         stats = self.report.stats[node.slot]
-        if expected != self.version or (
+        if op.token != self.version or (
             self.config.conflict_rate and self.loop.rng.random() < self.config.conflict_rate
         ):
             stats.conflicts += 1
             stats.bytes_read += self.size.value
-            self._reply(node, ("cas", False, self.state, self.version, write))
-            return
+            return self.state, self.version, False
         for gone in sorted(write.dead):  # sorted: the report is independent of hashing
             self.checks.judge_death(node, gone)
         # The writer may be among the dead (its own counter stood still, e.g. while
         # it was partitioned): name each touched node once.
         touched = tuple(dict.fromkeys((node.desc, *sorted(write.dead), *write.admitted)))
-        self._commit(node, write.state, touched)
+        self._commit(node, op.state, touched)
         if write.action is Action.CHARGE_RESTART:
             self.report.charges += 1
         elif write.action is Action.EXCLUDE:
             self.report.exclusions += 1
-        if write.phase is not None:
+        if op.phase is not None:
             stats.bytes_written += 8
-            self._publish(write.phase)
-        self._reply(node, ("cas", True, self.state, self.version, write))
+            self._publish(op.phase)
+        return self.state, self.version, True
 
-    def _on_backend_beat(self, node: SimNode, data: Any) -> None:
-        value = self.side.get(node.desc, 0) + 1
-        self.side = self.side.set(node.desc, value)
+    def _bump_heartbeat(self, node: SimNode, op: BumpHeartbeat, _: NodeInstruction) -> int:
+        key: NodeDesc = op.key
+        value = self.side.get(key, 0) + 1
+        self.side = self.side.set(key, value)
         stats = self.report.stats[node.slot]
-        size = _key_bytes(node.desc)
+        size = _key_bytes(key)
         stats.beats += 1
         stats.bytes_written += size
         stats.beat_bytes += size
-        self._reply(node, ("beat", value))
+        return value
 
     def _append_intent(self, desc: NodeDesc, round_: int) -> None:
         self.intents.setdefault(round_, []).append(desc)
         self._intent_bytes[round_] = self._intent_bytes.get(round_, 0) + _entry_bytes(desc)
 
-    def _on_backend_announce(self, node: SimNode, round_: int) -> None:
-        self._append_intent(node.desc, round_)
+    def _append(self, node: SimNode, op: AppendIntent, _: NodeInstruction) -> None:
+        entry: NodeDesc = op.entry
+        self._append_intent(entry, op.round)
         stats = self.report.stats[node.slot]
         stats.announces += 1
-        stats.bytes_written += len(str(node.desc)) + 8
-        self.loop.log(node, f"announces itself in round {round_}")
-        self._reply(node, ("announce", round_))
+        stats.bytes_written += len(str(entry)) + 8
+        self.loop.log(node, f"announces itself in round {op.round}")
 
     def _commit(
         self, writer: SimNode | None, new: RendezvousState, touched: tuple[NodeDesc, ...]

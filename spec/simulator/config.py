@@ -46,7 +46,7 @@ class SimConfig:
     #: flips strictly after it (StateSync's timer margin)
     wake_epsilon: float = 0.002
     #: the cap of the jittered exponential backoff after lost compare-and-sets
-    #: (StateSync's ``_MAX_BACKOFF``)
+    #: (StateSync's, ``rallypoint.core.dispatch.MAX_BACKOFF``)
     max_backoff: float = 0.05
     #: a training node checks for waiting nodes and lost peers at least this often
     #: (sooner when a phase is published)

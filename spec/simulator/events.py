@@ -24,10 +24,7 @@ __all__ = ["EventLoop"]
 #: against node.ticks; every other event is not tied to a token.
 _REQUEST_EVENTS = frozenset(
     {
-        "backend_read",
-        "backend_cas",
-        "backend_beat",
-        "backend_announce",
+        "backend_request",
         "response",
         "wake",
         "retry",

@@ -12,6 +12,7 @@ import pytest
 
 from rallypoint.adapters import StateSync, sync
 from rallypoint.adapters.aio import AsyncRendezvous
+from rallypoint.core import dispatch
 from rallypoint.core import node as node_module
 
 
@@ -21,10 +22,10 @@ def _doc() -> str:
 
 def test_the_documented_backoff_is_the_executors_backoff() -> None:
     doc = _doc()
-    assert f"min({sync._MAX_BACKOFF:g}, 0.001 * 2**losses)" in doc
+    assert f"min({dispatch.MAX_BACKOFF:g}, 0.001 * 2**losses)" in doc
     rng = random.Random(0)
     for losses in range(0, 20):
-        cap = min(sync._MAX_BACKOFF, 0.001 * 2**losses)
+        cap = min(dispatch.MAX_BACKOFF, 0.001 * 2**losses)
         assert all(0 <= sync.backoff_delay(losses, rng) <= cap for _ in range(50))
 
 
@@ -34,6 +35,6 @@ def test_the_documented_poll_and_wake_margin_are_the_executors() -> None:
         poll = inspect.signature(executor).parameters["poll_interval"].default
         assert poll == 1.0, executor
     assert "poll every second" in doc
-    assert f"{sync._WAKE_EPSILON * 1000:g} ms past ``until``" in doc
+    assert f"{dispatch.WAKE_EPSILON * 1000:g} ms past ``until``" in doc
     assert sync.wait_timeout(None, 0.0, 1.0) == 1.0
-    assert sync.wait_timeout(5.0, 4.9, 1.0) == pytest.approx(0.1 + sync._WAKE_EPSILON)
+    assert sync.wait_timeout(5.0, 4.9, 1.0) == pytest.approx(0.1 + dispatch.WAKE_EPSILON)

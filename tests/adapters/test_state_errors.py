@@ -44,6 +44,7 @@ from rallypoint.core import (
     RendezvousState,
     Settings,
     decode_state,
+    dispatch,
     encode_state,
 )
 from rallypoint.core import errors as core_errors
@@ -132,7 +133,7 @@ def test_a_long_run_of_cas_losses_backs_off_with_a_bounded_delay(
     done = sync.run(JoinOp(), time.monotonic() + 60)
     assert done.state.complete and node(0) in done.state.participants
     assert len(delays) >= 1_100
-    assert max(delays) <= sync_module._MAX_BACKOFF
+    assert max(delays) <= dispatch.MAX_BACKOFF
 
 
 @pytest.mark.integration

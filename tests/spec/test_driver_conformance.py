@@ -38,7 +38,6 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from rallypoint.adapters import sync as sync_module
 from rallypoint.adapters.backend import BackendStats, RendezvousBackend, Token
 from rallypoint.adapters.sync import StateSync
 from rallypoint.core import (
@@ -59,6 +58,7 @@ from rallypoint.core import (
     Wait,
     Write,
     decode_state,
+    dispatch,
     driver,
     encode_state,
 )
@@ -81,7 +81,7 @@ CONFIG = SimConfig(
     last_call_timeout=1.0,
     poll_interval=5.0,
     monitor_interval=2.3,
-    wake_epsilon=sync_module._WAKE_EPSILON,
+    wake_epsilon=dispatch.WAKE_EPSILON,
     max_backoff=0.0,
 )
 SETTINGS = CONFIG.settings()
@@ -270,12 +270,12 @@ class ScriptedBackend:
 @contextmanager
 def _no_backoff() -> Iterator[None]:
     """StateSync backs off as the simulator does with max_backoff=0: not at all."""
-    saved = sync_module._MAX_BACKOFF
-    sync_module._MAX_BACKOFF = CONFIG.max_backoff
+    saved = dispatch.MAX_BACKOFF
+    dispatch.MAX_BACKOFF = CONFIG.max_backoff
     try:
         yield
     finally:
-        sync_module._MAX_BACKOFF = saved
+        dispatch.MAX_BACKOFF = saved
 
 
 def run_state_sync(node: NodeDesc) -> tuple[list[Instruction], RendezvousState]:
