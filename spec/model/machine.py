@@ -174,14 +174,14 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
     # would hold a place in a round it never trains in.
     _edge(
         "admitted",
-        Lifecycle.JOINING,
+        [Lifecycle.JOINING, Lifecycle.WAITING],
         Lifecycle.PARTICIPANT,
         conditions=["announced", "round_open"],
         unless=["fills_round", "excluded"],
     ),
     _edge(
         "admitted",
-        Lifecycle.JOINING,
+        [Lifecycle.JOINING, Lifecycle.WAITING],
         Lifecycle.COMPLETE,
         conditions=["announced", "round_open", "fills_round"],
         unless=["excluded"],
@@ -205,20 +205,6 @@ MODEL_TRANSITIONS: tuple[dict[str, Any], ...] = (
         Lifecycle.JOINING,
         Lifecycle.REDUNDANT,
         conditions=["announced", "excluded", "not_closed"],
-    ),
-    _edge(
-        "admitted",
-        Lifecycle.WAITING,
-        Lifecycle.PARTICIPANT,
-        conditions=["announced", "round_open"],
-        unless=["fills_round", "excluded"],
-    ),
-    _edge(
-        "admitted",
-        Lifecycle.WAITING,
-        Lifecycle.COMPLETE,
-        conditions=["announced", "round_open", "fills_round"],
-        unless=["excluded"],
     ),
     _edge("finish", Lifecycle.COMPLETE, Lifecycle.TRAINING),
     _edge("finish", Lifecycle.EVICTED, Lifecycle.EXITED),
