@@ -87,7 +87,9 @@ def main() -> None:
     job = live.Job(
         build=build,
         backend=backend,
-        timeout=60,
+        # (a round's group may take a minute to form when four workers start at
+        # once on a loaded host)
+        timeout=120,
         restore=restore,
         may_shrink=True,
         snapshot_every=int(os.environ.get("LIVE_SHARDED_SNAPSHOT_EVERY", "0")),
