@@ -7,6 +7,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rallypoint-installed
+# Processes that share the suite (pytest-xdist): most of its time is waiting on real
+# agents, servers and timeouts, so two keep two cores busy; every test must pass
+# with the other process's load beside it. A module's tests stay in one process
+# (--dist loadfile): some share an expensive reference run (a module fixture).
+TEST_PROCESSES ?= 2
 
 .PHONY: install demo test test-fast chaos lint bench
 
@@ -31,7 +36,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -n $(TEST_PROCESSES) --dist loadfile
 
 # The pure parts (core, spec, the driver's executor on the memory backend), without
 # real processes, servers or the long checker searches, and a tenth of each property
