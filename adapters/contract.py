@@ -68,6 +68,13 @@ FOREIGN_TOKENS: list[object] = [
 ]
 
 
+def _token_id(token: object) -> str:
+    """A test id for ``token``: its repr, but for a bare ``object()``, whose repr
+    holds its address (ids must be the same in every process that collects them,
+    as when the suite is spread over several)."""
+    return "object()" if type(token) is object else repr(token)
+
+
 def _join(thread: threading.Thread) -> None:
     # Generous bound: every wait in this suite returns as soon as the write it
     # waits for lands; a thread still alive after it is a wait that never woke.
@@ -184,7 +191,7 @@ class BackendContract:
             seen.add(token)
         assert len(seen) == 5
 
-    @pytest.mark.parametrize("foreign", FOREIGN_TOKENS, ids=repr)
+    @pytest.mark.parametrize("foreign", FOREIGN_TOKENS, ids=_token_id)
     def test_a_token_the_backend_never_handed_out_loses(self, make: Make, foreign: object) -> None:
         backend = make()
         # Nothing stored yet: the write loses and there is nothing to return.
