@@ -46,6 +46,8 @@ import json, os, sys, time
 ckpt, total, step_time = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 rank = int(os.environ["RANK"])
 progress = os.path.join(os.path.dirname(ckpt), "progress.jsonl")
+# the last step waits while this file is there (see Job.finish)
+hold = os.path.join(os.path.dirname(ckpt), "hold")
 
 def load():
     try:
@@ -66,6 +68,8 @@ deadline = time.monotonic() + 600
 if rank == 0:
     step = load()
     while step < total and time.monotonic() < deadline:
+        while step == total - 1 and os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.02)
         time.sleep(step_time)
         step += 1
         # Logged before it is checkpointed: a worker stopped between the two
@@ -137,6 +141,11 @@ class Job:
         self.script.write_text(TRAIN)
         self.ckpt = directory / "ckpt"
         self.progress = directory / "progress.jsonl"
+        # The job holds before its last step until finish(): it must not end
+        # before its scenario is done (a third agent starting late on a loaded
+        # host found the job over and the rendezvous closed).
+        self.hold = directory / "hold"
+        self.hold.touch()
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, nnodes: str = "2:3") -> None:
@@ -235,7 +244,9 @@ class Job:
         return min(done, default=None)
 
     def finish(self, timeout: float) -> dict[str, int]:
-        """Wait for every agent to exit; their exit codes."""
+        """Let the job take its last step, then wait for every agent to exit;
+        their exit codes."""
+        self.hold.unlink(missing_ok=True)
         deadline = time.monotonic() + timeout
         codes = {}
         for name, popen in self.agents.items():
