@@ -36,7 +36,10 @@ STEPS = 200
 #: seconds a step takes until the scenario is done (then the job sprints): the
 #: runway a fault's recovery has before the job would finish
 STEP_TIME = 0.1
-FAST = "keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60,last_call_timeout=0.5"
+#: a lost node is found within a 5 s liveness window (1 s x 5): with 2 s, an agent
+#: whose heartbeat thread four resharding workers starved on a loaded 2-core host
+#: fenced itself
+FAST = "keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60,last_call_timeout=0.5"
 #: plain FSDP over the whole world, a snapshot every 10 steps
 FSDP = {"LIVE_SHARDED_MESH": "fsdp", "LIVE_SHARDED_SNAPSHOT_EVERY": "10"}
 #: every record carries the whole state's digest (comparable across meshes)
