@@ -22,6 +22,7 @@ from ...core.dispatch import (
     Operation,
     SetState,
     Steps,
+    run_steps,
 )
 from .checks import Checks
 from .events import EventLoop
@@ -164,13 +165,11 @@ class Backend:
         if type(op) in _READS:
             self.report.stats[node.slot].reads += 1
         serving = self._serving
-        answer = serving[type(op)](node, op, instruction)
-        try:
-            while True:  # (run_steps, inlined: every request of every node comes here)
-                op = steps.send(answer)
-                answer = serving[type(op)](node, op, instruction)
-        except StopIteration as end:
-            self._reply(node, end.value)
+
+        def serve(op: Operation) -> Any:
+            return serving[type(op)](node, op, instruction)
+
+        self._reply(node, run_steps(steps, serve, serve(op)))
 
     def _get_state(self, node: SimNode, op: GetState, _: NodeInstruction) -> object:
         self.report.stats[node.slot].bytes_read += self.size.value
