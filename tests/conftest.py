@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import helpers.examples  # noqa: F401 -- the examples' budget, before any test draws
 import pytest
@@ -43,14 +43,18 @@ def free_port() -> Callable[[], int]:
 #: Tries to start an etcd server or cluster on fresh ports: a port found free can
 #: be taken by another process before etcd binds it (only that failure is retried).
 _PORT_TRIES = 3
+_Etcd = TypeVar("_Etcd", EtcdServer, EtcdCluster)
 
 
-def _on_free_ports(start: Callable[[], Any]) -> Any:
-    """``start()``, tried again on fresh ports when a port it picked was taken
-    meanwhile."""
+def _started(make: Callable[[], _Etcd], made: list[_Etcd]) -> _Etcd:
+    """A server or cluster ``make()`` returns, started; made and started again on
+    fresh ports when a port it picked was taken meanwhile. Each one made is added
+    to ``made``, for the fixture to clean up."""
     for attempt in range(_PORT_TRIES):
+        etcd = make()
+        made.append(etcd)
         try:
-            return start()
+            return etcd.start()
         except EtcdServerError as exc:
             if "address already in use" not in str(exc) or attempt == _PORT_TRIES - 1:
                 raise
@@ -68,14 +72,10 @@ def _require_etcd() -> None:
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     _require_etcd()
     servers: list[EtcdServer] = []
-
-    def once() -> EtcdServer:
-        server = EtcdServer(tmp_path_factory.mktemp("etcd-session") / "data")
-        servers.append(server)
-        return server.start()
-
     try:
-        yield _on_free_ports(once)
+        yield _started(
+            lambda: EtcdServer(tmp_path_factory.mktemp("etcd-session") / "data"), servers
+        )
     finally:
         for server in servers:
             server.cleanup()
@@ -89,12 +89,7 @@ def etcd_server_factory(
     servers: list[EtcdServer] = []
 
     def start() -> EtcdServer:
-        def once() -> EtcdServer:
-            server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
-            servers.append(server)
-            return server.start()
-
-        return _on_free_ports(once)  # type: ignore[no-any-return]
+        return _started(lambda: EtcdServer(tmp_path_factory.mktemp("etcd") / "data"), servers)
 
     try:
         yield start
@@ -111,12 +106,9 @@ def etcd_cluster_factory(
     clusters: list[EtcdCluster] = []
 
     def start(size: int = 3) -> EtcdCluster:
-        def once() -> EtcdCluster:
-            cluster = EtcdCluster(size, tmp_path_factory.mktemp("etcd-cluster"))
-            clusters.append(cluster)
-            return cluster.start()
-
-        return _on_free_ports(once)  # type: ignore[no-any-return]
+        return _started(
+            lambda: EtcdCluster(size, tmp_path_factory.mktemp("etcd-cluster")), clusters
+        )
 
     try:
         yield start
