@@ -15,7 +15,9 @@ other node loss.
   static member list. One exists: this node replaces its dead predecessor by etcd's
   runtime reconfiguration (remove the member with this peer URL, add it again, start
   with an empty data dir and ``--initial-cluster-state existing``), so a second loss
-  later is survived too.
+  later is survived too. A look that missed a running cluster (no answer in time)
+  bootstraps, etcd refuses that for a member the cluster has seen started, and the
+  member rejoins as a replacement instead.
 * the process dies with the agent: the kernel SIGKILLs it when the agent's thread
   that started it ends (``PR_SET_PDEATHSIG``, util-linux ``setpriv``; that thread
   lives as long as the member), and a watchdog, a separate process in a session of
@@ -73,6 +75,9 @@ LINGER_S = 10.0
 _STOP_GRACE = 1.0
 #: What etcd logs when it exits because the cluster removed it.
 _REMOVED = "permanently removed from the cluster"
+#: What etcd logs when it exits because it was told to bootstrap a cluster
+#: that runs already and had this member started before.
+_BOOTSTRAPPED = "has already been bootstrapped"
 #: How long one probe of another member waits for an answer.
 _PROBE_TIMEOUT = 2.0
 
@@ -219,14 +224,28 @@ class EmbeddedMember:
                 not answer).
         """
         self._timeout = timeout
-        shutil.rmtree(self.data_dir, ignore_errors=True)  # a SIGKILLed agent's
+        deadline = time.monotonic() + timeout
         self.log_file.unlink(missing_ok=True)
-        self.data_dir.mkdir(mode=0o700, parents=True)
         try:
-            initial, state = self._initial_cluster(timeout)
-            self.joined_as = state
-            self._launch(initial, state)
-            self._wait_serving(timeout)
+            while True:
+                shutil.rmtree(self.data_dir, ignore_errors=True)  # a SIGKILLed agent's
+                self.data_dir.mkdir(mode=0o700, parents=True)
+                initial, state = self._initial_cluster(max(deadline - time.monotonic(), 0.1))
+                self.joined_as = state
+                self._launch(initial, state)
+                try:
+                    self._wait_serving(max(deadline - time.monotonic(), 0.1))
+                    break
+                except RendezvousConnectionError:
+                    # No other member answered the first look (a loaded host, a
+                    # slow network), so this one bootstrapped: etcd refuses when
+                    # the cluster is running and had a member here before. That
+                    # answer is certain where the look was not: rejoin.
+                    missed = state == "new" and _BOOTSTRAPPED in self._log_since(self._log_offset)
+                    if not missed or time.monotonic() >= deadline:
+                        raise
+                log.warning("embedded etcd member %s: the running cluster did not answer "
+                            "at first; rejoining it", self.name)  # fmt: skip
         except BaseException:
             self.stop()
             raise
@@ -391,7 +410,8 @@ class EmbeddedMember:
             raise RendezvousConnectionError(f"cannot start etcd ({started['error']})")
         if started.get("proc") is None:
             raise RendezvousConnectionError(f"the embedded etcd member {self.name} was stopped")
-        self._start_watchdog(started["proc"].pid)
+        if self._watchdog_fd is None:  # else _spawn told the running watchdog
+            self._start_watchdog(started["proc"].pid)
 
     # -- a member process that exits on its own --------------------------------------
 
@@ -413,8 +433,8 @@ class EmbeddedMember:
             if code is None or self._stopping.is_set():  # stop() ended it
                 return
             while not self._supervised.is_set():
-                if self._stopping.wait(0.1):
-                    return
+                if self._stopping.wait(0.1) or self._proc is not proc:
+                    return  # stopping, or start launched another process since
             if _REMOVED in self._log_since(self._log_offset):
                 # Another node runs this member now (a replacement under the same
                 # name): re-adding this one would remove that one, and so on.

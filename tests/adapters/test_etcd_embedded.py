@@ -492,6 +492,42 @@ def test_a_crashed_member_is_restarted_while_its_agent_lives(
 
 
 @pytest.mark.integration
+def test_a_replacement_whose_first_look_misses_the_running_cluster_rejoins_it(
+    etcd_binary: str,
+    tmp_path: Path,
+    embedded_handlers: list[RallypointHandler],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a loaded host the replacement's first probe of the other members can
+    time out: it then bootstraps, which etcd refuses for a member the running
+    cluster has seen started. The replacement rejoins instead of failing."""
+    endpoint = ",".join(f"127.0.0.1:{p}" for p in _ports(3))
+    params = [
+        _params(endpoint, "missed", 3, member=str(i), data_dir=str(tmp_path)) for i in range(3)
+    ]
+    made = _make_all(params)
+    embedded_handlers.extend(made[:2])
+    made[2].close()  # its member is gone; the cluster still lists it, started
+    looks: list[bool] = []
+    real_look = EmbeddedMember._quorum_client
+
+    def first_look_misses(self: EmbeddedMember) -> Any:
+        looks.append(True)
+        return None if len(looks) == 1 else real_look(self)
+
+    monkeypatch.setattr(EmbeddedMember, "_quorum_client", first_look_misses)
+    replacement = create_handler(params[2])
+    embedded_handlers.append(replacement)
+    member = _member_process(tmp_path, f"127.0.0.1-{endpoint.rpartition(':')[2]}")
+    assert member is not None
+    assert "--initial-cluster-state=existing" in member.cmdline()
+    assert len(looks) >= 2
+    assert _eventually(lambda: _whole(endpoint), 60)
+    infos = join_all(embedded_handlers, 120)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+
+
+@pytest.mark.integration
 def test_a_member_removed_from_the_cluster_is_not_put_back(
     etcd_binary: str,
     tmp_path: Path,
