@@ -12,6 +12,11 @@ STAMP := $(VENV)/.rallypoint-installed
 # with the other process's load beside it. A module's tests stay in one process
 # (--dist loadfile): some share an expensive reference run (a module fixture).
 TEST_PROCESSES ?= 2
+# The project's bytecode, written before a run: each agent and worker process the
+# suite starts imports the project again, and where the environment forbids
+# writing bytecode (PYTHONDONTWRITEBYTECODE) compiles every module it imports each
+# time: about a sixth of the suite's CPU time. Only changed files are recompiled.
+BYTECODE := $(PY) -m compileall -q -j 0 *.py core adapters agent spec tests bench examples
 
 .PHONY: install demo test test-fast chaos lint bench
 
@@ -36,17 +41,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(BYTECODE)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -n $(TEST_PROCESSES) --dist loadfile
 
 # The pure parts (core, spec, the driver's executor on the memory backend), without
 # real processes, servers or the long checker searches, and a tenth of each property
 # test's examples (tests/helpers/examples.py): about 40 s, for the edit loop.
 test-fast: $(STAMP)
+	$(BYTECODE)
 	RALLYPOINT_FAST_EXAMPLES=1 $(PY) -m pytest -q -p no:cacheprovider -m "not integration and not slow"
 
 # The fault-injection scenarios (etcd failover, SIGKILL loops, partitions, clock
 # shifts) at full length; make test runs the same scenarios in reduced form.
 chaos: $(STAMP)
+	$(BYTECODE)
 	RALLYPOINT_CHAOS_FULL=1 $(PY) -m pytest -q -p no:cacheprovider -m chaos
 
 bench: $(STAMP)
