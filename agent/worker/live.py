@@ -416,6 +416,7 @@ class Job:
             self._forming = before
         try:
             self._wait_for_master()
+            _name_groups_afresh()
             dist.init_process_group(**kwargs)
             side = dist.new_group(backend="gloo")
             copies_group = dist.new_group(backend="gloo") if self.snapshot_every else None
@@ -903,6 +904,25 @@ def _beat(status: StatusFile, main: int) -> None:
             time.sleep(BEAT_PERIOD)
 
     threading.Thread(target=run, name="rallypoint-live-beat", daemon=True).start()
+
+
+def _name_groups_afresh() -> None:
+    """Give the round's default process group the name every rank gives it.
+
+    torch names a default group after a process-wide count of the groups made since
+    the default group was last destroyed ("0" for the first), and keys what the
+    group posts in the store under that name. It counts the group before the
+    rendezvous, and only ``destroy_process_group()`` sets the count back, so a
+    forming that failed (a round superseded while its group formed, which the
+    switch breaks on purpose: ``Act.BREAK_AND_TAKE``) leaves it at 1 with no group
+    to destroy. The next round's group is then "1" in this process and "0" in a
+    fresh peer; neither ever sees the other's keys, and the forming waits out the
+    group's timeout while the agent, whose worker took the round, waits too. With
+    no default group, no group of this process bears a name from the count, so it
+    starts again from 0, as a destroy would have set it."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0
 
 
 def _nccl_groups() -> list[Any]:

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch.distributed as dist
 from helpers.cluster import free_port
 
@@ -106,3 +107,78 @@ def test_a_newer_round_ends_the_wait_for_a_store_that_never_opens(tmp_path: Path
         status.close()
     # Within the 100 s bound, short of the 120 s the connection would be retried.
     assert out.startswith("left after") and "superseded" in out, out + err[-2000:]
+
+
+#: a live worker that trains one step in each round it gets and says which rounds
+#: formed; the group's timeout is 90 s.
+_ROUNDS_SCRIPT = """
+from rallypoint.agent.worker import live
+
+job = live.Job(backend="gloo", timeout=90)
+for rnd in job.rounds():
+    print(f"round {rnd.number} formed", flush=True)
+    with rnd:
+        for _ in rnd.steps(job.step + 1):
+            pass
+"""
+
+
+def _live_worker(
+    tmp_path: Path, name: str, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], int, StatusFile]:
+    status = StatusFile(str(tmp_path / f"status-{name}"), create=True)
+    read_fd, write_fd = os.pipe()
+    full = {**os.environ, FD_ENV: str(read_fd), STATUS_ENV: status.path, "LOCAL_RANK": "0", **env}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ROUNDS_SCRIPT], env=full, pass_fds=(read_fd,),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    os.close(read_fd)
+    return proc, write_fd, status
+
+
+def test_a_host_whose_first_round_was_superseded_forms_the_next(tmp_path: Path) -> None:
+    """Rank 0 of round 0 hosts the round's store and waits in it for rank 1, which
+    never comes; round 1 comes meanwhile and breaks the forming. Round 1 (rank 0:
+    this worker, rank 1: a fresh one) must form: torch names a default group after
+    a count the failed forming left at 1, and a group named "1" here and "0" in the
+    fresh peer never meets (each waits for the other's keys until the timeout)."""
+    round0 = {"RALLYPOINT_ROUND": "0", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2"}  # fmt: skip
+    round1 = {**round0, "RALLYPOINT_ROUND": "1", "MASTER_PORT": str(free_port())}
+    host, host_pipe, host_status = _live_worker(tmp_path, "host", round0)
+    peer: subprocess.Popen[str] | None = None
+    try:
+        # Into the forming: its client is connected to the store it hosts (and stays
+        # there: rank 1 never comes). Bounded by the group's 90 s timeout.
+        me = psutil.Process(host.pid)
+        store_port = int(round0["MASTER_PORT"])
+        deadline = time.monotonic() + 90
+        while not any(
+            c.raddr and c.raddr.port == store_port and c.status == psutil.CONN_ESTABLISHED
+            for c in me.net_connections("tcp")
+        ):
+            assert host.poll() is None and time.monotonic() < deadline, "the host never formed"
+            time.sleep(0.05)
+        os.write(host_pipe, encode_message(LiveMessage(1, round1, lost=False)))
+        peer, peer_pipe, peer_status = _live_worker(tmp_path, "peer", {**round1, "RANK": "1"})
+        # Within 75 s, short of the group's 90 s timeout: the group formed, not timed out.
+        deadline = time.monotonic() + 75
+        while (host.poll() is None or peer.poll() is None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for proc in (host, peer):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+        os.close(host_pipe)
+        host_status.close()
+        if peer is not None:
+            os.close(peer_pipe)
+            peer_status.close()
+    assert peer is not None
+    for name, proc in (("host", host), ("peer", peer)):
+        out, err = proc.communicate()
+        assert out.splitlines() == ["round 1 formed"] and proc.returncode == 0, (
+            f"{name} (exit {proc.returncode}): {out}{err[-3000:]}"
+        )
