@@ -16,9 +16,12 @@ loop that checks its step counter on every step (``tests/helpers/train_steps.py`
   shim that moves only the wall clock, ``tests/helpers/shift_clock.c``, built with
   gcc): nobody is declared dead for it, and a real loss is still detected.
 
-Reduced form by default (a few rounds, tens of seconds each); full length with
-``RALLYPOINT_CHAOS_FULL=1`` (``make chaos``). Every scenario prints its measured
-times (kill -> survivors running a new round -> training resumed) as table rows:
+Reduced form by default (a few rounds, tens of seconds each; the SIGKILL loop runs
+on the clock-shifted nodes and freezes one first: one cluster for the three
+scenarios); full length, each scenario on its own cluster, with
+``RALLYPOINT_CHAOS_FULL=1`` (``make chaos``).
+Every scenario prints its measured times (kill -> survivors running a new round
+-> training resumed) as table rows:
 ``python -m pytest -m chaos -rP tests/chaos/test_chaos.py`` shows them, and with
 ``RALLYPOINT_CHAOS_REPORT=FILE`` each row is also appended to FILE as JSON.
 """
@@ -222,26 +225,68 @@ def _workers_of(cluster: Cluster, agent: Agent) -> list[int]:
 # --- SIGKILL loop --------------------------------------------------------------------
 
 
-def test_sigkill_loop_keeps_training_to_the_last_step(cluster: Cluster, report: list[Row]) -> None:
+def test_sigkill_loop_keeps_training_to_the_last_step(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, report: list[Row]
+) -> None:
     """3 agents (--nnodes 2:3, --max-restarts 0): again and again, one non-host agent
     is SIGKILLed (alone: its workers die of the parent-death signal; or with its
     workers, as a lost machine), the two survivors regroup without spending their
     budget and resume from the checkpoint, and the node is started again and
     rejoins. The job ends with every step trained once past its checkpoint, and
-    nothing of any killed node is left."""
-    kills = 10 if FULL else 2
-    steps, step_time = (2500, 0.1) if FULL else (400, 0.05)
+    nothing of any killed node is left.
+
+    The reduced form runs it on the clock-shift scenario's nodes (the cost of a
+    scenario is its agents and workers starting): b's clock 2 h ahead, c's 2 h
+    behind (see ``test_wall_clocks_two_hours_off_are_harmless``, which the full form
+    runs on its own). Nobody is declared dead for it while every node lives, and
+    the only rounds are the ones the faults and the rejoins make. Before the
+    kills it runs the frozen-agent scenario (on its own in the full form: ``test_a_
+    frozen_agent_is_regrouped_around_and_rejoins``): b0 is frozen, a and c0
+    regroup, b0 thaws and rejoins, uncharged."""
+    # reduced: one kill (the agent alone: its workers must die of the parent-death
+    # signal) and the node's rejoin; a machine's loss (the agent and its workers
+    # SIGKILLed at once) is the store-host scenario's fault, and every other kill of
+    # the full form
+    kills = 10 if FULL else 1
+    # reduced: room for the clock hold and the freeze too (the steps left when the
+    # faults are over run at full speed)
+    steps, step_time = (2500, 0.1) if FULL else (800, 0.05)
+    shim = None if FULL else _build_shim(tmp_path_factory)
+    shifts = {"a": 0, "b": 7200, "c": -7200} if shim is not None else {}
+
+    def env(node: str) -> dict[str, str]:
+        shift = shifts.get(node, 0)
+        return {"LD_PRELOAD": str(shim), "RALLYPOINT_CLOCK_SHIFT": str(shift)} if shift else {}
+
     endpoint = f"127.0.0.1:{free_port()}"
     args = _args(endpoint, "sigkill-loop", "2:3", "127.0.0.1")
     train = _train(cluster, steps, step_time)
-    cluster.start([*args, "--rdzv-conf", f"{CONF},is_host=true", *train], "a")
+    cluster.start([*args, "--rdzv-conf", f"{CONF},is_host=true", *train], "a", env=env("a"))
     current = {"b": "b0", "c": "c0"}
-    for name in current.values():
-        cluster.start([*args, "--rdzv-conf", f"{CONF},is_host=false", *train], name)
+    for node, name in current.items():
+        cluster.start([*args, "--rdzv-conf", f"{CONF},is_host=false", *train], name, env=env(node))
     running = cluster.wait_for(
         lambda: _round_events(cluster, "resumed", 3, -1), "a round of 3 training", WAIT
     )
     round_ = int(running[0]["round"])
+    rounds_made = {round_}
+    if shifts:
+        hold = _skewed_clocks_hold(cluster, running, shifts, current)
+        report.append(
+            Row("SIGKILL loop, wall clock +2 h on b, -2 h on c", "every node alive",
+                f"no false death in {hold:.0f} s")
+        )  # fmt: skip
+    if not FULL:  # the frozen-agent scenario, on this cluster
+        freeze = 3.0
+        regrouped, round_, new_round_s, resumed_s, rejoin_s = _freeze_and_thaw(
+            cluster, current["b"], ["a", current["c"]], round_, freeze
+        )
+        rounds_made |= {regrouped, round_}
+        report.append(
+            Row("SIGKILL loop, frozen agent (SIGSTOP)", f"freeze b0 for {freeze:.0f} s",
+                "regrouped; b0 rejoined", new_round_s, resumed_s,
+                extra={"thaw -> round of 3 resumed": rejoin_s})
+        )  # fmt: skip
     for kill in range(kills):
         node = "bc"[kill % 2]
         victim = cluster.agents[current[node]]
@@ -250,6 +295,7 @@ def test_sigkill_loop_keeps_training_to_the_last_step(cluster: Cluster, report: 
         killed_at = cluster.kill(victim.name, machine=machine)
         survivors = ["a", current["cb"[kill % 2]]]
         round_, new_round_s, resumed_s = _regroup(cluster, killed_at, survivors, round_)
+        rounds_made.add(round_)
         assert _gone(victim_workers, within=10), f"{victim.name}'s workers outlived it"
         report.append(
             Row(
@@ -260,17 +306,18 @@ def test_sigkill_loop_keeps_training_to_the_last_step(cluster: Cluster, report: 
                 resumed_s,
             )
         )
-        if kill == kills - 1 and not FULL:
-            break
         # The node comes back and rejoins: a round of 3 again.
         current[node] = f"{node}{kill + 1}"
-        cluster.start([*args, "--rdzv-conf", f"{CONF},is_host=false", *train], current[node])
+        cluster.start(
+            [*args, "--rdzv-conf", f"{CONF},is_host=false", *train], current[node], env=env(node)
+        )
         rejoined = cluster.wait_for(
             lambda after=round_: _round_events(cluster, "resumed", 3, after),
             "the rejoined round of 3",
             WAIT,
         )
         round_ = int(rejoined[0]["round"])
+        rounds_made.add(round_)
     _sprint(cluster)
     finishers = ["a", *(n for n in current.values() if cluster.agents[n].killed_at is None)]
     for name in finishers:
@@ -278,6 +325,10 @@ def test_sigkill_loop_keeps_training_to_the_last_step(cluster: Cluster, report: 
     _check_training(cluster, steps)
     restarts = {r["restarts"] for r in _records(cluster)}
     assert restarts == {0}, "a survivor was charged for a peer's loss"
+    if shifts:  # the skewed clocks cost no round of their own
+        first = min(rounds_made)
+        made = {int(r["round"]) for r in _records(cluster)}
+        assert {n for n in made if n >= first} == rounds_made, cluster.logs()
     left = cluster.leftovers()
     report.append(Row("SIGKILL loop", "end", f"finished {steps}/{steps} steps", left=len(left)))
     assert left == []
@@ -321,6 +372,30 @@ def test_losing_the_store_host_ends_the_job_with_one_clear_error(
 # --- frozen agent --------------------------------------------------------------------
 
 
+def _freeze_and_thaw(
+    cluster: Cluster, frozen: str, survivors: list[str], after: int, freeze: float
+) -> tuple[int, int, float, float, float]:
+    """Freeze agent ``frozen`` (SIGSTOP; its worker runs on) while a round of 3
+    above ``after`` trains; the ``survivors`` regroup without it; thawed ``freeze``
+    s after it froze, it rejoins. (The survivors' round, the round of 3 it
+    rejoined, freeze -> new round, freeze -> resumed, thaw -> round of 3 resumed.)"""
+    frozen_at = time.monotonic()
+    cluster.stop(frozen, signal.SIGSTOP)
+    try:
+        number, new_round_s, resumed_s = _regroup(cluster, frozen_at, survivors, after)
+        time.sleep(max(0.0, freeze - (time.monotonic() - frozen_at)))
+    finally:
+        cluster.stop(frozen, signal.SIGCONT)
+    thawed_at = time.monotonic()
+    rejoined = cluster.wait_for(
+        lambda: _round_events(cluster, "resumed", 3, number),
+        f"{frozen} back in a round of 3",
+        WAIT,
+    )
+    return number, int(rejoined[0]["round"]), new_round_s, resumed_s, time.monotonic() - thawed_at
+
+
+@pytest.mark.skipif(not FULL, reason="the reduced form runs it in the SIGKILL loop's cluster")
 def test_a_frozen_agent_is_regrouped_around_and_rejoins(
     cluster: Cluster, report: list[Row]
 ) -> None:
@@ -339,21 +414,9 @@ def test_a_frozen_agent_is_regrouped_around_and_rejoins(
     running = cluster.wait_for(
         lambda: _round_events(cluster, "resumed", 3, -1), "a round of 3 training", WAIT
     )
-    frozen_at = time.monotonic()
-    cluster.stop("b", signal.SIGSTOP)
-    try:
-        number, new_round_s, resumed_s = _regroup(
-            cluster, frozen_at, ["a", "c"], int(running[0]["round"])
-        )
-        time.sleep(max(0.0, freeze - (time.monotonic() - frozen_at)))
-    finally:
-        cluster.stop("b", signal.SIGCONT)
-    thawed_at = time.monotonic()
-    rejoined = cluster.wait_for(
-        lambda: _round_events(cluster, "resumed", 3, number), "b back in a round of 3", WAIT
+    _, _, new_round_s, resumed_s, rejoin_s = _freeze_and_thaw(
+        cluster, "b", ["a", "c"], int(running[0]["round"]), freeze
     )
-    rejoin_s = time.monotonic() - thawed_at
-    assert rejoined
     _sprint(cluster)
     for name in "abc":
         assert cluster.wait(name, WAIT) == 0, cluster.logs()
@@ -526,11 +589,11 @@ def test_a_partitioned_node_does_not_stop_the_job(
 # --- wall clock shifted on one node ----------------------------------------------------
 
 
-@pytest.fixture
-def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _build_shim(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """The clock-shift shim, built with gcc (None: no C compiler)."""
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
-        pytest.skip("clock-shift scenario skipped: no C compiler (gcc) to build the shim")
+        return None
     out = tmp_path_factory.mktemp("shim") / "shift_clock.so"
     subprocess.run(
         [gcc, "-shared", "-fPIC", "-O2", "-o", str(out), str(HERE / "shift_clock.c"), "-ldl"],
@@ -540,6 +603,48 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture
+def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = _build_shim(tmp_path_factory)
+    if out is None:
+        pytest.skip("clock-shift scenario skipped: no C compiler (gcc) to build the shim")
+    return out
+
+
+def _skewed_clocks_hold(
+    cluster: Cluster,
+    running: list[dict[str, Any]],
+    shifts: dict[str, int],
+    names: dict[str, str] | None = None,
+) -> float:
+    """With the first round of 3 ``running``: the shim is in effect (each node's
+    workers stamped their records ``shifts[node]`` s off), and while every node
+    lives no regroup happens and nobody is found dead. The seconds held."""
+    names = names or {}
+    stamped = {
+        node: next(
+            r["time"]
+            for r in running
+            if int(r["agent_pid"]) == cluster.agents[names.get(node, node)].pid
+        )
+        for node in shifts
+    }
+    for node, shift in shifts.items():
+        assert abs(stamped[node] - stamped["a"] - shift) < 120, stamped
+    # Run a while with the skewed nodes: no regroup may happen. (Two agents may have
+    # formed a round before the third arrived, past the 0.3 s last call: that is a
+    # join, not a death; nobody may be found dead before the real loss.)
+    first = int(running[0]["round"])
+    hold = 30.0 if FULL else 3.0
+    time.sleep(hold)
+    assert max(r["round"] for r in _records(cluster)) == first, cluster.logs()
+    assert not _false_deaths(cluster), cluster.logs()
+    return hold
+
+
+@pytest.mark.skipif(
+    not FULL, reason="the reduced form runs the SIGKILL loop on these skewed clocks"
+)
 def test_wall_clocks_two_hours_off_are_harmless(
     cluster: Cluster, shim: Path, report: list[Row]
 ) -> None:
@@ -559,21 +664,8 @@ def test_wall_clocks_two_hours_off_are_harmless(
     running = cluster.wait_for(
         lambda: _round_events(cluster, "resumed", 3, -1), "a round of 3 training", WAIT
     )
-    # The shim is in effect: b's and c's workers stamped their records 2 h off.
-    stamped = {
-        name: next(r["time"] for r in running if int(r["agent_pid"]) == cluster.agents[name].pid)
-        for name in shifts
-    }
-    for name, shift in shifts.items():
-        assert abs(stamped[name] - stamped["a"] - shift) < 120, stamped
-    # Run a while with the skewed nodes: no regroup may happen. (Two agents may have
-    # formed a round before the third arrived, past the 0.3 s last call: that is a
-    # join, not a death; nobody may be found dead before the real loss.)
     first = int(running[0]["round"])
-    hold = 30.0 if FULL else 3.0
-    time.sleep(hold)
-    assert max(r["round"] for r in _records(cluster)) == first, cluster.logs()
-    assert not _false_deaths(cluster), cluster.logs()
+    hold = _skewed_clocks_hold(cluster, running, shifts)
     killed_at = cluster.kill("b", machine=True)
     number, new_round_s, resumed_s = _regroup(cluster, killed_at, ["a", "c"], first)
     _sprint(cluster)

@@ -18,10 +18,19 @@ must not cost a regroup (the scenarios during training assert a single round).
 
 Reduced form by default (2 s outages, one fault, 10-20 s per scenario); with
 ``RALLYPOINT_CHAOS_FULL=1`` (``make chaos``) 5 s outages, three faults per
-training scenario and a longer job. The closing table (fault -> agents running a
-new round, etcd back -> that round, the outage the agents saw, steps made during
-it, processes left) is printed at the end of the module (no ``-s`` needed), and
-appended as JSON lines to the file named by ``RALLYPOINT_CHAOS_REPORT`` if set::
+training scenario and a longer job. The reduced form runs the scenarios in
+turn on fewer jobs (their agents, etcd server or cluster and training are what
+costs CPU): on one server, an outage during the first join, SIGKILL then SIGSTOP
+during training, and an outage during a regroup; on a 3-member cluster, the
+leader killed during training, then (the member back) the new leader during a
+rendezvous. Between two faults the agents are back on etcd and have renewed
+their leases, as between the full form's repeats, and each fault keeps its own
+assertions.
+
+The closing table (fault -> agents running a new round, etcd back -> that round,
+the outage the agents saw, steps made during it, processes left) is printed at
+the end of the module (no ``-s`` needed), and appended as JSON lines to the file
+named by ``RALLYPOINT_CHAOS_REPORT`` if set::
 
     RALLYPOINT_CHAOS_FULL=1 .venv/bin/python -m pytest -p no:cacheprovider \\
         -m chaos tests/chaos/test_chaos_etcd.py
@@ -52,6 +61,11 @@ STEP_TIME = 0.1
 #: with a third node needs room for its start and the regroup too.
 STEPS = 60 + REPEAT * int((OUTAGE + 3.0) / STEP_TIME) if FULL else 45
 REGROUP_STEPS = STEPS + 45
+#: A reduced-form pair of scenarios on one job: room for both (the steps left
+#: when the job is finished run without their step time, so room costs nothing).
+PAIR_STEPS = 600
+#: The reduced form's four single-server scenarios on one job (see PAIR_STEPS).
+TURNS_STEPS = 1500
 #: Bounds that only detect hangs.
 START_TIMEOUT = 120.0
 FINISH_TIMEOUT = 180.0 + REGROUP_STEPS * STEP_TIME
@@ -93,30 +107,49 @@ def _training(job: Job, steps: int = 5) -> None:
     job.wait_for(lambda: job.step() >= steps, f"step {steps}", START_TIMEOUT)
 
 
-def _regrouping(job: Job) -> None:
-    """Wait until an agent stops its workers for a new round (a third node joined)."""
-    job.wait_for(lambda: "starting a new round" in job.logs(), "a regroup", START_TIMEOUT)
-
-
-def _finished(job: Job, outcome: Outcome, *, one_round: bool) -> None:
-    """Assert the job's success, step count and leftovers; record the outcome."""
-    codes = job.finish(FINISH_TIMEOUT)
-    outcome.rounds = len(job.rounds())
-    outcome.final_step = job.step()
-    outcome.agent_outage_s = job.agent_outage()
-    outcome.leftovers = job.leftovers()
-    outcome.outcome = (
-        f"exit codes {sorted(codes.values())}, checkpoint {job.ckpt.read_text()}/{job.steps}"
+def _new_rounds(job: Job) -> int:
+    """How many times an agent stopped its workers for a new round (whole logs)."""
+    return sum(
+        (job.dir / f"{name}.log").read_text(errors="replace").count("starting a new round")
+        for name in job.agents
     )
-    _OUTCOMES.append(outcome)
-    outcome.report()
+
+
+def _regrouping(job: Job, before: int = 0) -> None:
+    """Wait until an agent stops its workers for a new round (a third node joined)
+    beyond the ``before`` it had stopped them for."""
+    job.wait_for(lambda: _new_rounds(job) > before, "a regroup", START_TIMEOUT)
+
+
+def _finished(job: Job, *outcomes: Outcome, one_round: bool) -> None:
+    """Assert the job's success, step count and leftovers; record the outcomes (a
+    reduced-form pair of scenarios on one job: one each)."""
+    codes = job.finish(FINISH_TIMEOUT)
+    leftovers = job.leftovers()
+    for outcome in outcomes:
+        outcome.rounds = len(job.rounds())
+        outcome.final_step = job.step()
+        outcome.agent_outage_s = job.agent_outage()
+        outcome.leftovers = leftovers
+        outcome.outcome = (
+            f"exit codes {sorted(codes.values())}, checkpoint {job.ckpt.read_text()}/{job.steps}"
+        )
+        _OUTCOMES.append(outcome)
+        outcome.report()
     assert set(codes.values()) == {0}, job.logs()
     assert int(job.ckpt.read_text()) == job.steps
     made = sorted({r["step"] for r in job.records() if r["event"] == "step"})
     assert made == list(range(1, job.steps + 1)), made
-    assert not outcome.leftovers, outcome.leftovers
+    assert not leftovers, leftovers
     if one_round:
-        assert outcome.rounds == 1, f"a regroup the outage should not cause\n{job.logs()}"
+        assert len(job.rounds()) == 1, f"a regroup the outage should not cause\n{job.logs()}"
+
+
+def _back_and_renewed(job: Job) -> None:
+    """Between two faults of a reduced-form pair: every agent reached etcd again and
+    had the time to renew its lease (see ``_ride_out``)."""
+    job.wait_for(job.back_on_etcd, "the agents back on etcd", 60)
+    time.sleep(RENEWAL_S)
 
 
 def _ride_out(
@@ -148,7 +181,16 @@ def _ride_out(
 
 # --- one etcd server ---------------------------------------------------------------
 
+#: The scenarios the reduced form runs in turn on one job.
+_PAIRED = pytest.mark.skipif(not FULL, reason="the reduced form runs it with others on one job")
+_PAIR = pytest.mark.skipif(FULL, reason="the full form runs each scenario on a job of its own")
 
+
+def _kill_restart(server: EtcdServer) -> tuple[Callable[[], None], Callable[[], None]]:
+    return lambda: server.stop(kill=True), server.start
+
+
+@_PAIRED
 def test_etcd_killed_and_restarted_during_training(
     etcd_server_factory: Callable[[], EtcdServer], job_factory: Callable[..., Job]
 ) -> None:
@@ -156,10 +198,11 @@ def test_etcd_killed_and_restarted_during_training(
     job = job_factory(server.endpoint)
     outcome = Outcome("etcd SIGKILL + restart during training")
     _training(job)
-    _ride_out(job, outcome, lambda: server.stop(kill=True), server.start)
+    _ride_out(job, outcome, *_kill_restart(server))
     _finished(job, outcome, one_round=True)
 
 
+@_PAIRED
 def test_etcd_stopped_and_continued_during_training(
     etcd_server_factory: Callable[[], EtcdServer], job_factory: Callable[..., Job]
 ) -> None:
@@ -171,15 +214,12 @@ def test_etcd_stopped_and_continued_during_training(
     _finished(job, outcome, one_round=True)
 
 
-def test_etcd_killed_and_restarted_during_a_regroup(
-    etcd_server_factory: Callable[[], EtcdServer], job_factory: Callable[..., Job]
-) -> None:
-    server = etcd_server_factory()
-    job = job_factory(server.endpoint, REGROUP_STEPS)
-    outcome = Outcome("etcd SIGKILL + restart during a regroup (3rd node joins)")
-    _training(job, steps=1)
+def _outage_during_a_regroup(job: Job, server: EtcdServer, outcome: Outcome) -> None:
+    """Agents a and b train; c joins, and etcd is SIGKILLed while they regroup,
+    restarted OUTAGE s later; a round of 3 starts."""
+    before = _new_rounds(job)
     job.start("c")
-    _regrouping(job)
+    _regrouping(job, before)
     down = time.time()
     server.stop(kill=True)
     time.sleep(OUTAGE)
@@ -188,17 +228,13 @@ def test_etcd_killed_and_restarted_during_a_regroup(
     started = job.wait_for(lambda: job.round_started(down, 3), "a round of 3", START_TIMEOUT)
     outcome.fault_to_new_round_s = started - down
     outcome.back_to_new_round_s = started - back
-    _finished(job, outcome, one_round=False)
 
 
-def test_etcd_killed_and_restarted_during_a_first_join(
-    etcd_server_factory: Callable[[], EtcdServer], job_factory: Callable[..., Job]
-) -> None:
+def _outage_during_a_first_join(job: Job, server: EtcdServer, outcome: Outcome) -> None:
+    """a joins; etcd is SIGKILLed, b starts and joins while it is down; etcd is
+    restarted OUTAGE s later, and the first round (of 2) starts."""
     import pyetcd
 
-    server = etcd_server_factory()
-    job = job_factory(server.endpoint)
-    outcome = Outcome("etcd SIGKILL + restart during a first join")
     job.start("a")
     client = pyetcd.client("127.0.0.1", server.client_port, timeout=5)
     try:
@@ -215,19 +251,64 @@ def test_etcd_killed_and_restarted_during_a_first_join(
     started = job.wait_for(lambda: job.round_started(down, 2), "the first round", START_TIMEOUT)
     outcome.fault_to_new_round_s = started - down
     outcome.back_to_new_round_s = started - back
+
+
+@_PAIRED
+def test_etcd_killed_and_restarted_during_a_regroup(
+    etcd_server_factory: Callable[[], EtcdServer], job_factory: Callable[..., Job]
+) -> None:
+    server = etcd_server_factory()
+    job = job_factory(server.endpoint, REGROUP_STEPS)
+    outcome = Outcome("etcd SIGKILL + restart during a regroup (3rd node joins)")
+    _training(job, steps=1)
+    _outage_during_a_regroup(job, server, outcome)
+    _finished(job, outcome, one_round=False)
+
+
+@_PAIRED
+def test_etcd_killed_and_restarted_during_a_first_join(
+    etcd_server_factory: Callable[[], EtcdServer], job_factory: Callable[..., Job]
+) -> None:
+    server = etcd_server_factory()
+    job = job_factory(server.endpoint)
+    outcome = Outcome("etcd SIGKILL + restart during a first join")
+    _outage_during_a_first_join(job, server, outcome)
     _finished(job, outcome, one_round=True)
+
+
+@_PAIR
+def test_etcd_faults_in_turn_on_one_job(
+    etcd_server_factory: Callable[[], EtcdServer], job_factory: Callable[..., Job]
+) -> None:
+    """The four scenarios above on one server and job, in turn: an outage during
+    the first join, SIGKILL + restart then SIGSTOP + SIGCONT during training
+    (training goes on through each; none of the three costs a regroup: one round
+    until c starts), and an outage during the regroup c's start causes, which
+    ends in a round of 3."""
+    server = etcd_server_factory()
+    job = job_factory(server.endpoint, TURNS_STEPS)
+    first = Outcome("etcd SIGKILL + restart during a first join")
+    killed = Outcome("etcd SIGKILL + restart during training")
+    stopped = Outcome("etcd SIGSTOP + SIGCONT during training")
+    regroup = Outcome("etcd SIGKILL + restart during a regroup (3rd node joins)")
+    _outage_during_a_first_join(job, server, first)
+    job.wait_for(lambda: job.step() >= 5, "step 5", START_TIMEOUT)
+    _back_and_renewed(job)
+    _ride_out(job, killed, *_kill_restart(server))
+    time.sleep(RENEWAL_S)  # _ride_out waited until the agents were back on etcd
+    _ride_out(job, stopped, server.pause, server.resume)
+    time.sleep(RENEWAL_S)
+    assert len(job.rounds()) == 1, f"a regroup an outage should not cause\n{job.logs()}"
+    _outage_during_a_regroup(job, server, regroup)
+    _finished(job, first, killed, stopped, regroup, one_round=False)
 
 
 # --- a 3-member etcd cluster -------------------------------------------------------------
 
 
-def test_cluster_leader_killed_during_training(
-    etcd_cluster_factory: Callable[..., EtcdCluster], job_factory: Callable[..., Job]
-) -> None:
-    cluster = etcd_cluster_factory(3)
-    job = job_factory(cluster.endpoints)
-    outcome = Outcome("3-member cluster, leader SIGKILL during training")
-    _training(job)
+def _leader_killed_during_training(job: Job, cluster: EtcdCluster, outcome: Outcome) -> int:
+    """Kill the leader REPEAT times during training (the full form restarts each, so
+    that the next fault kills another leader); the last one killed."""
     killed: list[int] = []
 
     def kill_leader() -> None:
@@ -239,18 +320,15 @@ def test_cluster_leader_killed_during_training(
             cluster.members[killed[-1]].start()
 
     _ride_out(job, outcome, kill_leader, heal)
-    _finished(job, outcome, one_round=True)
+    return killed[-1]
 
 
-def test_cluster_leader_killed_during_a_rendezvous(
-    etcd_cluster_factory: Callable[..., EtcdCluster], job_factory: Callable[..., Job]
-) -> None:
-    cluster = etcd_cluster_factory(3)
-    job = job_factory(cluster.endpoints, REGROUP_STEPS)
-    outcome = Outcome("3-member cluster, leader SIGKILL during a rendezvous (3rd node joins)")
-    _training(job, steps=1)
+def _leader_killed_during_a_rendezvous(job: Job, cluster: EtcdCluster, outcome: Outcome) -> None:
+    """c joins; the leader is SIGKILLed (not restarted) while the agents regroup;
+    after the election a round of 3 starts."""
+    before = _new_rounds(job)
     job.start("c")
-    _regrouping(job)
+    _regrouping(job, before)
     leader = cluster.leader()
     down = time.time()
     cluster.members[leader].stop(kill=True)  # not restarted
@@ -259,4 +337,48 @@ def test_cluster_leader_killed_during_a_rendezvous(
     started = job.wait_for(lambda: job.round_started(down, 3), "a round of 3", START_TIMEOUT)
     outcome.fault_to_new_round_s = started - down
     outcome.back_to_new_round_s = max(0.0, started - back)
+
+
+@_PAIRED
+def test_cluster_leader_killed_during_training(
+    etcd_cluster_factory: Callable[..., EtcdCluster], job_factory: Callable[..., Job]
+) -> None:
+    cluster = etcd_cluster_factory(3)
+    job = job_factory(cluster.endpoints)
+    outcome = Outcome("3-member cluster, leader SIGKILL during training")
+    _training(job)
+    _leader_killed_during_training(job, cluster, outcome)
+    _finished(job, outcome, one_round=True)
+
+
+@_PAIRED
+def test_cluster_leader_killed_during_a_rendezvous(
+    etcd_cluster_factory: Callable[..., EtcdCluster], job_factory: Callable[..., Job]
+) -> None:
+    cluster = etcd_cluster_factory(3)
+    job = job_factory(cluster.endpoints, REGROUP_STEPS)
+    outcome = Outcome("3-member cluster, leader SIGKILL during a rendezvous (3rd node joins)")
+    _training(job, steps=1)
+    _leader_killed_during_a_rendezvous(job, cluster, outcome)
     _finished(job, outcome, one_round=False)
+
+
+@_PAIR
+def test_cluster_leader_killed_during_training_then_during_a_rendezvous(
+    etcd_cluster_factory: Callable[..., EtcdCluster], job_factory: Callable[..., Job]
+) -> None:
+    """The two scenarios above on one cluster and job: the leader killed during
+    training costs no regroup (one round until c starts); it is restarted (as
+    between the full form's repeats: two members lost would be no quorum), and
+    the new leader is killed during the rendezvous c's start causes."""
+    cluster = etcd_cluster_factory(3)
+    job = job_factory(cluster.endpoints, PAIR_STEPS)
+    training = Outcome("3-member cluster, leader SIGKILL during training")
+    rendezvous = Outcome("3-member cluster, leader SIGKILL during a rendezvous (3rd node joins)")
+    _training(job)
+    killed = _leader_killed_during_training(job, cluster, training)
+    assert len(job.rounds()) == 1, f"a regroup the outage should not cause\n{job.logs()}"
+    cluster.members[killed].start()  # healthy: back in the cluster, which has a leader
+    _back_and_renewed(job)
+    _leader_killed_during_a_rendezvous(job, cluster, rendezvous)
+    _finished(job, training, rendezvous, one_round=False)

@@ -46,7 +46,8 @@ import json, os, sys, time
 ckpt, total, step_time = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 rank = int(os.environ["RANK"])
 progress = os.path.join(os.path.dirname(ckpt), "progress.jsonl")
-# the last step waits while this file is there (see Job.finish)
+# the last step waits while this file is there (see Job.finish); without it, the
+# steps run without their step time
 hold = os.path.join(os.path.dirname(ckpt), "hold")
 
 def load():
@@ -70,6 +71,10 @@ if rank == 0:
     while step < total and time.monotonic() < deadline:
         while step == total - 1 and os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.02)
+        # once the scenario has finished the job, the remaining steps run at
+        # full speed: its faults are over
+        if step_time and not os.path.exists(hold):
+            step_time = 0.0
         time.sleep(step_time)
         step += 1
         # Logged before it is checkpointed: a worker stopped between the two
@@ -143,7 +148,9 @@ class Job:
         self.progress = directory / "progress.jsonl"
         # The job holds before its last step until finish(): it must not end
         # before its scenario is done (a third agent starting late on a loaded
-        # host found the job over and the rendezvous closed).
+        # host found the job over and the rendezvous closed). Once finish()
+        # removes it, the remaining steps run without their step time: the
+        # scenario's faults are over, and idle agents and members cost CPU.
         self.hold = directory / "hold"
         self.hold.touch()
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
