@@ -33,6 +33,7 @@ from rallypoint.spec.check import (
     CheckConfig,
     Checker,
     CheckerConfigError,
+    CheckResult,
     Deadline,
     Event,
     EventKind,
@@ -63,9 +64,17 @@ def test_two_nodes_full_state_space_has_no_violation() -> None:
     assert {"add_to_participants", "finish", "declared_dead", "crash", "closed"} <= triggers
 
 
+@pytest.fixture(scope="module")
+def small_search() -> CheckResult:
+    """The search of SMALL with the real core, run once for the module."""
+    return check(SMALL)
+
+
 @pytest.mark.slow
-def test_three_nodes_every_round_full_state_space_has_no_violation() -> None:
-    result = check(SMALL)
+def test_three_nodes_every_round_full_state_space_has_no_violation(
+    small_search: CheckResult,
+) -> None:
+    result = small_search
     assert result.ok, result.summary()
     assert result.complete and result.states > 1000 and result.depth > 8
     # Contended joiners went through the intent log, and peers admitted them.
@@ -559,9 +568,9 @@ def test_the_cli_is_quiet_off_a_terminal_and_with_quiet(capsys: pytest.CaptureFi
 
 @pytest.mark.slow
 def test_parallel_workers_explore_the_same_space_and_find_planted_bugs(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, small_search: CheckResult
 ) -> None:
-    sequential, parallel = check(SMALL), check(SMALL, workers=2)
+    sequential, parallel = small_search, check(SMALL, workers=2)
     assert parallel.ok and parallel.complete
     assert_same_space(parallel, sequential)
     # a bug planted before the search is in every worker (they are forks)

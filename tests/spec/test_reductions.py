@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 from helpers.checker_plants import (
@@ -57,6 +59,33 @@ def _search(config: CheckConfig) -> tuple[Checker, CheckResult, list[Global]]:
     search = Search(checker.steps, checker.symmetry)
     result = search.run(checker.initial(), on_state=lambda g, fp: states.append(g))
     return checker, result, states
+
+
+class _Reduced(NamedTuple):
+    """A search with every reduction on, as the checker runs it: its checker, result
+    and stored states, and the lifecycle changes it judged (``_changes_judged``)."""
+
+    checker: Checker
+    result: CheckResult
+    states: list[Global]
+    judged: set[tuple[object, ...]]
+
+
+@pytest.fixture(scope="module")
+def reduced_searches() -> Callable[[CheckConfig], _Reduced]:
+    """The reduced search of a config, run once for the module: each test compares
+    it with a search without one reduction (recording what it judges changes
+    nothing in the search; the tests that step its checker again only read it)."""
+    done: dict[CheckConfig, _Reduced] = {}
+
+    def reduced(config: CheckConfig) -> _Reduced:
+        if config not in done:
+            with pytest.MonkeyPatch.context() as patch:
+                judged = _changes_judged(patch)
+                done[config] = _Reduced(*_search(config), judged)
+        return done[config]
+
+    return reduced
 
 
 def _without_local_normal_forms(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,9 +171,9 @@ def _checking_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_checking_once_explores_what_checking_every_time_does(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, reduced_searches: Callable[[CheckConfig], _Reduced]
 ) -> None:
-    once = check(CRASHING)
+    once = reduced_searches(CRASHING).result
     with monkeypatch.context() as patch:
         _checking_every_time(patch)
         every = check(CRASHING)
@@ -241,15 +270,15 @@ def _changes_judged(monkeypatch: pytest.MonkeyPatch) -> set[tuple[object, ...]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [CRASHING, SMALL], ids=["crashing", "small"])
 def test_conforming_once_judges_every_change_conforming_every_step_does(
-    monkeypatch: pytest.MonkeyPatch, config: CheckConfig
+    monkeypatch: pytest.MonkeyPatch,
+    config: CheckConfig,
+    reduced_searches: Callable[[CheckConfig], _Reduced],
 ) -> None:
     """A step is conformed once per what its conformance reads: its own local
     state's pid, phase and operation (not its deadline before the step), and the
     phases and pids of only the nodes it removes, admits or moves on. Every
     lifecycle change of every step is judged as if each were conformed."""
-    with monkeypatch.context() as patch:
-        once_judged = _changes_judged(patch)
-        once = check(config)
+    _, once, _, once_judged = reduced_searches(config)
     with monkeypatch.context() as patch:
         every_judged = _changes_judged(patch)
         _conforming_every_step(patch)
@@ -285,8 +314,10 @@ def test_a_declared_dead_change_the_model_refuses_is_found(
 
 
 @pytest.mark.slow
-def test_plans_make_the_successors_the_step_rules_make() -> None:
-    checker, result, states = _search(CRASHING)
+def test_plans_make_the_successors_the_step_rules_make(
+    reduced_searches: Callable[[CheckConfig], _Reduced],
+) -> None:
+    checker, result, states, _ = reduced_searches(CRASHING)
     assert result.ok
     steps, symmetry = checker.steps, checker.symmetry
     compared = 0
@@ -345,12 +376,14 @@ def test_one_construction_paths_build_what_the_constructors_build() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [CRASHING, SMALL], ids=["crashing", "small"])
-def test_subsumption_steps_fewer_states_and_loses_none(config: CheckConfig) -> None:
+def test_subsumption_steps_fewer_states_and_loses_none(
+    config: CheckConfig, reduced_searches: Callable[[CheckConfig], _Reduced]
+) -> None:
     """Every state the search without subsumption steps has a stand-in (itself,
     or itself with some deadlines earlier) that the search with it stored, and
     both exercise the same lifecycle edges; the subsuming search steps fewer
     states, and counts the others as subsumed."""
-    reducing, reduced, stored = _search(config)
+    reducing, reduced, stored, _ = reduced_searches(config)
     _, full, every = _search(dataclasses.replace(config, subsumption=False))
     assert reduced.ok and full.ok and reduced.complete and full.complete
     fingerprints = {reducing.fingerprint(g)[1] for g in stored}

@@ -21,7 +21,7 @@ from rallypoint.core import (
 )
 from rallypoint.core.driver import phase_of
 from rallypoint.core.operators import everyone_back
-from rallypoint.spec.check import CheckConfig, check
+from rallypoint.spec.check import CheckConfig, Checker, Global, Op, check
 from rallypoint.spec.simulator import simulate
 from rallypoint.spec.simulator.config import SimConfig
 
@@ -130,9 +130,18 @@ def test_a_newcomer_a_waiter_or_a_spare_keeps_the_last_call():
 
 @pytest.mark.slow
 def test_the_checker_explores_leaving_for_good_without_violation():
-    result = check(dataclasses.replace(SMALL, leaves=True))
+    leaving: list[Global] = []
+
+    def note(g: Global, _: int) -> None:
+        if any(loc.op is Op.LEAVE for loc in g.locals):
+            leaving.append(g)
+
+    result = Checker(dataclasses.replace(SMALL, leaves=True)).run(on_state=note)
     assert result.complete and result.violation is None, result.summary()
-    assert result.states > check(SMALL).states  # leaving for good makes states of its own
+    # Leaving for good makes states of its own: nodes running a LeaveOp (which
+    # the search without leaves never starts), and the model's leave edges.
+    assert leaving
+    assert "leave" in {trigger for _, trigger, _ in result.lifecycle_edges}
 
 
 def test_a_planted_restart_storm_is_found_by_the_checker_and_the_simulator(
