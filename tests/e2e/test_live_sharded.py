@@ -34,16 +34,18 @@ WAIT = 120.0
 #: four of them at once on a loaded 2-core host (minutes there); it bounds a hang
 START = 300.0
 #: (a step of the four ranks costs about 0.075 s of CPU, 0.155 s with the whole
-#: state's digest: measured without an agent; 100 steps, not 200)
-STEPS = 100
+#: state's digest: measured without an agent; 60 steps, not 200: the FSDP faults
+#: strike after step 25, and steps before and after them are compared)
+STEPS = 60
 #: seconds a step takes until the scenario is done (then the job sprints): the
-#: runway a fault has before the job would finish (25 s in all; 18.75 s after step
+#: runway a fault has before the job would finish (30 s in all; 17.5 s after step
 #: 25, where the FSDP scenarios strike: 200 steps of 0.1 s gave 17.5 s). A step
 #: that sleeps costs no CPU; one that trains does
-STEP_TIME = 0.25
+STEP_TIME = 0.5
 #: a's step time while it trains alone in the joining scenarios: a runway of 100 s
-#: for b's agent and workers to start and join (seconds each on a loaded host)
-ALONE_STEP_TIME = 1.0
+#: (as 200 steps of 0.5 s gave) for b's agent and workers to start and join
+#: (seconds each on a loaded host)
+ALONE_STEP_TIME = 100 / STEPS
 #: seconds between two looks at the records (each look reads them all)
 POLL = 0.1
 #: a lost node is found within a 5 s liveness window (1 s x 5): with 2 s, an agent
@@ -130,10 +132,18 @@ def _undisturbed(
     return [r for r in read_jsonl(out / "records.jsonl") if r["event"] == "step"]
 
 
-def _agent_args(endpoint: str, run_id: str, nnodes: str, nproc: int, host: bool) -> list[str]:
-    """An agent's flags; ``host``: it hosts the c10d store (the others may be lost)."""
+def _agent_args(
+    endpoint: str, run_id: str, nnodes: str, nproc: int, host: bool, spare: bool = False
+) -> list[str]:
+    """An agent's flags; ``host``: it hosts the c10d store (the others may be lost).
+    ``spare``: it keeps the warm spare worker (the default) where the scenario
+    replaces one of its workers or starts it while the job trains (its first
+    workers are then warm spares, the path the product takes); an agent none of
+    whose workers is replaced or started late gains nothing from its idle spare (a
+    process with torch imported: the worker's imports alone took 3.1 s of CPU on
+    this host), and runs with --no-live-spare."""
     conf = f"{FAST},is_host={'true' if host else 'false'}"
-    return [
+    return [*([] if spare else ["--no-live-spare"]),
         "--nnodes", nnodes, "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--local-addr", "127.0.0.1", "--monitor-interval", "0.05", "--stop-grace", "2",
@@ -254,7 +264,9 @@ def test_a_killed_hsdp_worker_takes_its_shard_from_the_other_replica(
     from their own shards; every step matches the undisturbed run bit for bit."""
     endpoint = f"127.0.0.1:{free_port()}"
     for name in ("a", "b"):
-        _start(cluster, name, _agent_args(endpoint, "sharded-crash", "2", 2, name == "a"))
+        _start(
+            cluster, name, _agent_args(endpoint, "sharded-crash", "2", 2, name == "a", name == "b")
+        )
     before, after, round_ = _kill_rank_3(cluster)
     _finish(cluster, ["a", "b"], digests)
     records = _records(cluster)
@@ -307,7 +319,7 @@ def test_a_node_joining_an_hsdp_job_gets_its_shards_from_the_running_replica(
     join = _agent_args(endpoint, "sharded-join", "1:2", 2, host=True)
     _start(cluster, "a", join, step_time=ALONE_STEP_TIME)
     alone = _wait_for(cluster, lambda: _stepping(cluster, 2), "a alone stepping", START)
-    _start(cluster, "b", _agent_args(endpoint, "sharded-join", "1:2", 2, host=False))
+    _start(cluster, "b", _agent_args(endpoint, "sharded-join", "1:2", 2, host=False, spare=True))
     after = _wait_for(cluster, lambda: _stepping(cluster, 4), "4 ranks stepping", START)
     assert {after[0], after[1]} == set(alone.values()), "a's workers were restarted"
     _finish(cluster, ["a", "b"], digests)
@@ -328,7 +340,12 @@ def test_a_killed_fsdp_worker_rolls_the_job_back_to_its_buddys_snapshot(
     steps redone carry the same bits as the undisturbed run."""
     endpoint = f"127.0.0.1:{free_port()}"
     for name in ("a", "b"):
-        _start(cluster, name, _agent_args(endpoint, "fsdp-crash", "2", 2, name == "a"), FSDP)
+        _start(
+            cluster,
+            name,
+            _agent_args(endpoint, "fsdp-crash", "2", 2, name == "a", name == "b"),
+            FSDP,
+        )
     before, _, round_ = _kill_rank_3(cluster, from_step=25)  # two snapshots taken
     _finish(cluster, ["a", "b"], fsdp_digests)
     records = _records(cluster)
@@ -360,7 +377,8 @@ def test_a_lost_fsdp_node_comes_back_from_the_snapshots_its_buddies_keep(
     for name in ("a", "b"):
         _start(cluster, name, _agent_args(endpoint, "fsdp-node", "2", 2, name == "a"), FSDP)
     before, round_, survivors = _kill_node_b_after_two_snapshots(cluster)
-    _start(cluster, "b2", _agent_args(endpoint, "fsdp-node", "2", 2, host=False), FSDP)
+    b2 = _agent_args(endpoint, "fsdp-node", "2", 2, host=False, spare=True)
+    _start(cluster, "b2", b2, FSDP)
     after = _wait_for(
         cluster, lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the loss", WAIT
     )
@@ -424,7 +442,7 @@ def test_a_node_joining_an_fsdp_job_takes_its_shards_resharded_from_the_running_
     join = _agent_args(endpoint, "fsdp-join", "1:2", 2, host=True)
     _start(cluster, "a", join, env, step_time=ALONE_STEP_TIME)
     alone = _wait_for(cluster, lambda: _stepping(cluster, 2), "a alone stepping", START)
-    _start(cluster, "b", _agent_args(endpoint, "fsdp-join", "1:2", 2, host=False), env)
+    _start(cluster, "b", _agent_args(endpoint, "fsdp-join", "1:2", 2, host=False, spare=True), env)
     after = _wait_for(cluster, lambda: _stepping(cluster, 4), "4 ranks stepping", START)
     assert {after[0], after[1]} == set(alone.values()), "a's workers were restarted"
     _finish(cluster, ["a", "b"], fsdp_wholes)
