@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,10 +33,21 @@ WAIT = 120.0
 #: the job's first steps: every worker's interpreter, torch import and FSDP set-up,
 #: four of them at once on a loaded 2-core host (minutes there); it bounds a hang
 START = 300.0
-STEPS = 200
+#: (a step of the four ranks costs about 0.075 s of CPU, 0.155 s with the whole
+#: state's digest: measured without an agent; 60 steps, not 200: the FSDP faults
+#: strike after step 25, and steps before and after them are compared)
+STEPS = 60
 #: seconds a step takes until the scenario is done (then the job sprints): the
-#: runway a fault's recovery has before the job would finish
-STEP_TIME = 0.1
+#: runway a fault has before the job would finish (30 s in all; 17.5 s after step
+#: 25, where the FSDP scenarios strike: 200 steps of 0.1 s gave 17.5 s). A step
+#: that sleeps costs no CPU; one that trains does
+STEP_TIME = 0.5
+#: a's step time while it trains alone in the joining scenarios: a runway of 100 s
+#: (as 200 steps of 0.5 s gave) for b's agent and workers to start and join
+#: (seconds each on a loaded host)
+ALONE_STEP_TIME = 100 / STEPS
+#: seconds between two looks at the records (each look reads them all)
+POLL = 0.1
 #: a lost node is found within a 5 s liveness window (1 s x 5): with 2 s, an agent
 #: whose heartbeat thread four resharding workers starved on a loaded 2-core host
 #: fenced itself
@@ -56,22 +68,29 @@ def digests(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], s
 
 
 @pytest.fixture(scope="module")
-def fsdp_digests(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], str]:
-    """The same for plain FSDP over 4 ranks (a shard per rank, no replica)."""
-    return _by_shard(
-        _undisturbed(tmp_path_factory.mktemp("undisturbed-fsdp"), 4, 2, FSDP), "digest"
-    )
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The step records of plain FSDP over 4 ranks run once without an agent, each
+    with both digests: gathering the whole state does not change the training (the
+    per-shard digests of a run without it are the same bits: checked on this torch,
+    200 steps), so one run serves both fixtures below."""
+    return _undisturbed(tmp_path_factory.mktemp("undisturbed-fsdp"), 4, 2, FSDP | WHOLE)
 
 
 @pytest.fixture(scope="module")
-def fsdp_wholes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+def fsdp_digests(fsdp_run: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
+    """The same as ``digests`` for plain FSDP over 4 ranks (a shard per rank, no
+    replica)."""
+    return _by_shard(fsdp_run, "digest")
+
+
+@pytest.fixture(scope="module")
+def fsdp_wholes(fsdp_run: list[dict[str, Any]]) -> dict[int, str]:
     """step -> the whole state's digest, from plain FSDP over 4 ranks run once without
     an agent. FSDP over 2 ranks commits the same bits at every step (every rank
     trains on the same batch, and the averages of 2 and of 4 identical gradients
     are the same floats: checked on this torch, 60 steps), so a job whose mesh
     shrinks or grows must match it too."""
-    steps = _undisturbed(tmp_path_factory.mktemp("undisturbed-whole"), 4, 2, FSDP | WHOLE)
-    return {step: digest for (step, _), digest in _by_shard(steps, "whole").items()}
+    return {step: digest for (step, _), digest in _by_shard(fsdp_run, "whole").items()}
 
 
 def _by_shard(steps: list[dict[str, Any]], field: str) -> dict[tuple[int, int], str]:
@@ -113,10 +132,18 @@ def _undisturbed(
     return [r for r in read_jsonl(out / "records.jsonl") if r["event"] == "step"]
 
 
-def _agent_args(endpoint: str, run_id: str, nnodes: str, nproc: int, host: bool) -> list[str]:
-    """An agent's flags; ``host``: it hosts the c10d store (the others may be lost)."""
+def _agent_args(
+    endpoint: str, run_id: str, nnodes: str, nproc: int, host: bool, spare: bool = False
+) -> list[str]:
+    """An agent's flags; ``host``: it hosts the c10d store (the others may be lost).
+    ``spare``: it keeps the warm spare worker (the default) where the scenario
+    replaces one of its workers or starts it while the job trains (its first
+    workers are then warm spares, the path the product takes); an agent none of
+    whose workers is replaced or started late gains nothing from its idle spare (a
+    process with torch imported: the worker's imports alone took 3.1 s of CPU on
+    this host), and runs with --no-live-spare."""
     conf = f"{FAST},is_host={'true' if host else 'false'}"
-    return [
+    return [*([] if spare else ["--no-live-spare"]),
         "--nnodes", nnodes, "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--local-addr", "127.0.0.1", "--monitor-interval", "0.05", "--stop-grace", "2",
@@ -183,22 +210,28 @@ def _finish(
     _check_training(cluster, digests)
 
 
+def _wait_for(cluster: Cluster, predicate: Callable[[], Any], what: str, timeout: float) -> Any:
+    """``cluster.wait_for``, looking every ``POLL`` s (a look parses every record)."""
+    return cluster.wait_for(predicate, what, timeout, poll=POLL)
+
+
 def _kill_rank_3(
     cluster: Cluster, from_step: int = 0
 ) -> tuple[dict[int, int], dict[int, int], int]:
     """Once 4 ranks step (and a step >= ``from_step`` was committed), SIGKILL rank 3's
     worker; once 4 ranks step again, check that ranks 0-2 kept their processes and
     rank 3's was replaced. Returns (rank -> pid before, after, the round it died in)."""
-    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", START)
-    cluster.wait_for(
+    before = _wait_for(cluster, lambda: _stepping(cluster, 4), "4 ranks stepping", START)
+    _wait_for(
+        cluster,
         lambda: any(r["event"] == "step" and r["step"] >= from_step for r in _records(cluster)),
         f"step {from_step}",
         WAIT,
     )
     round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
     os.kill(before[3], signal.SIGKILL)
-    after = cluster.wait_for(
-        lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the kill", WAIT
+    after = _wait_for(
+        cluster, lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the kill", WAIT
     )
     assert after[3] != before[3]
     assert [after[rank] for rank in (0, 1, 2)] == [before[rank] for rank in (0, 1, 2)]
@@ -209,8 +242,9 @@ def _kill_node_b_after_two_snapshots(cluster: Cluster) -> tuple[dict[int, int], 
     """Once 4 ranks step and two snapshots (every 10 steps) were taken, SIGKILL agent
     b and its workers. Returns (rank -> pid before, the round they died in, a's
     workers' pids)."""
-    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", START)
-    cluster.wait_for(
+    before = _wait_for(cluster, lambda: _stepping(cluster, 4), "4 ranks stepping", START)
+    _wait_for(
+        cluster,
         lambda: any(r["event"] == "step" and r["step"] >= 25 for r in _records(cluster)),
         "two snapshots taken",
         WAIT,
@@ -230,7 +264,9 @@ def test_a_killed_hsdp_worker_takes_its_shard_from_the_other_replica(
     from their own shards; every step matches the undisturbed run bit for bit."""
     endpoint = f"127.0.0.1:{free_port()}"
     for name in ("a", "b"):
-        _start(cluster, name, _agent_args(endpoint, "sharded-crash", "2", 2, name == "a"))
+        _start(
+            cluster, name, _agent_args(endpoint, "sharded-crash", "2", 2, name == "a", name == "b")
+        )
     before, after, round_ = _kill_rank_3(cluster)
     _finish(cluster, ["a", "b"], digests)
     records = _records(cluster)
@@ -255,12 +291,12 @@ def test_a_lost_hsdp_replica_shrinks_the_mesh_without_resharding(
     endpoint = f"127.0.0.1:{free_port()}"
     _start(cluster, "a", _agent_args(endpoint, "sharded-shrink", "1:2", 2, host=True))
     _start(cluster, "b", _agent_args(endpoint, "sharded-shrink", "1:2", 2, host=False))
-    before = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", START)
+    before = _wait_for(cluster, lambda: _stepping(cluster, 4), "4 ranks stepping", START)
     round_ = max(r["round"] for r in _records(cluster) if r["event"] == "step")
     survivors = {p.pid for p in cluster.tree("a")} & set(before.values())
     cluster.kill("b", machine=True)
-    after = cluster.wait_for(
-        lambda: _stepping(cluster, 2, round_), "2 ranks stepping after the loss", WAIT
+    after = _wait_for(
+        cluster, lambda: _stepping(cluster, 2, round_), "2 ranks stepping after the loss", WAIT
     )
     assert set(after.values()) == survivors, "a survivor was restarted"
     _finish(cluster, ["a"], digests)
@@ -281,10 +317,10 @@ def test_a_node_joining_an_hsdp_job_gets_its_shards_from_the_running_replica(
     # a alone must not finish before b's workers have started (seconds each on a
     # loaded host): slow steps until the scenario is done
     join = _agent_args(endpoint, "sharded-join", "1:2", 2, host=True)
-    _start(cluster, "a", join, step_time=0.5)
-    alone = cluster.wait_for(lambda: _stepping(cluster, 2), "a alone stepping", START)
-    _start(cluster, "b", _agent_args(endpoint, "sharded-join", "1:2", 2, host=False))
-    after = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", START)
+    _start(cluster, "a", join, step_time=ALONE_STEP_TIME)
+    alone = _wait_for(cluster, lambda: _stepping(cluster, 2), "a alone stepping", START)
+    _start(cluster, "b", _agent_args(endpoint, "sharded-join", "1:2", 2, host=False, spare=True))
+    after = _wait_for(cluster, lambda: _stepping(cluster, 4), "4 ranks stepping", START)
     assert {after[0], after[1]} == set(alone.values()), "a's workers were restarted"
     _finish(cluster, ["a", "b"], digests)
     records = _records(cluster)
@@ -304,7 +340,12 @@ def test_a_killed_fsdp_worker_rolls_the_job_back_to_its_buddys_snapshot(
     steps redone carry the same bits as the undisturbed run."""
     endpoint = f"127.0.0.1:{free_port()}"
     for name in ("a", "b"):
-        _start(cluster, name, _agent_args(endpoint, "fsdp-crash", "2", 2, name == "a"), FSDP)
+        _start(
+            cluster,
+            name,
+            _agent_args(endpoint, "fsdp-crash", "2", 2, name == "a", name == "b"),
+            FSDP,
+        )
     before, _, round_ = _kill_rank_3(cluster, from_step=25)  # two snapshots taken
     _finish(cluster, ["a", "b"], fsdp_digests)
     records = _records(cluster)
@@ -336,9 +377,10 @@ def test_a_lost_fsdp_node_comes_back_from_the_snapshots_its_buddies_keep(
     for name in ("a", "b"):
         _start(cluster, name, _agent_args(endpoint, "fsdp-node", "2", 2, name == "a"), FSDP)
     before, round_, survivors = _kill_node_b_after_two_snapshots(cluster)
-    _start(cluster, "b2", _agent_args(endpoint, "fsdp-node", "2", 2, host=False), FSDP)
-    after = cluster.wait_for(
-        lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the loss", WAIT
+    b2 = _agent_args(endpoint, "fsdp-node", "2", 2, host=False, spare=True)
+    _start(cluster, "b2", b2, FSDP)
+    after = _wait_for(
+        cluster, lambda: _stepping(cluster, 4, round_), "4 ranks stepping after the loss", WAIT
     )
     assert survivors < set(after.values()), "a survivor was restarted"
     _finish(cluster, ["a", "b2"], fsdp_digests)
@@ -371,8 +413,8 @@ def test_a_lost_fsdp_node_is_resharded_in_memory_onto_the_nodes_left(
     _start(cluster, "a", _agent_args(endpoint, "fsdp-shrink", "1:2", 2, host=True), env)
     _start(cluster, "b", _agent_args(endpoint, "fsdp-shrink", "1:2", 2, host=False), env)
     before, round_, survivors = _kill_node_b_after_two_snapshots(cluster)
-    after = cluster.wait_for(
-        lambda: _stepping(cluster, 2, round_), "2 ranks stepping after the loss", WAIT
+    after = _wait_for(
+        cluster, lambda: _stepping(cluster, 2, round_), "2 ranks stepping after the loss", WAIT
     )
     assert set(after.values()) == survivors, "a survivor was restarted"
     _finish(cluster, ["a"], fsdp_wholes)
@@ -398,10 +440,10 @@ def test_a_node_joining_an_fsdp_job_takes_its_shards_resharded_from_the_running_
     endpoint = f"127.0.0.1:{free_port()}"
     env = {"LIVE_SHARDED_MESH": "fsdp"} | WHOLE
     join = _agent_args(endpoint, "fsdp-join", "1:2", 2, host=True)
-    _start(cluster, "a", join, env, step_time=0.5)
-    alone = cluster.wait_for(lambda: _stepping(cluster, 2), "a alone stepping", START)
-    _start(cluster, "b", _agent_args(endpoint, "fsdp-join", "1:2", 2, host=False), env)
-    after = cluster.wait_for(lambda: _stepping(cluster, 4), "4 ranks stepping", START)
+    _start(cluster, "a", join, env, step_time=ALONE_STEP_TIME)
+    alone = _wait_for(cluster, lambda: _stepping(cluster, 2), "a alone stepping", START)
+    _start(cluster, "b", _agent_args(endpoint, "fsdp-join", "1:2", 2, host=False, spare=True), env)
+    after = _wait_for(cluster, lambda: _stepping(cluster, 4), "4 ranks stepping", START)
     assert {after[0], after[1]} == set(alone.values()), "a's workers were restarted"
     _finish(cluster, ["a", "b"], fsdp_wholes)
     records = _records(cluster)

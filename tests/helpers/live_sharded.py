@@ -98,12 +98,29 @@ def main() -> None:
     def whole_digest(train: live.Sharded) -> str | None:
         if os.environ.get("LIVE_SHARDED_WHOLE") != "1":
             return None
-        digest = hashlib.sha256()
         tensors = [*train.model.parameters()]
         tensors += [v for state in train.optimizer.state.values() for v in state.values()]
-        for value in tensors:
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            digest.update(full.detach().cpu().numpy().tobytes())
+        # One gather of every rank's pieces, not a full_tensor() (a collective) per
+        # tensor: a whole tensor's bytes are its row shards' bytes in the order of
+        # the mesh's shard dimension (in the first replica). The same digest as
+        # full_tensor()'s, checked on this torch (FSDP over 4 and 2, HSDP 2 x 2, 20
+        # steps each); a 4-rank run of 100 steps took 26.9 s CPU, not 34.0 s
+        mine = [
+            (v.to_local() if isinstance(v, DTensor) else v).detach().cpu().numpy().tobytes()
+            for v in tensors
+        ]
+        every: list[list[bytes]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every, mine)
+        digest = hashlib.sha256()
+        for i, value in enumerate(tensors):
+            if not isinstance(value, DTensor):
+                digest.update(mine[i])
+                continue
+            index = tuple(0 if p.is_replicate() else slice(None) for p in value.placements)
+            assert all(p.is_replicate() or p.is_shard(0) for p in value.placements)
+            assert sum(p.is_shard(0) for p in value.placements) == 1, value.placements
+            for rank in value.device_mesh.mesh[index].flatten().tolist():
+                digest.update(every[rank][i])
         return digest.hexdigest()
 
     sprint = os.path.join(out, "sprint")
