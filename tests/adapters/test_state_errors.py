@@ -429,7 +429,10 @@ def test_a_state_over_the_backend_limit_is_refused_before_the_write(
     # own limit too (before the check, the write itself failed).
     sync = StateSync(backend, NodeDesc("y" * 1000, 1, 0), s)
     with pytest.raises(RendezvousStateError) as caught:
-        sync.run(JoinOp(), time.monotonic() + 5)
+        # refused at the first write; the deadline bounds a join that was let in
+        # (it would wait for 100,000 nodes), with room for reading and decoding the
+        # MiB-sized state on a loaded host (5 s was not enough there)
+        sync.run(JoinOp(), time.monotonic() + 60)
     message = str(caught.value)
     assert "limit" in message and backend.state_size_limit.reason in message
     assert backend.get_state()[0] == encode_state(full)  # type: ignore[index]
