@@ -7,10 +7,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rallypoint-installed
-# Processes that share the suite (pytest-xdist): most of its time is waiting on real
-# agents, servers and timeouts, so two keep two cores busy; every test must pass
-# with the other process's load beside it. A module's tests stay in one process
-# (--dist loadfile): some share an expensive reference run (a module fixture).
+# Processes that share the suite (pytest-xdist): one process leaves a core idle
+# while it waits on real agents, servers and timeouts; two keep both busy (most of
+# the suite's CPU is processes starting: each agent and worker imports torch), and
+# four were no faster. Every test must pass with the other process's load beside
+# it. A module's tests stay in one process (--dist loadfile): some share an
+# expensive run (a module fixture).
 TEST_PROCESSES ?= 2
 # The project's bytecode, written before a run: each agent and worker process the
 # suite starts imports the project again, and where the environment forbids
