@@ -286,10 +286,12 @@ class WorkerGroup:
             self.workers.append(spare)
 
     def discard(self, spare: WorkerProcess) -> None:
-        """Stop a spare that will not be adopted, for good."""
+        """Stop a spare that will not be adopted, for good (a spare the group
+        stopped already, with its workers, is done with)."""
         with self._lock:
-            self._reap([spare], grace=0.0)
-            self.spares.remove(spare)
+            if spare in self.spares:
+                self._reap([spare], grace=0.0)
+                self.spares.remove(spare)
 
     def worker(self, local_rank: int) -> WorkerProcess | None:
         """The current worker of ``local_rank`` (None: there is none)."""

@@ -74,6 +74,22 @@ def test_stop_kills_the_whole_tree_after_the_grace(tmp_path: Path) -> None:
                 proc.kill()
 
 
+def test_a_spare_stopped_with_its_group_can_still_be_discarded(tmp_path: Path) -> None:
+    """An agent that fences stops its workers and spares at once; the spare the
+    next round finds dead is then discarded without an error (it stopped the agent
+    with "list.remove(x): x not in list")."""
+    group = WorkerGroup()
+    spare = group.start_spare(_launch(tmp_path, "import time\ntime.sleep(300)\n"))
+    try:
+        group.stop(grace=0.0)
+        assert spare.poll() is not None and group.spares == []
+        group.discard(spare)
+        assert group.spares == []
+    finally:
+        if spare.poll() is None:
+            kill_tree(spare.pid)
+
+
 # Would clean up on SIGTERM (writes argv[2]), after writing its pid file.
 TIDY = r"""
 import os, signal, sys, time
