@@ -125,24 +125,24 @@ def _finished(job: Job, *outcomes: Outcome, one_round: bool) -> None:
     """Assert the job's success, step count and leftovers; record the outcomes (a
     reduced-form pair of scenarios on one job: one each)."""
     codes = job.finish(FINISH_TIMEOUT)
-    leftovers = job.leftovers()
-    for outcome in outcomes:
-        outcome.rounds = len(job.rounds())
-        outcome.final_step = job.step()
-        outcome.agent_outage_s = job.agent_outage()
+    leftovers, rounds, checkpoint = job.leftovers(), len(job.rounds()), job.ckpt.read_text()
+    final_step, agent_outage_s = job.step(), job.agent_outage()
+    ended = f"exit codes {sorted(codes.values())}, checkpoint {checkpoint}/{job.steps}"
+    for outcome in outcomes:  # the job's figures, in each scenario's row
+        outcome.rounds = rounds
+        outcome.final_step = final_step
+        outcome.agent_outage_s = agent_outage_s
         outcome.leftovers = leftovers
-        outcome.outcome = (
-            f"exit codes {sorted(codes.values())}, checkpoint {job.ckpt.read_text()}/{job.steps}"
-        )
+        outcome.outcome = ended
         _OUTCOMES.append(outcome)
         outcome.report()
     assert set(codes.values()) == {0}, job.logs()
-    assert int(job.ckpt.read_text()) == job.steps
+    assert int(checkpoint) == job.steps
     made = sorted({r["step"] for r in job.records() if r["event"] == "step"})
     assert made == list(range(1, job.steps + 1)), made
     assert not leftovers, leftovers
     if one_round:
-        assert len(job.rounds()) == 1, f"a regroup the outage should not cause\n{job.logs()}"
+        assert rounds == 1, f"a regroup the outage should not cause\n{job.logs()}"
 
 
 def _back_and_renewed(job: Job) -> None:
