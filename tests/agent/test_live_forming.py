@@ -112,6 +112,7 @@ def test_a_newer_round_ends_the_wait_for_a_store_that_never_opens(tmp_path: Path
 #: a live worker that trains one step in each round it gets and says which rounds
 #: formed; the group's timeout is 90 s.
 _ROUNDS_SCRIPT = """
+import torch.distributed as dist
 from rallypoint.agent.worker import live
 
 job = live.Job(backend="gloo", timeout=90)
@@ -120,6 +121,9 @@ for rnd in job.rounds():
     with rnd:
         for _ in rnd.steps(job.step + 1):
             pass
+# As every training script should: a gloo group left to the interpreter's exit may
+# abort the process there (SIGABRT, "terminate called without an active exception").
+dist.destroy_process_group()
 """
 
 
