@@ -20,6 +20,8 @@ same bits). With ``LIVE_SHARDED_WHOLE=1`` each ``step`` and ``round`` record als
 has ``whole``, a SHA-256 of the whole parameters and optimizer state (gathered
 from every shard): the same in any mesh that holds the same values.
 ``done`` when it finished. Each step sleeps STEP_TIME until ``OUT/sprint`` exists.
+Once ``OUT/sigkill-rank-R`` exists, the worker of rank R SIGKILLs itself after its
+next step's work, before that step commits (and removes the file first).
 Without a live agent (plain ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables) it runs
 one round: the undisturbed run the tests compare with.
 """
@@ -29,8 +31,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
+
+
+def _told_to_die(out: str, rank: int) -> bool:
+    """Whether the test asked the worker of ``rank`` to SIGKILL itself here, once (it
+    removes ``OUT/sigkill-rank-RANK``; its replacement finds none): between a step's
+    work and its commit, so that the kill never lands inside a collective."""
+    try:
+        os.unlink(os.path.join(out, f"sigkill-rank-{rank}"))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -150,6 +164,8 @@ def main() -> None:
                     for value in state.values():
                         local = value.to_local() if isinstance(value, DTensor) else value
                         digest.update(local.detach().cpu().numpy().tobytes())
+                if _told_to_die(out, rnd.rank):
+                    os.kill(pid, signal.SIGKILL)
                 if step_time and not os.path.exists(sprint):
                     time.sleep(step_time)
                 record(
