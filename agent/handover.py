@@ -256,6 +256,7 @@ class LiveWorkers:
         argv = self._warm_argv(template)
         if not self.spares or argv is None:
             return
+        self._forget_dead_spares(group)
         while len(self._spares) < count:
             # Named once for good: an adopted spare keeps its status file.
             self._spares_started += 1
@@ -283,6 +284,15 @@ class LiveWorkers:
             finally:
                 channel.close_read_end()
             self._spares.append(_Spare(process, channel, template.tee))
+
+    def _forget_dead_spares(self, group: WorkerGroup) -> None:
+        """Let go of the spares that are gone: a group stop (fencing, for one) stops
+        the spares with the workers, and a spare counted while dead would never be
+        replaced, leaving the next lost worker to start cold."""
+        for spare in [s for s in self._spares if s.process.poll() is not None]:
+            self._spares.remove(spare)
+            group.discard(spare.process)
+            spare.channel.close()
 
     def spares_warm(self) -> bool:
         """Whether every warm spare has its imports done (or is gone)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -14,6 +15,8 @@ import psutil
 import pytest
 
 from rallypoint.agent.config import Std
+from rallypoint.agent.events import EventRecorder
+from rallypoint.agent.handover import LiveWorkers
 from rallypoint.agent.workers import WorkerGroup, WorkerLaunch, kill_tree
 
 #: real processes, servers or sockets: `make test-fast` leaves these out
@@ -88,6 +91,28 @@ def test_a_spare_stopped_with_its_group_can_still_be_discarded(tmp_path: Path) -
     finally:
         if spare.poll() is None:
             kill_tree(spare.pid)
+
+
+def test_a_spare_stopped_with_its_group_is_replaced_by_a_new_one(tmp_path: Path) -> None:
+    """A group stop (fencing) kills the warm spare with the workers; the next round
+    starts a new spare instead of counting the dead one as warm (the next lost worker
+    would start cold)."""
+    group = WorkerGroup()
+    live = LiveWorkers(str(tmp_path / "live"), 10.0, 0.0, EventRecorder(None, "node"))
+    plain = _launch(tmp_path, "pass\n")
+    template = dataclasses.replace(plain, argv=[sys.executable, "-u", *plain.argv[1:]])
+    try:
+        live.prepare_spares(group, template)
+        (first,) = group.spares
+        group.stop(grace=0.0)
+        assert first.poll() is not None
+        live.prepare_spares(group, template)
+        assert len(group.spares) == 1, "no new spare"
+        (second,) = group.spares
+        assert second.poll() is None and second.pid != first.pid
+    finally:
+        live.close()
+        group.stop(grace=0.0)
 
 
 # Would clean up on SIGTERM (writes argv[2]), after writing its pid file.
