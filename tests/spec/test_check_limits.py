@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import os
+import pkgutil
 import re
 import signal
 from types import SimpleNamespace
@@ -14,6 +16,7 @@ import pytest
 import rich.console
 
 from rallypoint.core import driver
+from rallypoint.spec import check as check_package
 from rallypoint.spec import cli
 from rallypoint.spec.check import (
     CheckConfig,
@@ -21,6 +24,7 @@ from rallypoint.spec.check import (
     CheckerWorkerError,
     check,
     core_steps,
+    properties,
     steps,
     symmetry,
 )
@@ -130,8 +134,15 @@ def test_memos_cleared_at_every_few_entries_search_the_same_space(
     """The memo tables are bounds on memory only: cleared whenever they hold 20
     entries, they give the same states, transitions and depth."""
     full = check(TWO)
-    for module in (core_steps, steps, symmetry):
-        monkeypatch.setattr(module, "CACHE_LIMIT", 20)
+    # Every module of the checker that bounds a memo (each imports the limit by
+    # name, so each is patched: one left out would keep its memo whole).
+    bounded = []
+    for info in pkgutil.iter_modules(check_package.__path__, f"{check_package.__name__}."):
+        module = importlib.import_module(info.name)
+        if hasattr(module, "CACHE_LIMIT"):
+            monkeypatch.setattr(module, "CACHE_LIMIT", 20)
+            bounded.append(module)
+    assert {core_steps, properties, steps, symmetry} <= set(bounded)
     cleared = check(TWO)
     assert cleared.ok and cleared.complete
     assert (cleared.states, cleared.transitions, cleared.depth) == (
