@@ -147,6 +147,26 @@ def _event(kind: EventKind, slot: int) -> Event:
     return Event(kind, slot)
 
 
+@functools.cache
+def _timed_event(
+    kind: EventKind,
+    slot: int,
+    expired: tuple[NodeDesc, ...],
+    own: Age,
+    last_call_over: bool,
+    deadline: Deadline | None,
+    contended: bool,
+) -> Event:
+    """A step event of ``slot`` with its timers (see :meth:`Steps.expand`): one
+    instance of each. The splits make the same few again and again, and the memo
+    tables keep what they made: a 4-node search held 785,302 timers, 114 MB, at
+    25,000 states before; the 3-node default's largest process went from 2.2 to
+    1.9 GB, its counts the same."""
+    return Event(
+        kind, slot, built(Timers, (frozenset(expired), own, last_call_over, deadline, contended))
+    )
+
+
 class Steps:
     """The events of one search and their successors (memoized where a pure
     function of fewer things than the whole state)."""
@@ -264,10 +284,11 @@ class Steps:
             deadlines = self.deadlines[self.deadlines.index(loc.deadline) :]
         joins = kind is EventKind.JOIN or (kind is EventKind.STEP and loc.op is Op.JOIN)
         for expired, mine, lc, dl in itertools.product(list(subsets), own, over, deadlines):
-            timers = built(Timers, (frozenset(expired), mine, lc, dl, False))
-            yield Event(kind, slot, timers)
-            if joins and self.core.contention_matters(g, node, timers):
-                yield Event(kind, slot, built(Timers, (*timers[:4], True)))
+            concrete = _timed_event(kind, slot, expired, mine, lc, dl, False)
+            yield concrete
+            assert concrete.timers is not None
+            if joins and self.core.contention_matters(g, node, concrete.timers):
+                yield _timed_event(kind, slot, expired, mine, lc, dl, True)
 
     def choices(self, g: Global, event: Event) -> tuple[list[Event], list[Event]]:
         """The concrete events of ``event`` (see :meth:`expand`), split in two: the
