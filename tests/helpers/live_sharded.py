@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 
 def _told_to_die(out: str, rank: int) -> bool:
@@ -109,20 +110,26 @@ def main() -> None:
         snapshot_every=int(os.environ.get("LIVE_SHARDED_SNAPSHOT_EVERY", "0")),
     )
 
-    def whole_digest(train: live.Sharded) -> str | None:
-        if os.environ.get("LIVE_SHARDED_WHOLE") != "1":
-            return None
+    def held(train: live.Sharded) -> tuple[list[Any], list[bytes]]:
+        """The parameters and the optimizer state, in order, and this rank's bytes of
+        each (its shard of a DTensor)."""
+        assert all(isinstance(param, DTensor) for param in train.model.parameters())
         tensors = [*train.model.parameters()]
         tensors += [v for state in train.optimizer.state.values() for v in state.values()]
+        mine = [
+            (v.to_local() if isinstance(v, DTensor) else v).detach().cpu().numpy().tobytes()
+            for v in tensors
+        ]
+        return tensors, mine
+
+    def whole_digest(tensors: list[Any], mine: list[bytes]) -> str | None:
+        if os.environ.get("LIVE_SHARDED_WHOLE") != "1":
+            return None
         # One gather of every rank's pieces, not a full_tensor() (a collective) per
         # tensor: a whole tensor's bytes are its row shards' bytes in the order of
         # the mesh's shard dimension (in the first replica). The same digest as
         # full_tensor()'s, checked on this torch (FSDP over 4 and 2, HSDP 2 x 2, 20
         # steps each); a 4-rank run of 100 steps took 26.9 s CPU, not 34.0 s
-        mine = [
-            (v.to_local() if isinstance(v, DTensor) else v).detach().cpu().numpy().tobytes()
-            for v in tensors
-        ]
         every: list[list[bytes]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(every, mine)
         digest = hashlib.sha256()
@@ -145,7 +152,7 @@ def main() -> None:
         shard = shard_of(train.state_dict()).index
         record(
             "round", round=rnd.number, rank=rnd.rank, world=rnd.world_size, step=job.step,
-            shard=shard, whole=whole_digest(train),
+            shard=shard, whole=whole_digest(*held(train)),
         )  # fmt: skip
         with rnd:
             for step in rnd.steps(steps):
@@ -156,14 +163,10 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
+                tensors, mine = held(train)
                 digest = hashlib.sha256()
-                for param in model.parameters():
-                    assert isinstance(param, DTensor)
-                    digest.update(param.to_local().detach().cpu().numpy().tobytes())
-                for state in optimizer.state.values():
-                    for value in state.values():
-                        local = value.to_local() if isinstance(value, DTensor) else value
-                        digest.update(local.detach().cpu().numpy().tobytes())
+                for piece in mine:
+                    digest.update(piece)
                 if _told_to_die(out, rnd.rank):
                     os.kill(pid, signal.SIGKILL)
                 if step_time and not os.path.exists(sprint):
@@ -171,7 +174,7 @@ def main() -> None:
                 record(
                     "step", round=rnd.number, rank=rnd.rank, world=rnd.world_size,
                     step=step + 1, shard=shard, digest=digest.hexdigest(),
-                    whole=whole_digest(train),
+                    whole=whole_digest(tensors, mine),
                 )  # fmt: skip
     record("done", step=job.step)
     dist.barrier()
