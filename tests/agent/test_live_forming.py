@@ -83,19 +83,28 @@ else:
 """
 
 
-def test_a_newer_round_ends_the_wait_for_a_store_that_never_opens(tmp_path: Path) -> None:
-    """The round is superseded before its store's host opened it: torch would retry
-    the connection until the group's timeout; the worker leaves for the newer one."""
-    status = StatusFile(str(tmp_path / "status"), create=True)
+def _live_worker(
+    tmp_path: Path, name: str, script: str, env: dict[str, str]
+) -> tuple[subprocess.Popen[str], int, StatusFile]:
+    """A live worker running ``script`` with its agent's pipe and status file, as
+    ``name``: (its process, the agent's end of the pipe, its status file)."""
+    status = StatusFile(str(tmp_path / f"status-{name}"), create=True)
     read_fd, write_fd = os.pipe()
-    env = {**os.environ, FD_ENV: str(read_fd), STATUS_ENV: status.path, "RALLYPOINT_ROUND": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "1",
-           "WORLD_SIZE": "2", "LOCAL_RANK": "0"}  # fmt: skip
+    full = {**os.environ, FD_ENV: str(read_fd), STATUS_ENV: status.path, "LOCAL_RANK": "0", **env}
     proc = subprocess.Popen(
-        [sys.executable, "-c", _NO_STORE_SCRIPT], env=env, pass_fds=(read_fd,),
+        [sys.executable, "-c", script], env=full, pass_fds=(read_fd,),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     os.close(read_fd)
+    return proc, write_fd, status
+
+
+def test_a_newer_round_ends_the_wait_for_a_store_that_never_opens(tmp_path: Path) -> None:
+    """The round is superseded before its store's host opened it: torch would retry
+    the connection until the group's timeout; the worker leaves for the newer one."""
+    env = {"RALLYPOINT_ROUND": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "RANK": "1", "WORLD_SIZE": "2"}  # fmt: skip
+    proc, write_fd, status = _live_worker(tmp_path, "worker", _NO_STORE_SCRIPT, env)
     try:
         time.sleep(1.0)  # into the wait
         os.write(write_fd, encode_message(LiveMessage(1, {}, lost=False)))
@@ -127,20 +136,6 @@ dist.destroy_process_group()
 """
 
 
-def _live_worker(
-    tmp_path: Path, name: str, env: dict[str, str]
-) -> tuple[subprocess.Popen[str], int, StatusFile]:
-    status = StatusFile(str(tmp_path / f"status-{name}"), create=True)
-    read_fd, write_fd = os.pipe()
-    full = {**os.environ, FD_ENV: str(read_fd), STATUS_ENV: status.path, "LOCAL_RANK": "0", **env}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _ROUNDS_SCRIPT], env=full, pass_fds=(read_fd,),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    os.close(read_fd)
-    return proc, write_fd, status
-
-
 def test_a_host_whose_first_round_was_superseded_forms_the_next(tmp_path: Path) -> None:
     """Rank 0 of round 0 hosts the round's store and waits in it for rank 1, which
     never comes; round 1 comes meanwhile and breaks the forming. Round 1 (rank 0:
@@ -150,7 +145,7 @@ def test_a_host_whose_first_round_was_superseded_forms_the_next(tmp_path: Path) 
     round0 = {"RALLYPOINT_ROUND": "0", "MASTER_ADDR": "127.0.0.1",
               "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2"}  # fmt: skip
     round1 = {**round0, "RALLYPOINT_ROUND": "1", "MASTER_PORT": str(free_port())}
-    host, host_pipe, host_status = _live_worker(tmp_path, "host", round0)
+    host, host_pipe, host_status = _live_worker(tmp_path, "host", _ROUNDS_SCRIPT, round0)
     peer: subprocess.Popen[str] | None = None
     try:
         # Into the forming: its client is connected to the store it hosts (and stays
@@ -165,7 +160,9 @@ def test_a_host_whose_first_round_was_superseded_forms_the_next(tmp_path: Path) 
             assert host.poll() is None and time.monotonic() < deadline, "the host never formed"
             time.sleep(0.05)
         os.write(host_pipe, encode_message(LiveMessage(1, round1, lost=False)))
-        peer, peer_pipe, peer_status = _live_worker(tmp_path, "peer", {**round1, "RANK": "1"})
+        peer, peer_pipe, peer_status = _live_worker(
+            tmp_path, "peer", _ROUNDS_SCRIPT, {**round1, "RANK": "1"}
+        )
         # Within 75 s, short of the group's 90 s timeout: the group formed, not timed out.
         deadline = time.monotonic() + 75
         while (host.poll() is None or peer.poll() is None) and time.monotonic() < deadline:
