@@ -414,12 +414,17 @@ def test_a_worker_that_ignores_the_new_round_is_replaced_within_the_bound(
         "--events-file", str(cluster.dir / "events.jsonl"),
     ]  # fmt: skip
     cluster.start([*args, *_train(cluster, "20")], "a")
-    records = cluster.wait_for(
-        lambda: [r for r in _records(cluster) if r["event"] == "step" and r["step"] >= 20],
-        "step 20",
-        WAIT,
-    )
-    pids = {r["rank"]: r["pid"] for r in records}
+
+    def both_at_step_20() -> dict[int, int] | None:
+        # rank -> pid once both ranks committed step 20 (rank 1 may be a step behind)
+        pids = {
+            r["rank"]: r["pid"]
+            for r in _records(cluster)
+            if r["event"] == "step" and r["step"] >= 20
+        }
+        return pids if len(pids) == 2 else None
+
+    pids = cluster.wait_for(both_at_step_20, "step 20 on both ranks", WAIT)
     time.sleep(0.5)
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
