@@ -52,8 +52,13 @@ POLL = 0.1
 #: whose heartbeat thread four resharding workers starved on a loaded 2-core host
 #: fenced itself
 FAST = "keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=60,last_call_timeout=0.5"
-#: plain FSDP over the whole world, a snapshot every 10 steps
-FSDP = {"LIVE_SHARDED_MESH": "fsdp", "LIVE_SHARDED_SNAPSHOT_EVERY": "10"}
+#: plain FSDP over the whole world, a snapshot every 10 steps; its scenarios strike
+#: after step 25 (two snapshots taken), and the steps before it take no STEP_TIME
+FSDP = {
+    "LIVE_SHARDED_MESH": "fsdp",
+    "LIVE_SHARDED_SNAPSHOT_EVERY": "10",
+    "LIVE_SHARDED_PACED_FROM": "25",
+}
 #: every record carries the whole state's digest (comparable across meshes)
 WHOLE = {"LIVE_SHARDED_WHOLE": "1"}
 

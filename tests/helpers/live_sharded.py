@@ -19,7 +19,9 @@ SHA-256 of this rank's shards of the parameters and of the optimizer state, and
 same bits). With ``LIVE_SHARDED_WHOLE=1`` each ``step`` and ``round`` record also
 has ``whole``, a SHA-256 of the whole parameters and optimizer state (gathered
 from every shard): the same in any mesh that holds the same values.
-``done`` when it finished. Each step sleeps STEP_TIME until ``OUT/sprint`` exists.
+``done`` when it finished. Each step sleeps STEP_TIME until ``OUT/sprint`` exists;
+with ``LIVE_SHARDED_PACED_FROM=K``, steps numbered below K do not (no fault strikes
+before step K: the job needs no runway there).
 Once ``OUT/sigkill-rank-R`` exists, the worker of rank R SIGKILLs itself after its
 next step's work, before that step commits (and removes the file first).
 Without a live agent (plain ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables) it runs
@@ -145,6 +147,7 @@ def main() -> None:
         return digest.hexdigest()
 
     sprint = os.path.join(out, "sprint")
+    paced_from = int(os.environ.get("LIVE_SHARDED_PACED_FROM", "0"))
     for rnd in job.rounds():
         train = job.state["train"]
         assert isinstance(train, live.Sharded)
@@ -169,7 +172,7 @@ def main() -> None:
                     digest.update(piece)
                 if _told_to_die(out, rnd.rank):
                     os.kill(pid, signal.SIGKILL)
-                if step_time and not os.path.exists(sprint):
+                if step_time and step + 1 >= paced_from and not os.path.exists(sprint):
                     time.sleep(step_time)
                 record(
                     "step", round=rnd.number, rank=rnd.rank, world=rnd.world_size,
