@@ -7,14 +7,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rallypoint-installed
-# Processes that share the suite (pytest-xdist) on 2 cores: with two, a quarter of
-# the cores' time is still idle while tests wait on real agents, servers and
-# timeouts (most of the suite's CPU is processes starting: each agent and worker
-# imports torch); three filled part of it (574 and 593 s against 614-619 s for
-# two, same host), four were no faster. Every test must pass with the other
-# processes' load beside it. A module's tests stay in one process (--dist
+# Processes that share the suite (pytest-xdist) on 2 cores: with one, a core idles
+# while tests wait on real agents, servers and timeouts; with two, about a quarter
+# of the cores' time is still idle (most of the suite's CPU is processes starting:
+# each agent and worker imports torch). Three were 5% faster on a host that
+# imports torch in 1.5 s, and 5% slower on one that takes 3 s (load average 9,
+# and a timing test failed), four no faster. Every test must pass with the other
+# process's load beside it. A module's tests stay in one process (--dist
 # loadfile): some share an expensive run (a module fixture).
-TEST_PROCESSES ?= 3
+TEST_PROCESSES ?= 2
 # The project's bytecode, written before a run: each agent and worker process the
 # suite starts imports the project again, and where the environment forbids
 # writing bytecode (PYTHONDONTWRITEBYTECODE) compiles every module it imports each

@@ -173,9 +173,10 @@ def test_a_killed_worker_alone_is_started_again(cluster: Cluster) -> None:
 
 def test_survivors_train_on_while_a_replacement_starts(cluster: Cluster) -> None:
     """3 agents x 1 worker (--nnodes 2:3), a script that may shrink: SIGKILL a
-    worker whose replacement takes 4 s to start. The other two keep stepping in a
-    round of 2 meanwhile; the replacement is taken in once ready, with the state
-    from a peer, and reads no checkpoint."""
+    worker whose replacement is slow to start (held until the other two have
+    stepped 10 times without it: however long that takes on a loaded host). The
+    other two keep stepping in a round of 2 meanwhile; the replacement is taken in
+    once ready, with the state from a peer, and reads no checkpoint."""
     endpoint = f"127.0.0.1:{free_port()}"
     shrink = {"LIVE_STEPS_MAY_SHRINK": "1"}
     host = _agent_args(endpoint, "live-shrink", "2:3", 1, f"{FAST},is_host=true")
@@ -188,17 +189,38 @@ def test_survivors_train_on_while_a_replacement_starts(cluster: Cluster) -> None
     round_ = _newest_round(cluster)
     victim_node = "c"
     (victim,) = _pids(cluster, victim_node) & set(before.values())
-    (cluster.dir / "slow_start").write_text("4")
+    survivors = set(before.values()) - {victim}
+    slow_start = cluster.dir / "slow_start"
+    slow_start.write_text(str(WAIT))
+    killed = time.time()
     os.kill(victim, signal.SIGKILL)
+
+    def alone_while_a_newcomer_starts() -> list[float] | None:
+        # when the survivors committed their first 10 steps in a round of 2 since a
+        # worker started after the kill (it is held in its start-up until then)
+        records = _records(cluster)
+        starts = [r["time"] for r in records if r["event"] == "start" and r["time"] > killed]
+        committed: dict[int, float] = {}
+        for r in records:
+            if (
+                starts and r["event"] == "step" and r["pid"] in survivors
+                and r["world"] == 2 and r["time"] > starts[0]
+            ):  # fmt: skip
+                committed[r["step"]] = max(r["time"], committed.get(r["step"], 0.0))
+        return sorted(committed.values())[:10] if len(committed) >= 10 else None
+
+    alone = cluster.wait_for(
+        alone_while_a_newcomer_starts, "the survivors stepping while a newcomer starts", WAIT
+    )
+    slow_start.unlink()
     after = _wait_training(cluster, 3, round_ + 1)
-    assert set(before.values()) - {victim} < set(after.values()), "a survivor was restarted"
+    assert survivors < set(after.values()), "a survivor was restarted"
     _finish(cluster, ["a", "b", "c"])
     joined = _check_training(cluster, since_round=round_)
     records = _records(cluster)
     (newcomer,) = {r["pid"] for r in joined}
     started = next(r["time"] for r in records if r["event"] == "start" and r["pid"] == newcomer)
     ready = next(r["time"] for r in records if r["event"] == "ready" and r["pid"] == newcomer)
-    survivors = set(before.values()) - {victim}
     while_starting = {
         r["step"]
         for r in records
@@ -219,7 +241,8 @@ def test_survivors_train_on_while_a_replacement_starts(cluster: Cluster) -> None
         if e["kind"] == "live_regroup" and e["round"] > round_
     ]  # fmt: skip
     assert regroups and regroups[0]["started"] == 1, regroups
-    assert regroups[0]["newcomer_ready_s"] >= 4, regroups[0]
+    # noticed before the survivors' first step alone, ready after their tenth
+    assert regroups[0]["newcomer_ready_s"] >= alone[-1] - alone[0], regroups[0]
 
 
 def _status_of(pid: int) -> Status | None:

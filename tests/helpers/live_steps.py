@@ -17,8 +17,8 @@ into the API (a worker that ignores the new round). ``LIVE_STEPS_BACKEND=nccl``
 trains on the local rank's CUDA device. ``LIVE_STEPS_MAY_SHRINK=1`` declares that the
 job may train on without a lost worker (``live.Job(may_shrink=True)``). A worker
 that starts while ``OUT/slow_start`` exists sleeps the seconds it holds before
-``job.rounds()`` (a slow start-up: a big model built, a CUDA context), then records
-``ready``.
+``job.rounds()`` (a slow start-up: a big model built, a CUDA context), or until the
+file is removed, then records ``ready``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def main() -> None:
     slow_start = os.path.join(out, "slow_start")
     if os.path.exists(slow_start):
         with open(slow_start) as f:
-            time.sleep(float(f.read()))
+            until = time.monotonic() + float(f.read())
+        while time.monotonic() < until and os.path.exists(slow_start):
+            time.sleep(0.05)
         record("ready")
     sprint = os.path.join(out, "sprint")
     for rnd in job.rounds():
