@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -171,16 +171,53 @@ def test_a_killed_worker_alone_is_started_again(cluster: Cluster) -> None:
     assert regroups[0]["started"] == 1 and regroups[0]["warm_started"] == 1, regroups[0]
 
 
+#: a newcomer held in its start-up (``_newcomer_held``) is waited for up to half
+#: the live timeout before its node joins anyway: room for the others' steps on a
+#: loaded host
+HOLD = ("--live-timeout", "60")
+
+
+def _newcomer_held(
+    cluster: Cluster, others: set[int], world: int, start: Callable[[], object]
+) -> list[float]:
+    """Call ``start`` (it starts a newcomer), hold the newcomer in its start-up
+    (``OUT/slow_start``) until the workers ``others`` have committed 10 steps in a
+    round of ``world`` since it started, then let it go. A newcomer that the others
+    wait for fails this wait (bounded by that standstill, not by this host's
+    speed). Returns when those 10 steps were committed."""
+    slow_start = cluster.dir / "slow_start"
+    slow_start.write_text(str(WAIT))
+    since = time.time()
+    start()
+
+    def ten_steps_since_a_start() -> list[float] | None:
+        records = _records(cluster)
+        starts = [r["time"] for r in records if r["event"] == "start" and r["time"] > since]
+        committed: dict[int, float] = {}
+        for r in records:
+            if (
+                starts and r["event"] == "step" and r["pid"] in others
+                and r["world"] == world and r["time"] > starts[0]
+            ):  # fmt: skip
+                committed[r["step"]] = max(r["time"], committed.get(r["step"], 0.0))
+        return sorted(committed.values())[:10] if len(committed) >= 10 else None
+
+    steps = cluster.wait_for(
+        ten_steps_since_a_start, "the others stepping while a newcomer starts", WAIT
+    )
+    slow_start.unlink()
+    return steps
+
+
 def test_survivors_train_on_while_a_replacement_starts(cluster: Cluster) -> None:
     """3 agents x 1 worker (--nnodes 2:3), a script that may shrink: SIGKILL a
-    worker whose replacement is slow to start (held until the other two have
-    stepped 10 times without it: however long that takes on a loaded host). The
-    other two keep stepping in a round of 2 meanwhile; the replacement is taken in
-    once ready, with the state from a peer, and reads no checkpoint."""
+    worker whose replacement is slow to start (``_newcomer_held``). The other two
+    keep stepping in a round of 2 meanwhile; the replacement is taken in once
+    ready, with the state from a peer, and reads no checkpoint."""
     endpoint = f"127.0.0.1:{free_port()}"
     shrink = {"LIVE_STEPS_MAY_SHRINK": "1"}
-    host = _agent_args(endpoint, "live-shrink", "2:3", 1, f"{FAST},is_host=true")
-    args = _agent_args(endpoint, "live-shrink", "2:3", 1, f"{FAST},is_host=false")
+    host = _agent_args(endpoint, "live-shrink", "2:3", 1, f"{FAST},is_host=true", *HOLD)
+    args = _agent_args(endpoint, "live-shrink", "2:3", 1, f"{FAST},is_host=false", *HOLD)
     events = {name: str(cluster.dir / f"events-{name}.jsonl") for name in ("a", "b", "c")}
     cluster.start([*host, "--events-file", events["a"], *_train(cluster)], "a", env=shrink)
     for name in ("b", "c"):
@@ -190,29 +227,7 @@ def test_survivors_train_on_while_a_replacement_starts(cluster: Cluster) -> None
     victim_node = "c"
     (victim,) = _pids(cluster, victim_node) & set(before.values())
     survivors = set(before.values()) - {victim}
-    slow_start = cluster.dir / "slow_start"
-    slow_start.write_text(str(WAIT))
-    killed = time.time()
-    os.kill(victim, signal.SIGKILL)
-
-    def alone_while_a_newcomer_starts() -> list[float] | None:
-        # when the survivors committed their first 10 steps in a round of 2 since a
-        # worker started after the kill (it is held in its start-up until then)
-        records = _records(cluster)
-        starts = [r["time"] for r in records if r["event"] == "start" and r["time"] > killed]
-        committed: dict[int, float] = {}
-        for r in records:
-            if (
-                starts and r["event"] == "step" and r["pid"] in survivors
-                and r["world"] == 2 and r["time"] > starts[0]
-            ):  # fmt: skip
-                committed[r["step"]] = max(r["time"], committed.get(r["step"], 0.0))
-        return sorted(committed.values())[:10] if len(committed) >= 10 else None
-
-    alone = cluster.wait_for(
-        alone_while_a_newcomer_starts, "the survivors stepping while a newcomer starts", WAIT
-    )
-    slow_start.unlink()
+    alone = _newcomer_held(cluster, survivors, 2, lambda: os.kill(victim, signal.SIGKILL))
     after = _wait_training(cluster, 3, round_ + 1)
     assert survivors < set(after.values()), "a survivor was restarted"
     _finish(cluster, ["a", "b", "c"])
@@ -385,18 +400,23 @@ def test_a_spare_takes_a_lost_nodes_place_with_the_state_of_a_peer(cluster: Clus
 
 def test_a_node_joins_a_running_job_without_a_restart(cluster: Cluster) -> None:
     """2 agents training (--nnodes 2:3); a third joins, its worker slow to start
-    (3 s). The two keep their processes and keep stepping while it starts, every
-    rank switches at the same step, and the newcomer gets the state."""
+    (``_newcomer_held``). The two keep their processes and keep stepping while it
+    starts, every rank switches at the same step, and the newcomer gets the
+    state."""
     endpoint = f"127.0.0.1:{free_port()}"
-    host = _agent_args(endpoint, "live-join", "2:3", 1, f"{FAST},is_host=true")
-    args = _agent_args(endpoint, "live-join", "2:3", 1, f"{FAST},is_host=false")
+    host = _agent_args(endpoint, "live-join", "2:3", 1, f"{FAST},is_host=true", *HOLD)
+    args = _agent_args(endpoint, "live-join", "2:3", 1, f"{FAST},is_host=false", *HOLD)
     events = str(cluster.dir / "events-c.jsonl")
     cluster.start([*host, *_train(cluster)], "a")
     cluster.start([*args, *_train(cluster)], "b")
     before = _wait_training(cluster, 2)
     round_ = _newest_round(cluster)
-    (cluster.dir / "slow_start").write_text("3")
-    cluster.start([*args, "--events-file", events, *_train(cluster)], "c")
+    _newcomer_held(
+        cluster,
+        set(before.values()),
+        2,
+        lambda: cluster.start([*args, "--events-file", events, *_train(cluster)], "c"),
+    )
     after = _wait_training(cluster, 3, round_)
     assert set(before.values()) <= set(after.values())
     _finish(cluster, ["a", "b", "c"])
