@@ -330,7 +330,8 @@ def _mutation(draw: st.DrawFn, doc: dict[str, Any]) -> None:
         doc[target].append(entry[:3] + [draw(st.integers(0, 4))] * extra)
     elif kind == 5 and entries and name in ("p", "hb", "lr"):  # a rank or counter changed
         entry = entries[draw(st.integers(0, len(entries) - 1))]
-        entry[3] = draw(st.one_of(st.integers(-1, 9), _VALUES))
+        # An entry that a list replacement left without a fourth field gets one.
+        entry[3:] = [draw(st.one_of(st.integers(-1, 9), _VALUES))]
     elif kind == 6:  # a node added, with or without a heartbeat
         new = draw(_NODES)
         target = draw(st.sampled_from(_LISTS))
