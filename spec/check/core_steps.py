@@ -49,8 +49,9 @@ from ..model.invariants import (
     check_transition,
 )
 from ..model.machine import Guards, View, built
+from .memo import Memo
 from .state import Age, Deadline, Found, Global, Timers
-from .symmetry import CACHE_LIMIT, Instances
+from .symmetry import Instances
 
 __all__ = ["CoreStep", "CoreSteps"]
 
@@ -108,19 +109,19 @@ class CoreSteps:
         # of times in a 3-node search).
         #: (id of the state, node, operator type, timers, deadline, intent log) ->
         #: (the state, the step) (see step)
-        self._steps: dict[tuple[object, ...], tuple[RendezvousState, CoreStep]] = {}
+        self._steps: Memo[tuple[object, ...], tuple[RendezvousState, CoreStep]] = Memo()
         #: (id of a state, node, timers, deadline) -> (the state, a join's
         #: decision) (see decide)
-        self._decisions: dict[tuple[object, ...], tuple[RendezvousState, Decision]] = {}
+        self._decisions: Memo[tuple[object, ...], tuple[RendezvousState, Decision]] = Memo()
         #: what a step's safety checks read, states by id -> (those states, their
         #: problems) (see _step_problems)
-        self._problems: dict[tuple[object, ...], tuple[object, list[str]]] = {}
+        self._problems: Memo[tuple[object, ...], tuple[object, list[str]]] = Memo()
         #: (id of a state, node, timers but the deadline, announced) -> (the state,
         #: the node's view at a step) (see view)
-        self._views: dict[tuple[object, ...], tuple[RendezvousState, NodeView]] = {}
+        self._views: Memo[tuple[object, ...], tuple[RendezvousState, NodeView]] = Memo()
         #: how a step made a state from another (the other by id) -> (the other,
         #: the one instance of the state it made) (see _one_made)
-        self._made: dict[tuple[object, ...], tuple[RendezvousState, RendezvousState]] = {}
+        self._made: Memo[tuple[object, ...], tuple[RendezvousState, RendezvousState]] = Memo()
 
     def limit(self, deadline: Deadline | None) -> float:
         """The deadline the driver is given (relative to now = 0)."""
@@ -179,9 +180,7 @@ class CoreSteps:
             state, _counters(state), 0.0, 0.0, own, call, peers, False, None, -1,
             contended, announced,
         )  # fmt: skip
-        if len(self._views) >= CACHE_LIMIT:
-            self._views.clear()
-        self._views[key] = (state, view)
+        self._views.put(key, (state, view))
         return view
 
     # -- decisions --------------------------------------------------------------
@@ -202,9 +201,7 @@ class CoreSteps:
             known = Decision.of(_of_operation(stepped.next(0.0)), view)
         except InvalidTransitionError as exc:
             raise Found([f"the core chose an action it then rejected: {exc}"]) from None
-        if len(self._decisions) >= CACHE_LIMIT:
-            self._decisions.clear()
-        self._decisions[key] = (state, known)
+        self._decisions.put(key, (state, known))
         return known
 
     def contention_matters(self, g: Global, node: NodeDesc, timers: Timers) -> bool:
@@ -286,12 +283,10 @@ class CoreSteps:
                 found = Found(waits, decision)
                 found.read_log = read_log
                 raise found
-        if len(self._steps) >= CACHE_LIMIT:
-            self._steps.clear()
         step = built(
             CoreStep, (decision, effect.performed, written, guards, effect.intents, read_log)
         )
-        self._steps[key] = (state, step)
+        self._steps.put(key, (state, step))
         return step
 
     def _step_problems(
@@ -331,9 +326,7 @@ class CoreSteps:
         if admitted is not None:  # a Write
             problems += check_transition(sanitized, written)
             problems += check_admissions(node, state, sanitized, written, admitted, log)
-        if len(self._problems) >= CACHE_LIMIT:
-            self._problems.clear()
-        self._problems[key] = (states, problems)
+        self._problems.put(key, (states, problems))
         return problems
 
     def _one_instances(
@@ -381,9 +374,7 @@ class CoreSteps:
         if guess is not None and guess[0] is state and guess[1] == new:
             return guess[1]
         one = self.instances.one(new)
-        if len(self._made) >= CACHE_LIMIT:
-            self._made.clear()
-        self._made[made] = (state, one)
+        self._made.put(made, (state, one))
         return one
 
     def _decide(

@@ -23,8 +23,8 @@ from ...core import (
 from ...core import driver as core_driver
 from ..model.lifecycle import Phase
 from .core_steps import CoreStep, CoreSteps
+from .memo import Memo
 from .state import Age, Deadline, Global, Local, Op, Timers, node_of
-from .symmetry import CACHE_LIMIT
 
 __all__ = ["StepProperties"]
 
@@ -40,7 +40,7 @@ class StepProperties:
         #: (ids of the states before and after a write, a waiting node, its
         #: deadline) -> (those states, the missed wake-ups) (an entry holds the
         #: states its key names by id, so the ids are not reused while it is there)
-        self._wakeups: dict[tuple[object, ...], tuple[object, list[str]]] = {}
+        self._wakeups: Memo[tuple[object, ...], tuple[object, list[str]]] = Memo()
         #: the nodes whose lease was judged a liveness window after its renewal,
         #: and those of them whose lease had not run out then (see _judge)
         self._judged: set[NodeDesc] = set()
@@ -126,10 +126,8 @@ class StepProperties:
             key = (id(before), id(after), waiter, other.deadline)
             known = self._wakeups.get(key)
             if known is None:
-                if len(self._wakeups) >= CACHE_LIMIT:
-                    self._wakeups.clear()
                 missed = self._missed_wakeup(before, after, waiter, other)
-                known = self._wakeups[key] = ((before, after), missed)
+                known = self._wakeups.put(key, ((before, after), missed))
             problems += known[1]
         return problems
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import psutil
 
 from ..model.invariants import check_state
+from .memo import bound_memory
 from .state import CheckerWorkerError, CheckResult, Event, Found, Global, Violation
 from .steps import Steps
 from .symmetry import Symmetry, relabel
@@ -44,6 +45,9 @@ _PROGRESS_INTERVAL = 0.5
 _LIVENESS_INTERVAL = 0.5
 _GIB = 2**30
 _T = TypeVar("_T")
+#: The part of a process's even share of ``max_memory`` its memo tables may fill
+#: (see Search._memo_share).
+_MEMO_SHARE = 0.75
 #: States a worker steps in one go, at most.
 _CHUNK = 256
 
@@ -147,6 +151,8 @@ class Search:
         pools: list[Pool] = []
         #: shared state hash -> the worker that steps its states (see _in_workers)
         owners: dict[int, int] = {}
+        # (before the workers fork: each inherits the bound and weighs itself)
+        bound_memory(self._memo_share(1 + workers if workers > 1 else 1))
         if workers > 1:
             _WORKER = self
             context = multiprocessing.get_context("fork")
@@ -178,7 +184,16 @@ class Search:
                 pool.join()
             del self._processes[1:]
             _WORKER = None
+            bound_memory(None)
         return depth
+
+    def _memo_share(self, processes: int) -> int | None:
+        """The bytes one of the search's ``processes`` holds before it forgets its
+        memo tables: three quarters of an even share of ``max_memory`` (the rest
+        is for the states the search keeps), so that a search stops at the limit
+        for what it must keep, not for what it may forget."""
+        limit = self.config.max_memory
+        return None if limit is None else int(limit * _GIB * _MEMO_SHARE / processes)
 
     def _out_of_memory(self, result: CheckResult) -> bool:
         """Whether the search's processes hold more than ``max_memory`` (then

@@ -41,6 +41,7 @@ from ..model.lifecycle import TERMINAL_PHASES, Lifecycle, Phase
 from ..model.machine import built
 from .conformance import Conformance
 from .core_steps import CoreStep, CoreSteps
+from .memo import Memo
 from .properties import StepProperties
 from .state import (
     STARTS,
@@ -58,7 +59,7 @@ from .state import (
     node_of,
     with_local,
 )
-from .symmetry import CACHE_LIMIT, Instances
+from .symmetry import Instances
 from .trace import narrate
 
 __all__ = ["Plan", "Steps", "Template"]
@@ -183,23 +184,23 @@ class Steps:
         #: advances the round: see _step)
         self._charging = config.max_failures > 0
         #: (shared state, intent log, event kind, slot, local) -> events (see choices)
-        self._choices: dict[tuple[object, ...], tuple[list[Event], list[Event]]] = {}
+        self._choices: Memo[tuple[object, ...], tuple[list[Event], list[Event]]] = Memo()
         #: (id of the shared state, intent log, event kind, slot, local) -> (the
         #: shared state, the event's plan) (see plan; an entry holds the state its
         #: key names by id, so the id is not reused while the entry is there)
-        self._plans: dict[tuple[object, ...], tuple[RendezvousState, Plan]] = {}
+        self._plans: Memo[tuple[object, ...], tuple[RendezvousState, Plan]] = Memo()
         #: what a step's conformance reads, beyond the other nodes' phases -> (a
         #: number, what it reads of those) (see _conformance); numbers are never
         #: reused, so that a number conformed before the table was dropped still
         #: means what it meant
-        self._conform_ids: dict[
+        self._conform_ids: Memo[
             tuple[object, ...], tuple[int, Callable[[tuple[object, ...]], object] | None]
-        ] = {}
+        ] = Memo()
         self._next_conform_number = 0
         #: steps conformed already: (conformance number, the phases and
         #: incarnations of the other nodes it reads), or the number alone when
         #: the conformance reads no other node (see _conformance)
-        self._conformed: set[object] = set()
+        self._conformed: Memo[object, None] = Memo()
         #: whether steps describe themselves (only a trace needs it)
         self.narrate = False
 
@@ -318,10 +319,7 @@ class Steps:
         key = (g.shared, g.intents, event.kind, event.slot, loc.incarnation, loc.op, loc.deadline)
         known = self._choices.get(key)
         if known is None:
-            known = self._split(g, event)
-            if len(self._choices) >= CACHE_LIMIT:
-                self._choices.clear()
-            self._choices[key] = known
+            known = self._choices.put(key, self._split(g, event))
         return known
 
     def _split(self, g: Global, event: Event) -> tuple[list[Event], list[Event]]:
@@ -401,9 +399,7 @@ class Steps:
             except Found as found:
                 found.event = concrete
                 raise
-        if len(self._plans) >= CACHE_LIMIT:
-            self._plans.clear()
-        self._plans[key] = (g.shared, Plan(templates, [], len(checked)))
+        self._plans.put(key, (g.shared, Plan(templates, [], len(checked))))
         return Plan(templates, checked, len(checked))
 
     def _template(self, g: Global, event: Event) -> Template:
@@ -468,12 +464,10 @@ class Steps:
         slots = self.conformance.slots_read(
             shared, decision.state, decision.dead, step.written, admitted, self.config.nodes
         )
-        if len(self._conform_ids) >= CACHE_LIMIT:
-            self._conform_ids.clear()  # numbers are never reused: see __init__
+        # (numbers are never reused, the table forgotten or not: see __init__)
         known = (self._next_conform_number, _phases_at(slots) if slots else None)
         self._next_conform_number += 1
-        self._conform_ids[what] = known
-        return known
+        return self._conform_ids.put(what, known)
 
     def follow(self, g: Global, template: Template, phases: tuple[object, ...]) -> Global:
         """The successor of ``g`` that ``template`` (of :meth:`plan`) makes, after
@@ -688,9 +682,7 @@ class Steps:
             found.decision = decision
             found.lines = lines
             raise
-        if len(self._conformed) >= CACHE_LIMIT:
-            self._conformed.clear()
-        self._conformed.add(conformed)
+        self._conformed.put(conformed, None)
 
 
 def _member(g: Global, slot: int) -> bool:

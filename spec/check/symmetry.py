@@ -16,14 +16,15 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from ...core import NodeDesc, RendezvousState
+from ...core.deprecation import moved_names
 from ..model.lifecycle import TERMINAL_PHASES, Phase
 from ..model.machine import built
+from .memo import Memo
 from .state import CheckConfig, Deadline, Global, Local, node_of
 
-__all__ = ["CACHE_LIMIT", "Instances", "Symmetry", "relabel"]
+__all__ = ["Instances", "Symmetry", "relabel"]
 
-#: Entries a memo of the search keeps at most (a bound on memory, not on the search).
-CACHE_LIMIT = 500_000
+__getattr__ = moved_names(__name__, {"CACHE_LIMIT": f"{__package__}.memo:CACHE_LIMIT"})
 #: The phase a node in any terminal phase is stored in (see Symmetry._normal_locals).
 _FINISHED = Phase.CLOSED
 
@@ -38,13 +39,12 @@ class Instances:
     """
 
     def __init__(self) -> None:
-        self._table: dict[RendezvousState, RendezvousState] = {}
+        self._table: Memo[RendezvousState, RendezvousState] = Memo()
 
     def one(self, state: RendezvousState) -> RendezvousState:
         """The instance of ``state`` kept (``state`` itself, the first time)."""
-        if len(self._table) >= CACHE_LIMIT:
-            self._table.clear()
-        return self._table.setdefault(state, state)
+        known = self._table.get(state)
+        return known if known is not None else self._table.put(state, state)
 
 
 def relabel(g: Global, perm: tuple[int, ...]) -> Global:
@@ -115,36 +115,35 @@ class Symmetry:
         #: earlier ones subsume (see earlier_twins); none otherwise
         self._deadlines = Deadline.in_time_order(config.settings()) if config.subsumption else ()
         #: id of a written state -> (the state, the round shift, its normal form)
-        self._normal_forms: dict[int, tuple[RendezvousState, int, RendezvousState]] = {}
+        self._normal_forms: Memo[int, tuple[RendezvousState, int, RendezvousState]] = Memo()
         #: state -> (relabelling, fingerprint)
-        self._fingerprints: dict[Global, tuple[tuple[int, ...], int]] = {}
+        self._fingerprints: Memo[Global, tuple[tuple[int, ...], int]] = Memo()
         #: (id of a shared state, intent log) -> the memo of what a fingerprint
         #: computes of the two alone (see _Record)
-        self._records: dict[tuple[int, frozenset[NodeDesc]], _Record] = {}
+        self._records: Memo[tuple[int, frozenset[NodeDesc]], _Record] = Memo()
         #: (see _locals) local states of every slot -> (their one instance, their
         #: slot keys, their incarnations); a local state -> its one instance
-        self._local_keys: dict[
+        self._local_keys: Memo[
             tuple[Local, ...],
             tuple[tuple[Local, ...], tuple[tuple[object, ...], ...], tuple[int, ...]],
-        ] = {}
-        self._one_local: dict[Local, Local] = {}
+        ] = Memo()
+        self._one_local: Memo[Local, Local] = Memo()
         #: id of a state -> (the state, the nodes it names); (state, renames) -> renamed
-        self._names: dict[int, tuple[RendezvousState, frozenset[NodeDesc]]] = {}
-        self._renames: dict[tuple[object, ...], RendezvousState] = {}
+        self._names: Memo[int, tuple[RendezvousState, frozenset[NodeDesc]]] = Memo()
+        self._renames: Memo[tuple[object, ...], RendezvousState] = Memo()
         #: id of a shared state -> (the state, the rest of a successor with that
         #: shared state, as a step made it -> (its normal form, the relabelling to
-        #: the representative, the fingerprint)); the number of successors kept
-        self._places: dict[int, tuple[RendezvousState, dict[tuple[object, ...], _Placed]]] = {}
-        self._placed = 0
+        #: the representative, the fingerprint)), each successor counted
+        self._places: Memo[int, tuple[RendezvousState, dict[tuple[object, ...], _Placed]]] = Memo()
         #: (id of a shared state, local states, intent log) -> (the state, their
         #: normal forms)
-        self._normal_local_forms: dict[
+        self._normal_local_forms: Memo[
             tuple[int, tuple[Local, ...], frozenset[NodeDesc]],
             tuple[
                 RendezvousState,
                 tuple[RendezvousState, tuple[Local, ...], frozenset[NodeDesc]],
             ],
-        ] = {}
+        ] = Memo()
 
     def normalize(self, g: Global, shift_rounds: bool = True) -> Global:
         """Forget what no future step can tell apart.
@@ -232,9 +231,7 @@ class Symmetry:
             )
         if normal is not None:
             forms = (forms[0], tuple(normal), forms[2])
-        if len(self._normal_local_forms) >= CACHE_LIMIT:
-            self._normal_local_forms.clear()
-        self._normal_local_forms[key] = (shared, forms)
+        self._normal_local_forms.put(key, (shared, forms))
         return forms
 
     def _named(self, state: RendezvousState) -> frozenset[NodeDesc]:
@@ -249,9 +246,7 @@ class Symmetry:
             | frozenset(state.excluded)
             | state.returning
         )
-        if len(self._names) >= CACHE_LIMIT:
-            self._names.clear()
-        self._names[id(state)] = (state, named)
+        self._names.put(id(state), (state, named))
         return named
 
     def _renamed(
@@ -260,10 +255,8 @@ class Symmetry:
         key = (state, renames)
         known = self._renames.get(key)
         if known is None:
-            if len(self._renames) >= CACHE_LIMIT:
-                self._renames.clear()
             renamed = _rename_nodes(state, dict(renames).get)
-            known = self._renames[key] = self.instances.one(renamed)
+            known = self._renames.put(key, self.instances.one(renamed))
         return known
 
     def intern(self, g: Global) -> Global:
@@ -304,10 +297,8 @@ class Symmetry:
                     charged_through=max(0, state.charged_through - shift),
                     excluded={n: until - shift for n, until in state.excluded.items()},
                 )
-        if len(self._normal_forms) >= CACHE_LIMIT:
-            self._normal_forms.clear()
         normal = self.instances.one(normal)
-        self._normal_forms[id(state)] = (state, shift, normal)
+        self._normal_forms.put(id(state), (state, shift, normal))
         return normal
 
     def fingerprint(self, g: Global) -> tuple[tuple[int, ...], int]:
@@ -315,9 +306,7 @@ class Symmetry:
         64-bit fingerprint (memoized: most successors were reached before)."""
         known = self._fingerprints.get(g)
         if known is None:
-            if len(self._fingerprints) >= CACHE_LIMIT:
-                self._fingerprints.clear()
-            known = self._fingerprints[g] = self._least(g)
+            known = self._fingerprints.put(g, self._least(g))
         return known
 
     def place(self, g: Global) -> tuple[Global, tuple[int, ...], int]:
@@ -332,22 +321,18 @@ class Symmetry:
         hashes the rest of ``g`` only, in a table of the successors with that shared
         state."""
         s = g.shared
-        by_shared = self._places.get(id(s))
-        if by_shared is None or by_shared[0] is not s:
-            by_shared = self._places[id(s)] = (s, {})
-        table = by_shared[1]
+        places = self._places
+        by_shared = places.get(id(s))
         rest = g[1:]
-        known = table.get(rest)
+        known = by_shared[1].get(rest) if by_shared is not None and by_shared[0] is s else None
         if known is None:
             normal = self.normalize(g)
             perm, fp = self.fingerprint(normal)
-            if self._placed >= CACHE_LIMIT:
-                self._places.clear()
-                self._placed = 0
-                by_shared = self._places[id(s)] = (s, {})
-                table = by_shared[1]
-            known = table[rest] = (normal, perm, fp)
-            self._placed += 1
+            places.count()  # (which may forget the table: look again)
+            by_shared = places.get(id(s))
+            if by_shared is None or by_shared[0] is not s:
+                by_shared = places[id(s)] = (s, {})
+            known = by_shared[1][rest] = (normal, perm, fp)
         return known
 
     def earlier_twins(self, g: Global) -> Iterator[int]:
@@ -428,15 +413,16 @@ class Symmetry:
         by identity, without reading them."""
         known = self._local_keys.get(locals_)
         if known is None:
-            if len(self._local_keys) >= CACHE_LIMIT:
-                self._local_keys.clear()
-                self._one_local.clear()
+            # (the local states: a few dozen in a search, never forgotten by count)
             one = self._one_local
             instance = tuple(one.setdefault(loc, loc) for loc in locals_)
-            known = self._local_keys[locals_] = (
-                instance,
-                tuple(map(_slot_key, locals_)),
-                tuple(loc.incarnation for loc in locals_),
+            known = self._local_keys.put(
+                locals_,
+                (
+                    instance,
+                    tuple(map(_slot_key, locals_)),
+                    tuple(loc.incarnation for loc in locals_),
+                ),
             )
         return known
 
@@ -446,9 +432,7 @@ class Symmetry:
         memo = (id(s), intents)
         record = self._records.get(memo)
         if record is None or record[0] is not s:
-            if len(self._records) >= CACHE_LIMIT:
-                self._records.clear()
-            record = self._records[memo] = (s, {}, {})
+            record = self._records.put(memo, (s, {}, {}))
         return record
 
     @staticmethod

@@ -24,8 +24,8 @@ from immutables import Map
 
 from ...core import NodeDesc, RendezvousState
 from ..model.lifecycle import Phase
+from .memo import Memo
 from .state import Age, Deadline, Event, EventKind, Global, Local, Op, Timers
-from .symmetry import CACHE_LIMIT
 
 __all__ = ["Wire", "event_of"]
 
@@ -105,23 +105,21 @@ class Wire:
     def __init__(self) -> None:
         #: id of a shared state -> (the state, its wire form); the entry keeps the
         #: state alive, so its id is not reused while the entry is there
-        self._sent: dict[int, tuple[RendezvousState, WireTuple]] = {}
+        self._sent: Memo[int, tuple[RendezvousState, WireTuple]] = Memo()
         self._sent_locals: dict[Local, WireTuple] = {}
         #: wire form -> the one state (or local state) decoded from it
-        self._received: dict[WireTuple, RendezvousState] = {}
+        self._received: Memo[WireTuple, RendezvousState] = Memo()
         self._received_locals: dict[WireTuple, Local] = {}
         #: event -> its wire form (a worker hands back the same timer choices in
         #: state after state)
-        self._sent_events: dict[Event, WireTuple] = {}
+        self._sent_events: Memo[Event, WireTuple] = Memo()
 
     def state(self, g: Global) -> WireTuple:
         """``g`` on the wire."""
         shared = g.shared
         known = self._sent.get(id(shared))
         if known is None or known[0] is not shared:
-            if len(self._sent) >= CACHE_LIMIT:
-                self._sent.clear()
-            known = self._sent[id(shared)] = (shared, _encode_shared(shared))
+            known = self._sent.put(id(shared), (shared, _encode_shared(shared)))
         locals_ = []
         for loc in g.locals:
             wire = self._sent_locals.get(loc)
@@ -135,9 +133,7 @@ class Wire:
         shared_wire, locals_wire, crashes, intents, failures, exclusions = wire
         shared = self._received.get(shared_wire)
         if shared is None:
-            if len(self._received) >= CACHE_LIMIT:
-                self._received.clear()
-            shared = self._received[shared_wire] = _decode_shared(shared_wire)
+            shared = self._received.put(shared_wire, _decode_shared(shared_wire))
         locals_ = []
         for loc_wire in locals_wire:
             loc = self._received_locals.get(loc_wire)
@@ -163,7 +159,4 @@ class Wire:
                 deadline,
                 timers.contended,
             )
-        if len(self._sent_events) >= CACHE_LIMIT:
-            self._sent_events.clear()
-        known = self._sent_events[event] = (event.kind.value, event.slot, wire_timers)
-        return known
+        return self._sent_events.put(event, (event.kind.value, event.slot, wire_timers))

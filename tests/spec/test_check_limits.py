@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import io
+import itertools
 import os
 import pkgutil
 import re
@@ -23,9 +24,7 @@ from rallypoint.spec.check import (
     CheckerConfigError,
     CheckerWorkerError,
     check,
-    core_steps,
-    properties,
-    steps,
+    memo,
     symmetry,
 )
 from rallypoint.spec.cli import spec_main
@@ -137,15 +136,12 @@ def test_memos_cleared_at_every_few_entries_search_the_same_space(
     the close: every memo table is still filled and cleared over and over, in half
     the states; the search with the tables cleared takes three times as long.)"""
     full = check(MEMO_CONFIG)
-    # Every module of the checker that bounds a memo (each imports the limit by
-    # name, so each is patched: one left out would keep its memo whole).
-    bounded = []
+    # No module of the checker keeps a limit of its own: every memo is a Memo,
+    # bounded by the one limit patched here.
     for info in pkgutil.iter_modules(check_package.__path__, f"{check_package.__name__}."):
         module = importlib.import_module(info.name)
-        if hasattr(module, "CACHE_LIMIT"):
-            monkeypatch.setattr(module, "CACHE_LIMIT", 20)
-            bounded.append(module)
-    assert {core_steps, properties, steps, symmetry} <= set(bounded)
+        assert module is memo or "CACHE_LIMIT" not in vars(module), module.__name__
+    monkeypatch.setattr(memo, "CACHE_LIMIT", 20)
     cleared = check(MEMO_CONFIG)
     assert cleared.ok and cleared.complete
     assert (cleared.states, cleared.transitions, cleared.depth) == (
@@ -153,6 +149,77 @@ def test_memos_cleared_at_every_few_entries_search_the_same_space(
         full.transitions,
         full.depth,
     )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_process_past_its_memory_share_forgets_its_memos_and_searches_the_same_space(
+    monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """Every process of a search forgets all its memo tables when it holds more
+    than its share of ``max_memory``. Here every look (every 64 insertions) finds
+    the process a TiB larger than at the last, far past its share: the tables
+    are forgotten at every look, in every process, and the search still finds
+    the same states, transitions and depth."""
+    config = CheckConfig(nodes=2, max_crashes=0)
+    full = check(config, workers=workers)
+    # (workers fork after the patch: each inherits it, and counts on its own)
+    monkeypatch.setattr(memo._TABLES, "resident", itertools.count(2**40, 2**40).__next__)
+    monkeypatch.setattr(memo, "WEIGH_EVERY", 64)
+    before = memo.forgotten()
+    shared = check(dataclasses.replace(config, max_memory=1000.0), workers=workers)
+    assert shared.ok and shared.complete
+    assert (shared.states, shared.transitions, shared.depth) == (
+        full.states,
+        full.transitions,
+        full.depth,
+    )
+    if workers == 1:  # (with workers, they forget, in their own processes)
+        assert memo.forgotten() > before + 10
+
+
+def test_memos_forgotten_for_memory_get_a_quarter_share_above_what_stays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When forgetting the memo tables leaves the process above its share (what it
+    holds besides them, or memory the allocator keeps), the tables may fill a
+    quarter of the share on top before they are forgotten again: not at every
+    look."""
+    weighed = iter([1200, 1100, 1300, 1400, 1340])
+    monkeypatch.setattr(memo._TABLES, "resident", lambda: next(weighed))
+    monkeypatch.setattr(memo, "WEIGH_EVERY", 1)
+    table: memo.Memo[int, int] = memo.Memo()
+    table.put(0, 0)  # (no bound yet: not weighed)
+    memo.bound_memory(1000)
+    try:
+        before = memo.forgotten()
+        table.put(1, 1)  # 1200 > 1000: forgotten first; 1100 stays, the bound is 1350
+        assert memo.forgotten() == before + 1 and table == {1: 1}
+        table.put(2, 2)  # 1300
+        assert memo.forgotten() == before + 1 and table == {1: 1, 2: 2}
+        table.put(3, 3)  # 1400 > 1350: forgotten (1340 stays)
+        assert memo.forgotten() == before + 2 and table == {3: 3}
+    finally:
+        memo.bound_memory(None)
+    table.clear()
+    for key in range(10):  # no bound: not weighed (no size is left to read)
+        table.put(key, key)
+    assert len(table) == 10 and memo.forgotten() == before + 2
+
+
+def test_a_memo_table_at_its_entry_limit_is_forgotten_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(memo, "CACHE_LIMIT", 3)
+    full, other = memo.Memo[int, int](), memo.Memo[int, int]()
+    other.put(0, 0)
+    for key in range(4):
+        full.put(key, key)
+    assert full == {3: 3} and other == {0: 0}
+
+
+def test_the_old_home_of_the_entry_limit_warns() -> None:
+    with pytest.deprecated_call(match="rallypoint.spec.check.memo.CACHE_LIMIT"):
+        assert symmetry.CACHE_LIMIT == memo.CACHE_LIMIT
 
 
 @pytest.mark.slow

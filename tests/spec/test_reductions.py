@@ -40,6 +40,7 @@ from helpers.checker_plants import (
 from rallypoint.core import NodeDesc, RendezvousState, actions, operators
 from rallypoint.core.actions import Action
 from rallypoint.spec.check import CheckConfig, Checker, CheckResult, Global, check
+from rallypoint.spec.check.memo import Memo
 from rallypoint.spec.check.search import Search
 from rallypoint.spec.check.state import Age, Deadline, Local, Op, Timers
 from rallypoint.spec.check.steps import Plan, Steps
@@ -223,7 +224,7 @@ def test_checking_once_finds_the_bugs_checking_every_time_finds(
     assert any(expected in p for p in every.violation.problems)
 
 
-class _NothingConformed(set[object]):
+class _NothingConformed(Memo[object, None]):
     """A memo of conformed steps that keeps none: every step is conformed."""
 
     def __contains__(self, key: object) -> bool:
