@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import psutil
 
 from ..model.invariants import check_state
-from .memo import bound_memory
+from .memo import Weight, bound_memory
 from .state import CheckerWorkerError, CheckResult, Event, Found, Global, Violation
 from .steps import Steps
 from .symmetry import Symmetry, relabel
@@ -45,9 +45,6 @@ _PROGRESS_INTERVAL = 0.5
 _LIVENESS_INTERVAL = 0.5
 _GIB = 2**30
 _T = TypeVar("_T")
-#: The part of a process's even share of ``max_memory`` its memo tables may fill
-#: (see Search._memo_share).
-_MEMO_SHARE = 0.75
 #: States a worker steps in one go, at most.
 _CHUNK = 256
 
@@ -95,6 +92,9 @@ class Search:
         self._initial: Global | None = None
         #: this process's end of the wire to and from the workers
         self._wire = Wire()
+        #: what the search's processes hold, as last weighed, in memory the
+        #: workers share (see _levels and memo.bound_memory)
+        self._weight: Weight | None = None
 
     def run(
         self,
@@ -151,8 +151,10 @@ class Search:
         pools: list[Pool] = []
         #: shared state hash -> the worker that steps its states (see _in_workers)
         owners: dict[int, int] = {}
-        # (before the workers fork: each inherits the bound and weighs itself)
-        bound_memory(self._memo_share(1 + workers if workers > 1 else 1))
+        # (before the workers fork: each reads the weight from shared memory)
+        limit = self.config.max_memory
+        self._weight = multiprocessing.get_context("fork").RawValue("d", 0.0)
+        bound_memory(None if limit is None else limit * _GIB, self._weight)
         if workers > 1:
             _WORKER = self
             context = multiprocessing.get_context("fork")
@@ -187,18 +189,11 @@ class Search:
             bound_memory(None)
         return depth
 
-    def _memo_share(self, processes: int) -> int | None:
-        """The bytes one of the search's ``processes`` holds before it forgets its
-        memo tables: three quarters of an even share of ``max_memory`` (the rest
-        is for the states the search keeps), so that a search stops at the limit
-        for what it must keep, not for what it may forget."""
-        limit = self.config.max_memory
-        return None if limit is None else int(limit * _GIB * _MEMO_SHARE / processes)
-
     def _out_of_memory(self, result: CheckResult) -> bool:
         """Whether the search's processes hold more than ``max_memory`` (then
         ``result`` says so: the search stops there). ``result.memory`` is what
-        they hold, for the progress line."""
+        they hold, for the progress line; the memo tables read it too (see
+        :func:`~rallypoint.spec.check.memo.bound_memory`)."""
         limit = self.config.max_memory
         if limit is None:
             return False
@@ -208,6 +203,8 @@ class Search:
             with contextlib.suppress(psutil.NoSuchProcess):
                 held += process.memory_info().rss
         result.memory = held / _GIB
+        if self._weight is not None:
+            self._weight.value = held
         if held <= limit * _GIB:
             return False
         result.complete = False

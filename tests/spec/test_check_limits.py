@@ -25,6 +25,7 @@ from rallypoint.spec.check import (
     CheckerWorkerError,
     check,
     memo,
+    search,
     symmetry,
 )
 from rallypoint.spec.cli import spec_main
@@ -151,24 +152,39 @@ def test_memos_cleared_at_every_few_entries_search_the_same_space(
     )
 
 
+class _EverHeavier:
+    """A search's weight that is a TiB more at every read, far past any limit."""
+
+    def __init__(self) -> None:
+        self._reads = itertools.count(1)
+
+    @property
+    def value(self) -> float:
+        return next(self._reads) * 2.0**40
+
+
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_process_past_its_memory_share_forgets_its_memos_and_searches_the_same_space(
+def test_memos_forgotten_for_the_searchs_memory_search_the_same_space(
     monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
-    """Every process of a search forgets all its memo tables when it holds more
-    than its share of ``max_memory``. Here every look (every 64 insertions) finds
-    the process a TiB larger than at the last, far past its share: the tables
-    are forgotten at every look, in every process, and the search still finds
-    the same states, transitions and depth."""
+    """Every process of a search forgets all its memo tables when the search is
+    past its share of ``max_memory``. Here every read of the search's weight
+    (every 64 insertions into a process's tables) finds it a TiB heavier than
+    the last: the tables are forgotten at every read, in every process, and the
+    search still finds the same states, transitions and depth."""
     config = CheckConfig(nodes=2, max_crashes=0)
     full = check(config, workers=workers)
-    # (workers fork after the patch: each inherits it, and counts on its own)
-    monkeypatch.setattr(memo._TABLES, "resident", itertools.count(2**40, 2**40).__next__)
-    monkeypatch.setattr(memo, "WEIGH_EVERY", 64)
+    # (the workers fork after the search bounds the memos: each reads a copy)
+    monkeypatch.setattr(
+        search,
+        "bound_memory",
+        lambda limit, weight=None: memo.bound_memory(limit, _EverHeavier()),
+    )
+    monkeypatch.setattr(memo, "READ_EVERY", 64)
     before = memo.forgotten()
-    shared = check(dataclasses.replace(config, max_memory=1000.0), workers=workers)
-    assert shared.ok and shared.complete
-    assert (shared.states, shared.transitions, shared.depth) == (
+    forgetting = check(dataclasses.replace(config, max_memory=1000.0), workers=workers)
+    assert forgetting.ok and forgetting.complete
+    assert (forgetting.states, forgetting.transitions, forgetting.depth) == (
         full.states,
         full.transitions,
         full.depth,
@@ -177,33 +193,38 @@ def test_a_process_past_its_memory_share_forgets_its_memos_and_searches_the_same
         assert memo.forgotten() > before + 10
 
 
-def test_memos_forgotten_for_memory_get_a_quarter_share_above_what_stays(
+def test_memos_are_forgotten_past_three_quarters_of_the_limit_and_not_at_every_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """When forgetting the memo tables leaves the process above its share (what it
-    holds besides them, or memory the allocator keeps), the tables may fill a
-    quarter of the share on top before they are forgotten again: not at every
-    look."""
-    weighed = iter([1200, 1100, 1300, 1400, 1340])
-    monkeypatch.setattr(memo._TABLES, "resident", lambda: next(weighed))
-    monkeypatch.setattr(memo, "WEIGH_EVERY", 1)
+    """The tables are forgotten when the search holds more than three quarters of
+    its limit. When what stays keeps it above that (the states it keeps, memory
+    the allocator holds on to), they may fill an eighth of the limit on top of
+    that before they are forgotten again; once the search is lighter, the bound
+    is three quarters again."""
+    monkeypatch.setattr(memo, "READ_EVERY", 1)
+    weight = SimpleNamespace(value=0.0)
     table: memo.Memo[int, int] = memo.Memo()
-    table.put(0, 0)  # (no bound yet: not weighed)
-    memo.bound_memory(1000)
+    memo.bound_memory(1000, weight)
+    before = memo.forgotten()
     try:
-        before = memo.forgotten()
-        table.put(1, 1)  # 1200 > 1000: forgotten first; 1100 stays, the bound is 1350
-        assert memo.forgotten() == before + 1 and table == {1: 1}
-        table.put(2, 2)  # 1300
-        assert memo.forgotten() == before + 1 and table == {1: 1, 2: 2}
-        table.put(3, 3)  # 1400 > 1350: forgotten (1340 stays)
-        assert memo.forgotten() == before + 2 and table == {3: 3}
+        for key, held, forgotten in [
+            (0, 700, 0),  # below 750
+            (1, 800, 1),  # forgotten first; the bound is 800 + 125
+            (2, 900, 1),
+            (3, 950, 2),  # past 925: forgotten; the bound is 1075
+            (4, 300, 2),  # lighter: the bound is 750 again
+            (5, 760, 3),
+        ]:
+            weight.value = held
+            table.put(key, key)
+            assert memo.forgotten() - before == forgotten, (key, held)
+        assert table == {5: 5}
     finally:
         memo.bound_memory(None)
-    table.clear()
-    for key in range(10):  # no bound: not weighed (no size is left to read)
+    weight.value = 2000.0  # no bound: the weight is not read
+    for key in range(10):
         table.put(key, key)
-    assert len(table) == 10 and memo.forgotten() == before + 2
+    assert len(table) == 10 and memo.forgotten() - before == 3
 
 
 def test_a_memo_table_at_its_entry_limit_is_forgotten_alone(
