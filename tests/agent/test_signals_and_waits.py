@@ -191,12 +191,14 @@ def test_an_unreachable_store_fails_within_join_timeout_in_one_line(
         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "refused",
         "--rdzv-conf", "is_host=false,join_timeout=3",
     )  # fmt: skip
-    status, err, took = _finish(proc, within=60)
+    status, err, took = _finish(proc, within=120)
     assert status == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1, err  # no C++ stack trace
     assert "nothing accepted a connection" in lines[0] and "within 3 s" in lines[0]
-    assert took < 3 + 20  # the launcher's own start (torch import) included
+    # The 3 s join_timeout ended it, not the default 600 s. The launcher's own
+    # start counts too (importing torch took 20 s on a host with a load of 9).
+    assert took < 60
 
 
 @pytest.mark.parametrize("backend", ["c10d", "torch-c10d"])
