@@ -153,11 +153,11 @@ class Search:
         owners: dict[int, int] = {}
         # (before the workers fork: each reads the weight from shared memory)
         limit = self.config.max_memory
-        self._weight = multiprocessing.get_context("fork").RawValue("d", 0.0)
+        context = multiprocessing.get_context("fork")
+        self._weight = context.RawValue("d", 0.0)
         bound_memory(None if limit is None else limit * _GIB, self._weight)
         if workers > 1:
             _WORKER = self
-            context = multiprocessing.get_context("fork")
             pools = [context.Pool(1) for _ in range(workers)]
             self._processes[1:] = [psutil.Process(pool.apply(os.getpid)) for pool in pools]
             g, fp = level[0]

@@ -168,7 +168,7 @@ def test_memos_forgotten_for_the_searchs_memory_search_the_same_space(
     monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
     """Every process of a search forgets all its memo tables when the search is
-    past its share of ``max_memory``. Here every read of the search's weight
+    past three quarters of ``max_memory``. Here every read of the search's weight
     (every 64 insertions into a process's tables) finds it a TiB heavier than
     the last: the tables are forgotten at every read, in every process, and the
     search still finds the same states, transitions and depth."""
