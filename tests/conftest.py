@@ -9,6 +9,10 @@
   members, 3 by default, each with its own data dir and ports) for tests that kill
   members or the leader; every member is stopped at teardown.
 
+When a test that uses ``cluster`` fails, its report carries the tail of every
+agent's log and the workers' round records: a failure in CI, where nothing else is
+kept, can then be read.
+
 Under ``make test-fast`` every property test draws a tenth of its examples
 (``tests/helpers/examples.py``).
 
@@ -18,13 +22,13 @@ Debian's etcd-server), naming what to install.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import helpers.examples  # noqa: F401 -- the examples' budget, before any test draws
 import pytest
-from helpers.cluster import Cluster
+from helpers.cluster import Cluster, read_jsonl
 
 from rallypoint.adapters.etcd.server import (
     EtcdCluster,
@@ -115,6 +119,31 @@ def etcd_cluster_factory(
     finally:
         for cluster in clusters:
             cluster.cleanup()
+
+
+#: Lines of each agent's log a failed test's report carries (its end: where the
+#: failure is, and what led to it).
+_LOG_TAIL = 200
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """A failed test's report with what its agents logged (see the module docstring)."""
+    outcome = yield
+    report = outcome.get_result()
+    funcargs = getattr(item, "funcargs", {})
+    agents = funcargs.get("cluster")
+    if report.when != "call" or not report.failed or not isinstance(agents, Cluster):
+        return
+    for agent in agents.agents.values():
+        tail = agent.log().splitlines()[-_LOG_TAIL:]
+        title = f"agent {agent.name} (exit {agent.popen.poll()}), last {len(tail)} log lines"
+        report.sections.append((title, "\n".join(tail)))
+    rounds = [r for r in read_jsonl(agents.dir / "records.jsonl") if r.get("event") != "step"]
+    if rounds:
+        report.sections.append(("workers' records but steps", "\n".join(map(str, rounds))))
 
 
 @pytest.fixture
