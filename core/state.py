@@ -219,13 +219,14 @@ class RendezvousState:
         returning: participants of the last complete round that left it to join
             the next one (the exit before a join) and have not joined it yet. A
             node known gone is dropped: one that left for good, was declared
-            dead, excluded itself, or gave up waiting on a timeout.
+            dead, excluded itself, or gave up waiting on a timeout. Empty once
+            closed: a closed rendezvous forms no next round to return to.
         regroup: the open round is a regroup of the last complete round: every
             participant so far came back from it (set when a round completes,
             cleared, with ``returning``, when anybody else joins). Once nobody is
-            returning, nobody
-            waits and no spare may join, nobody else is expected: the round
-            completes at quorum without waiting out its last call.
+            returning, nobody waits and no spare may join, nobody else is
+            expected: the round completes at quorum without waiting out its last
+            call. Cleared when the rendezvous closes.
     """
 
     round: int = 0

@@ -140,6 +140,24 @@ def test_mark_closed_and_keep_alive():
     assert closed.closed
 
 
+def test_a_closed_rendezvous_expects_nobody_back():
+    """Closing forgets who would return to the next round and the regroup mark: a
+    closed rendezvous forms no next round. A participant leaving a closed round is
+    not expected back either."""
+    s = settings(1, 3)
+    exited = step(completed(3, s), node(0), Action.REMOVE_FROM_PARTICIPANTS, s)
+    assert exited.returning == {node(0)} and exited.regroup
+    closed = step(exited, node(1), Action.MARK_RENDEZVOUS_CLOSED, s)
+    assert closed.closed and closed.returning == frozenset() and not closed.regroup
+    after = step(closed, node(1), Action.REMOVE_FROM_PARTICIPANTS, s)
+    assert after.returning == frozenset() and not after.regroup
+    # The failure that overspends the restart budget closes it the same way.
+    budget = settings(1, 3, restart_budget=0)
+    exited = step(completed(3, budget), node(0), Action.REMOVE_FROM_PARTICIPANTS, budget)
+    spent = step(exited, node(1), Action.CHARGE_RESTART, budget)
+    assert spent.closed and spent.returning == frozenset() and not spent.regroup
+
+
 @pytest.mark.parametrize(
     "action",
     [Action.SYNC, Action.FINISH, Action.ERROR_CLOSED, Action.ERROR_TIMEOUT],
