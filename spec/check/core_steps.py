@@ -56,6 +56,14 @@ from .symmetry import Instances
 __all__ = ["CoreStep", "CoreSteps"]
 
 
+#: A decision that would read what the search forgets of a closed rendezvous
+#: (Symmetry._normal_intents).
+_LOG_ON_CLOSED = (
+    "{node} joins through the intent log of closed round {round} (it reads the log "
+    "or announces itself in it): nothing is admitted to a closed rendezvous"
+)
+
+
 class CoreStep(NamedTuple):
     """What the driver decided in one step, and what carrying it out did (see
     :meth:`CoreSteps.step`)."""
@@ -242,8 +250,10 @@ class CoreSteps:
         is normalized so): only the entries past the cursor matter to a decision.
 
         Raises:
-            Found: the step breaks a safety property, or the driver asked for
-                something an atomic step cannot carry out.
+            Found: the step breaks a safety property, the driver asked for
+                something an atomic step cannot carry out, or it joins a closed
+                rendezvous through the intent log (which the search forgets once
+                closed: see :meth:`Symmetry._normal_intents`).
         """
         key = (id(state), node, type(op), timers, deadline, pending)
         hit = self._steps.get(key)
@@ -252,6 +262,10 @@ class CoreSteps:
         log = tuple(sorted(pending))
         view = self.view(state, node, timers, pending)
         view, decision, read_log = self._decide(view, node, op, self.limit(deadline), log)
+        if state.closed and (read_log or isinstance(decision.instruction, Announce)):
+            found = Found([_LOG_ON_CLOSED.format(node=node, round=state.round)], decision)
+            found.read_log = read_log
+            raise found
         effect = _carry_out(state, node, decision, pending, log, read_log)
         decision, written = self._one_instances(state, node, decision, effect.written, log)
         checked = self._step_problems(state, node, timers, decision, written, log)

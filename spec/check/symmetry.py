@@ -27,6 +27,8 @@ __all__ = ["Instances", "Symmetry", "relabel"]
 __getattr__ = moved_names(__name__, {"CACHE_LIMIT": f"{__package__}.memo:CACHE_LIMIT"})
 #: The phase a node in any terminal phase is stored in (see Symmetry._normal_locals).
 _FINISHED = Phase.CLOSED
+#: The intent log a closed rendezvous is stored with (see Symmetry._normal_intents).
+_NO_INTENTS: frozenset[NodeDesc] = frozenset()
 
 
 class Instances:
@@ -166,10 +168,12 @@ class Symmetry:
           the latter is clamped at 0 (it never decreases and is compared only with
           rounds from the current one on: any value up to the round is alike).
           A trace keeps concrete rounds (``shift_rounds=False``).
+        * The intent log of a closed rendezvous (see :meth:`_normal_intents`).
         """
         shift = g.shared.round if shift_rounds and self.config.max_round is None else 0
         shared = self._normal_shared(g.shared, shift)
-        locals_, intents = g.locals, g.intents
+        # (the log first: a crashed node named only there is then forgotten too)
+        locals_, intents = g.locals, self._normal_intents(shared, g.intents)
         for loc in locals_:
             if loc.incarnation or loc.phase in TERMINAL_PHASES:
                 shared, locals_, intents = self._normal_locals(shared, locals_, intents)
@@ -178,6 +182,24 @@ class Symmetry:
         if shared is g.shared and locals_ is g.locals and intents is g.intents:
             return g
         return built(Global, (shared, locals_, g.crashes, intents, g.failures, g.exclusions))
+
+    def _normal_intents(
+        self, shared: RendezvousState, intents: frozenset[NodeDesc]
+    ) -> frozenset[NodeDesc]:
+        """``intents``, or none once ``shared`` is closed (docs/spec.md, "A closed
+        rendezvous's intent log").
+
+        Only an admission reads the log or whether the node announced itself in
+        it (the driver's join through the log, and the checks of a write that
+        admits), and nothing is admitted to a closed rendezvous: the join table
+        ends every join on a closed state before its admissions, and no other
+        operator admits. A write on a closed state carries the log on unchanged
+        (or starts a new round's, empty), and closed never reverts. The step
+        checks its half of this (:meth:`CoreSteps.step`): a decision on a closed
+        state that reads the log or announces is a violation, not a state."""
+        if intents and shared.closed:
+            return _NO_INTENTS
+        return intents
 
     def _normal_locals(
         self, shared: RendezvousState, locals_: tuple[Local, ...], intents: frozenset[NodeDesc]

@@ -318,6 +318,25 @@ def test_a_driver_that_rereads_a_fresh_view_is_found(monkeypatch: pytest.MonkeyP
     assert any("re-read a fresh view" in p for p in result.violation.problems)
 
 
+def test_a_driver_that_joins_a_closed_rendezvous_through_the_log_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The search forgets a closed rendezvous's intent log: a driver that would
+    announce itself in it is reported, not hidden by what the search forgot."""
+    real = driver.decide
+
+    def decide(view, node, settings, op, deadline, now):  # type: ignore[no-untyped-def]
+        instruction = real(view, node, settings, op, deadline, now)
+        if view.state.closed and isinstance(instruction, Done):
+            return Announce(view.state.round)
+        return instruction
+
+    monkeypatch.setattr(driver, "decide", decide)
+    result = check(CheckConfig(nodes=2, max_crashes=0))
+    assert result.violation is not None
+    assert any("intent log of closed round" in p for p in result.violation.problems)
+
+
 def test_the_removal_property_reads_the_timers_not_only_the_driver() -> None:
     a, b, c = (NodeDesc(f"n{i}", 100, 0) for i in range(3))
     before = RendezvousState().evolve(

@@ -127,6 +127,30 @@ def test_finished_nodes_and_forgotten_crashes_lose_no_state(
     assert not any(g.crashes and all(loc.incarnation == 0 for loc in g.locals) for g in full_states)
 
 
+@pytest.mark.slow
+def test_a_closed_rendezvous_forgets_its_intent_log_and_loses_no_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The search stores a closed state without its intent log: every state of the
+    search that keeps the log has its image in the one that forgets it, which
+    reaches nothing else, and no step on a closed state read the log."""
+    unsubsumed = dataclasses.replace(CRASHING, subsumption=False)
+    reduced, reduced_result, reduced_states = _search(unsubsumed)
+    with monkeypatch.context() as patch:
+        patch.setattr(Symmetry, "_normal_intents", lambda self, shared, intents: intents)
+        _, full_result, full_states = _search(unsubsumed)
+    assert reduced_result.ok and full_result.ok and full_result.complete
+    symmetry = reduced.symmetry
+
+    def image(g: Global) -> int:
+        return symmetry.fingerprint(symmetry.normalize(_rankless(g)))[1]
+
+    assert {image(g) for g in full_states} == {image(g) for g in reduced_states}
+    assert len(reduced_states) < len(full_states)
+    assert any(g.shared.closed and g.intents for g in full_states)
+    assert not any(g.shared.closed and g.intents for g in reduced_states)
+
+
 def _rankless(g: Global) -> Global:
     shared = g.shared.evolve(
         participants=dict.fromkeys(g.shared.participants, 0),
