@@ -96,24 +96,26 @@ def _without_local_normal_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Symmetry, "_normal_locals", unchanged)
 
 
-@pytest.mark.slow
-def test_finished_nodes_and_forgotten_crashes_lose_no_state(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Without subsumption: which states it skips depends on the order states are
-    # reached in, which the normal forms change (with the regroup record, two
-    # states of a timed-out joiner were stored by the search without them and not
-    # by the one with them; without subsumption both reach the same images).
+def _lose_no_state(
+    monkeypatch: pytest.MonkeyPatch, without: Callable[[pytest.MonkeyPatch], None]
+) -> tuple[list[Global], list[Global]]:
+    """The stored states of the 2-node search with a crash and close (without
+    subsumption), with every normal form and with the ones ``without`` removes
+    (monkeypatching): both find no violation, every state of the second has its
+    normal form in the first, which reaches nothing else, and fewer states.
+
+    Without subsumption: which states it skips depends on the order states are
+    reached in, which the normal forms change (with the regroup record, two
+    states of a timed-out joiner were stored by the search without them and not
+    by the one with them; without subsumption both reach the same images)."""
     unsubsumed = dataclasses.replace(CRASHING, subsumption=False)
     reduced, reduced_result, reduced_states = _search(unsubsumed)
     with monkeypatch.context() as patch:
-        _without_local_normal_forms(patch)
+        without(patch)
         _, full_result, full_states = _search(unsubsumed)
     assert reduced_result.ok and full_result.ok and full_result.complete
-    # every state of the full search has its normal form in the reduced one, and
-    # the reduced one reaches nothing else (up to the ranks' order: a renamed
-    # slot may be relabelled differently, and ranks move with their nodes; see
-    # docs/spec.md, "Symmetry reduction")
+    # (up to the ranks' order: a renamed slot may be relabelled differently, and
+    # ranks move with their nodes; see docs/spec.md, "Symmetry reduction")
     symmetry = reduced.symmetry
 
     def image(g: Global) -> int:
@@ -121,6 +123,14 @@ def test_finished_nodes_and_forgotten_crashes_lose_no_state(
 
     assert {image(g) for g in full_states} == {image(g) for g in reduced_states}
     assert len(reduced_states) < len(full_states)
+    return reduced_states, full_states
+
+
+@pytest.mark.slow
+def test_finished_nodes_and_forgotten_crashes_lose_no_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reduced_states, full_states = _lose_no_state(monkeypatch, _without_local_normal_forms)
     # the full search stores finished nodes in different phases and a restarted
     # slot under its new pid; the reduced one merges them
     assert any(g.crashes and all(loc.incarnation == 0 for loc in g.locals) for g in reduced_states)
@@ -131,22 +141,13 @@ def test_finished_nodes_and_forgotten_crashes_lose_no_state(
 def test_a_closed_rendezvous_forgets_its_intent_log_and_loses_no_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The search stores a closed state without its intent log: every state of the
-    search that keeps the log has its image in the one that forgets it, which
-    reaches nothing else, and no step on a closed state read the log."""
-    unsubsumed = dataclasses.replace(CRASHING, subsumption=False)
-    reduced, reduced_result, reduced_states = _search(unsubsumed)
-    with monkeypatch.context() as patch:
+    """The search stores a closed state without its intent log and loses no state
+    by it (and no step on a closed state read the log: that is a violation)."""
+
+    def keeping_the_log(patch: pytest.MonkeyPatch) -> None:
         patch.setattr(Symmetry, "_normal_intents", lambda self, shared, intents: intents)
-        _, full_result, full_states = _search(unsubsumed)
-    assert reduced_result.ok and full_result.ok and full_result.complete
-    symmetry = reduced.symmetry
 
-    def image(g: Global) -> int:
-        return symmetry.fingerprint(symmetry.normalize(_rankless(g)))[1]
-
-    assert {image(g) for g in full_states} == {image(g) for g in reduced_states}
-    assert len(reduced_states) < len(full_states)
+    reduced_states, full_states = _lose_no_state(monkeypatch, keeping_the_log)
     assert any(g.shared.closed and g.intents for g in full_states)
     assert not any(g.shared.closed and g.intents for g in reduced_states)
 
