@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import pytest
 from helpers.core_scenarios import completed, node, settings
-from helpers.waiting import join_all
+from helpers.waiting import eventually, join_all
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from rallypoint.adapters import (
@@ -273,9 +273,16 @@ def test_handlers_fail_over_when_their_member_is_killed(
     round_ = handlers[0].round
     cluster.members[_member_in_use(cluster, handlers[0])].stop(kill=True)  # not restarted
     _monitoring_carries_on(handlers, round_)
-    # A third node arrives: everybody regroups on the two members left.
-    handlers.extend(_on_cluster(cluster, "member-killed", 1, 2, 3))
-    infos = join_all(handlers, 90)
+    # A third node arrives: everybody regroups on the two members left. The two
+    # regroup once they see it waiting, as an agent's watch does (started together,
+    # the two may form the next round at quorum before it shows: nobody else is
+    # expected then, and it waits for the round after).
+    (newcomer,) = _on_cluster(cluster, "member-killed", 1, 2, 3)
+    handlers.append(newcomer)
+    with ThreadPoolExecutor(1) as pool:
+        arriving = pool.submit(newcomer.next_rendezvous)
+        assert eventually(lambda: handlers[0].num_nodes_waiting() > 0, 60)
+        infos = [*join_all(handlers[:2], 90), arriving.result(timeout=90)]
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert len({h.round for h in handlers}) == 1 and handlers[0].round > round_
 
